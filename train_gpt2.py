@@ -1,0 +1,810 @@
+"""
+GPT-2 pretraining on FineWeb-Edu token shards, in one flat, importable file.
+
+    python train_gpt2.py                                        # GPT-2 124M recipe, one GPU (or CPU)
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py      # the same recipe on a node of 8 GPUs
+    python train_gpt2.py --preset tiny                          # a few-M-parameter model, laptop CPU
+
+Importing this file defines the model, data loader, LR schedule and helpers; it trains nothing.
+`python train_gpt2.py --help` lists every flag. The run writes `<log_dir>/log.txt` (see `read_log`)
+and checkpoints `<log_dir>/model_{step:05d}.pt`; `--resume latest` continues exactly where a run stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
+GPT2_VOCAB_SIZE = 50257  # real GPT-2 BPE tokens; ids >= this in a padded vocab are padding
+DEFAULT_DATA_ROOT = os.path.join(SCRIPT_DIR, "edu_fineweb10B")
+
+
+class UsageError(Exception):
+    """A problem with the user's input (flags, data, files): reported as one line, exit status 1."""
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence the position embedding covers
+    vocab_size: int = 50304  # embedding rows: 50257 padded up to a multiple of 64 for faster matmuls
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    real_vocab_size: int = GPT2_VOCAB_SIZE  # ids >= this are padding and are never predicted
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0 < self.real_vocab_size <= self.vocab_size:
+            raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in 1..vocab_size ({self.vocab_size})")
+
+
+# Named model shapes (GPT-2 paper, Table 2) plus a CPU-sized one for tests and demos.
+MODEL_PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),  # ~7M, mostly the embedding
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        hs = C // self.n_head
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        # pre-LayerNorm: the residual stream itself is never normalized
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                # each block adds two projections to the residual stream: keep its variance from growing
+                std *= (2 * self.config.n_layer) ** -0.5
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding=False):
+        """Parameter count (the tied wte/lm_head once); non_embedding=True also leaves out wpe."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None)."""
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        if self.config.vocab_size > self.config.real_vocab_size:
+            # padding ids get zero probability: never sampled, never an argmax, no share of any softmax
+            logits[..., self.config.real_vocab_size:] = float("-inf")
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir):
+        """OpenAI GPT-2 weights through transformers: a hub name (gpt2 .. gpt2-xl) or a save_pretrained dir."""
+        from transformers import GPT2LMHeadModel
+
+        hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
+        hc = hf.config
+        n_inner = hc.n_inner if hc.n_inner is not None else 4 * hc.n_embd
+        if hc.activation_function != "gelu_new" or n_inner != 4 * hc.n_embd or hc.layer_norm_epsilon != 1e-5 \
+                or getattr(hc, "scale_attn_by_inverse_layer_idx", False) or getattr(hc, "reorder_and_upcast_attn", False):
+            raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture (activation, MLP width or attention options differ)")
+        padded_vocab = -(-hc.vocab_size // 64) * 64
+        config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
+                           n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size)
+        model = cls(config)
+        sd = model.state_dict()
+        sd_hf = hf.state_dict()
+        if set(sd_hf) - set(sd) or set(sd) - set(sd_hf):
+            raise ValueError(f"{name_or_dir}: parameter names differ from GPT-2's: {sorted(set(sd_hf) ^ set(sd))[:4]}")
+        # HF keeps these as Conv1D, i.e. (in, out); nn.Linear wants (out, in)
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        with torch.no_grad():
+            for k, v in sd_hf.items():
+                if k.endswith(conv1d):
+                    v = v.t()
+                if k in ("transformer.wte.weight", "lm_head.weight"):
+                    sd[k][: hc.vocab_size].copy_(v)  # padding rows stay zero: they are masked anyway
+                    sd[k][hc.vocab_size:].zero_()
+                    continue
+                if v.shape != sd[k].shape:
+                    raise ValueError(f"{name_or_dir}: shape mismatch for {k}: {tuple(v.shape)} vs {tuple(sd[k].shape)}")
+                sd[k].copy_(v)
+        return model
+
+    def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True):
+        """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or LayerNorm."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        if verbose:
+            print(f"decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
+            print(f"non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
+        fused = device_type == "cuda"  # one kernel for the whole update instead of one per tensor
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None):
+        """Sample max_new_tokens after the prompt idx (B, T0); returns (B, T0 + max_new_tokens)."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, : self.config.real_vocab_size].float() / max(temperature, 1e-8)
+            if top_k is not None and top_k > 0:
+                v, ix = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)
+                choice = torch.multinomial(F.softmax(v, dim=-1), 1, generator=generator)
+                nxt = torch.gather(ix, -1, choice)
+            else:
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+def load_checkpoint_model(path, map_location="cpu"):
+    """The GPT stored in one of our checkpoints (model_*.pt), in fp32."""
+    if not os.path.isfile(path):
+        raise UsageError(f"checkpoint not found: {path}")
+    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    model = GPT(GPTConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B).
+
+    n_params excludes the position embedding (it is a lookup, not a matmul); the tied wte/lm_head counts
+    once, as the lm_head matmul. 12·L·H·Q·T is the attention score and value matmuls (Q = head size).
+    """
+    L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, seq_len
+    return 6 * n_params + 12 * L * H * Q * T
+
+
+# Peak dense bf16 tensor-core FLOP/s of the GPUs we know, matched against torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM / HBM3 parts
+    ("A100", 312e12),
+]
+
+
+def peak_flops(device_name: str):
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return flops
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Data: uint16 token shards written by fineweb.py
+
+def list_shards(data_root, split):
+    return sorted(glob.glob(os.path.join(data_root, f"*_{split}_[0-9]*.npy")))
+
+
+class DataLoaderLite:
+    """Batches (x, y) of shape (B, T) from the `*_{split}_NNNNNN.npy` shards in data_root.
+
+    A split is read as one endless stream of tokens: its shards in order, then (train only) the shards
+    again in a new order drawn from a seeded RNG at each epoch boundary. Rank r of num_processes reads
+    window r of every group of num_processes windows of B*T tokens (+1 for the shifted targets), so a
+    window that reaches the end of a shard continues into the next one and nothing is dropped. Because
+    the position is one number in that stream, the same batches come out for any number of processes,
+    and `state_dict()` resumes exactly. Shards are memory-mapped: each batch copies only its B*T+1 tokens.
+    """
+
+    def __init__(self, B, T, process_rank=0, num_processes=1, split="train", data_root=DEFAULT_DATA_ROOT, seed=1337):
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        self.B, self.T = B, T
+        self.process_rank, self.num_processes = process_rank, num_processes
+        self.split, self.seed = split, seed
+        self.shards = list_shards(data_root, split)
+        if not self.shards:
+            raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: "
+                             f"prepare them with `python fineweb.py` (see --help there)")
+        self.tokens = [np.load(path, mmap_mode="r") for path in self.shards]
+        for path, arr in zip(self.shards, self.tokens):
+            if arr.dtype != np.uint16 or arr.ndim != 1:
+                raise UsageError(f"{path}: expected a 1-D uint16 array of token ids, got {arr.dtype} {arr.shape}")
+        self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
+        self.epoch_tokens = int(self.lengths.sum())
+        if self.epoch_tokens < B * T + 1:
+            raise UsageError(f"the {split} shards in {data_root} hold {self.epoch_tokens} tokens, "
+                             f"fewer than one batch of B*T+1 = {B * T + 1}")
+        self._order_cache = {}
+        self.reset()
+
+    def reset(self):
+        self.position = 0  # stream offset of this step's first window (the same on every rank)
+
+    def state_dict(self):
+        return {"position": self.position, "split": self.split, "seed": self.seed,
+                "num_shards": len(self.shards), "epoch_tokens": self.epoch_tokens}
+
+    def load_state_dict(self, state):
+        if (state["num_shards"], state["epoch_tokens"]) != (len(self.shards), self.epoch_tokens):
+            raise UsageError(f"the {self.split} shards changed since the checkpoint was written "
+                             f"({state['num_shards']} shards / {state['epoch_tokens']} tokens then, "
+                             f"{len(self.shards)} / {self.epoch_tokens} now)")
+        self.seed = state["seed"]
+        self.position = state["position"]
+
+    def _order(self, epoch):
+        """Shard order of an epoch and the cumulative token offsets of that order."""
+        if epoch not in self._order_cache:
+            n = len(self.shards)
+            if self.split == "train" and epoch > 0:
+                order = np.random.default_rng([self.seed, epoch]).permutation(n)
+            else:
+                order = np.arange(n)
+            starts = np.concatenate([[0], np.cumsum(self.lengths[order])])
+            self._order_cache = {epoch: (order, starts)}  # keep one epoch: the stream only moves forward
+        return self._order_cache[epoch]
+
+    def _read(self, start, n):
+        """n tokens of the stream from offset start, as int64, across shard and epoch boundaries."""
+        pieces = []
+        while n > 0:
+            epoch, offset = divmod(start, self.epoch_tokens)
+            order, starts = self._order(epoch)
+            i = int(np.searchsorted(starts, offset, side="right")) - 1
+            local = offset - int(starts[i])
+            take = min(n, int(self.lengths[order[i]]) - local)
+            pieces.append(self.tokens[order[i]][local: local + take])
+            start, n = start + take, n - take
+        return torch.from_numpy(np.concatenate(pieces).astype(np.int64))
+
+    def next_batch(self):
+        B, T = self.B, self.T
+        buf = self._read(self.position + self.process_rank * B * T, B * T + 1)
+        x = buf[:-1].view(B, T)  # inputs
+        y = buf[1:].view(B, T)  # targets: the next token of each input
+        self.position += B * T * self.num_processes
+        return x, y
+
+
+# -----------------------------------------------------------------------------
+# Learning rate schedule
+
+def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
+    """Linear warmup to max_lr over warmup_steps, cosine decay to min_lr at max_steps, constant after."""
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step >= max_steps:
+        return min_lr
+    ratio = (step - warmup_steps) / (max_steps - warmup_steps)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# log.txt: written and parsed only here
+
+LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
+
+
+def format_log_line(step, kind, value):
+    return f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n"
+
+
+def append_log(path, step, kind, value):
+    with open(path, "a") as f:
+        f.write(format_log_line(step, kind, value))
+
+
+def read_log(path):
+    """{kind: (steps, values)} for the kinds present in a log.txt ('train', 'val', 'hella')."""
+    series = {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) != 3:
+                continue
+            steps, values = series.setdefault(parts[1], ([], []))
+            steps.append(int(parts[0]))
+            values.append(float(parts[2]))
+    return series
+
+
+def truncate_log(path, last_step):
+    """Drop the lines a run wrote after its checkpoint at last_step, so a resumed run continues cleanly."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.split() and int(line.split()[0]) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+CKPT_RE = re.compile(r"model_(\d+)\.pt$")
+
+
+def find_checkpoints(log_dir):
+    """Checkpoint paths in log_dir, oldest step first."""
+    found = []
+    for path in glob.glob(os.path.join(log_dir, "model_*.pt")):
+        m = CKPT_RE.search(os.path.basename(path))
+        if m:
+            found.append((int(m.group(1)), path))
+    return [p for _, p in sorted(found)]
+
+
+def rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args):
+    ckpt = {
+        "model": raw_model.state_dict(),
+        "config": asdict(raw_model.config),
+        "optimizer": optimizer.state_dict(),
+        "step": step,  # the last optimizer step this checkpoint includes
+        "loader": train_loader.state_dict(),
+        "rng": rng_state(),
+        "val_loss": val_loss,
+        "args": vars(args),
+    }
+    tmp = path + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a truncated model_*.pt
+
+
+# -----------------------------------------------------------------------------
+# Run configuration
+
+# Run settings a preset changes; everything else keeps the parser's defaults. The larger GPT-2 shapes take
+# the GPT-3 paper's (Table 2.1) learning rate for the nearest size and a micro batch that fits 80 GB.
+RUN_PRESETS = {
+    "gpt2": {},
+    "gpt2-medium": dict(max_lr=3e-4, micro_batch_size=32),
+    "gpt2-large": dict(max_lr=2.5e-4, micro_batch_size=16),
+    "gpt2-xl": dict(max_lr=2e-4, micro_batch_size=8),
+    "tiny": dict(max_lr=1e-3, warmup_steps=100, max_steps=1200, total_batch_size=8192, micro_batch_size=16,
+                 sequence_length=256, eval_every=200, val_steps=10, sample_every=400, hellaswag_every=0,
+                 save_every=0, data_root=os.path.join(SCRIPT_DIR, "edu_fineweb_tiny")),
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description="Pretrain GPT-2 on FineWeb-Edu shards. One process: python train_gpt2.py; "
+                    "several: torchrun --standalone --nproc_per_node=8 train_gpt2.py.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS),
+                   help="model shape and matching run settings; explicit flags override it")
+    g.add_argument("--n_layer", type=int, default=None, help="override the preset's number of blocks")
+    g.add_argument("--n_head", type=int, default=None, help="override the preset's attention heads")
+    g.add_argument("--n_embd", type=int, default=None, help="override the preset's embedding width")
+    g.add_argument("--block_size", type=int, default=None, help="override the preset's context length (default 1024)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max_lr", type=float, default=6e-4, help="peak learning rate")
+    g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate as a fraction of max_lr")
+    g.add_argument("--warmup_steps", type=int, default=715, help="linear warmup steps")
+    g.add_argument("--max_steps", type=int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
+    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matmul weights and embeddings")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    g.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, all processes together")
+    g.add_argument("-B", "--micro_batch_size", type=int, default=64, help="sequences per forward pass per process")
+    g.add_argument("-T", "--sequence_length", type=int, default=1024, help="tokens per sequence")
+    g = p.add_argument_group("evaluation, sampling, checkpoints (0 turns a block off)")
+    g.add_argument("--eval_every", type=int, default=250, help="val loss every N steps and at the last step")
+    g.add_argument("--val_steps", type=int, default=20, help="val batches averaged per evaluation")
+    g.add_argument("--sample_every", type=int, default=250, help="print samples every N steps (not at step 0) and at the last step")
+    g.add_argument("--sample_prompt", default="Hello, I'm a language model,", help="prompt for the samples")
+    g.add_argument("--num_samples", type=int, default=4, help="samples per sampling block")
+    g.add_argument("--sample_tokens", type=int, default=32, help="new tokens per sample")
+    g.add_argument("--hellaswag_every", type=int, default=250, help="HellaSwag acc_norm every N steps and at the last step")
+    g.add_argument("--hellaswag_limit", type=int, default=None, help="evaluate only the first N HellaSwag val examples")
+    g.add_argument("--save_every", type=int, default=5000, help="checkpoint every N steps; the last step is always saved")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=1337, help="seed for init, data order and sampling")
+    g.add_argument("--data_root", default=DEFAULT_DATA_ROOT, help="folder of *_train_*.npy / *_val_*.npy shards")
+    g.add_argument("--log_dir", default="log", help="where log.txt and model_*.pt go")
+    g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
+    g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                   help="torch.compile the model (default: on for CUDA, off elsewhere)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in log_dir, deleting its log.txt and model_*.pt")
+    g.add_argument("--resume", default=None, metavar="latest|PATH",
+                   help="continue from the newest checkpoint in log_dir, or from PATH")
+    g.add_argument("--stop_step", type=int, default=None,
+                   help="leave after this many steps with a checkpoint, keeping the schedule of --max_steps "
+                        "(for jobs with a time limit; continue with --resume latest)")
+    return p
+
+
+def parse_args(argv=None):
+    """Parse flags, applying the preset's run settings as defaults so that explicit flags still win."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    parser.set_defaults(**RUN_PRESETS[args.preset])
+    return parser.parse_args(argv)
+
+
+def model_config_from_args(args):
+    shape = dict(MODEL_PRESETS[args.preset])
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    try:
+        return GPTConfig(**shape)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def resolve_device(name):
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    return name
+
+
+def check_batch(args, world_size, block_size):
+    """grad_accum_steps, or a UsageError naming what does not fit."""
+    B, T = args.micro_batch_size, args.sequence_length
+    if B < 1 or T < 1:
+        raise UsageError("-B and -T must be positive")
+    if T > block_size:
+        raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
+    per_step = B * T * world_size
+    if args.total_batch_size % per_step != 0:
+        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by B*T*world_size = "
+                         f"{B}*{T}*{world_size} = {per_step}")
+    return args.total_batch_size // per_step
+
+
+# -----------------------------------------------------------------------------
+# Pieces of a training step, shared by the loop and the tests
+
+def forward_backward(model, loader, grad_accum_steps, device, autocast_ctx, ddp=False):
+    """Accumulate the gradients of one optimizer step; returns the mean micro-batch loss (detached)."""
+    loss_accum = torch.zeros((), device=device)
+    for micro_step in range(grad_accum_steps):
+        x, y = loader.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if ddp:
+            # all-reduce the gradients only once, on the last micro-step
+            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        with autocast_ctx:
+            _, loss = model(x, y)
+        # each micro-step's loss is a mean over B*T tokens: scale so the sum over steps is the mean
+        loss = loss / grad_accum_steps
+        loss_accum += loss.detach()
+        loss.backward()
+    return loss_accum
+
+
+@torch.no_grad()
+def evaluate_loss(model, loader, steps, device, autocast_ctx):
+    """Mean loss over `steps` batches from the start of loader's split (this rank's share)."""
+    was_training = model.training
+    model.eval()
+    loader.reset()
+    total = torch.zeros((), device=device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        x, y = x.to(device), y.to(device)
+        with autocast_ctx:
+            _, loss = model(x, y)
+        total += loss.detach()
+    model.train(was_training)
+    return total / steps
+
+
+def all_reduce_mean(t, world_size):
+    import torch.distributed as dist
+
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+        t /= world_size
+    return t
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+def train(args):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # ---- processes and devices: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    master_process = rank == 0
+    device = resolve_device(args.device)
+    if ddp and device.startswith("cuda"):
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) on this node: "
+                             f"ask torchrun for at most that many processes per node")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    device_type = device.split(":")[0]  # autocast, fused AdamW and synchronize want 'cuda', never 'cuda:3'
+    if ddp:
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+
+    def print0(*a, **kw):
+        if master_process:
+            print(*a, **kw, flush=True)
+
+    config = model_config_from_args(args)
+    grad_accum_steps = check_batch(args, world_size, config.block_size)
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
+    autocast_ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    use_compile = args.compile if args.compile is not None else device_type == "cuda"
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls that remain
+
+    # ---- log dir: never clobber an earlier run by accident
+    log_file = os.path.join(args.log_dir, "log.txt")
+    resume_path = None
+    if args.resume is not None:
+        if args.resume == "latest":
+            found = find_checkpoints(args.log_dir)
+            if not found:
+                raise UsageError(f"--resume latest: no model_*.pt checkpoint in {args.log_dir}")
+            resume_path = found[-1]
+        elif os.path.isfile(args.resume):
+            resume_path = args.resume
+        else:
+            raise UsageError(f"--resume {args.resume}: no such checkpoint")
+    elif not args.overwrite and ((os.path.exists(log_file) and os.path.getsize(log_file) > 0)
+                                 or find_checkpoints(args.log_dir)):
+        raise UsageError(f"{args.log_dir} holds an earlier run (log.txt or model_*.pt): pass --resume latest "
+                         f"to continue it, --overwrite to start afresh, or another --log_dir")
+
+    print0("run config:", {**vars(args), "device": device, "world_size": world_size,
+                           "grad_accum_steps": grad_accum_steps, "bf16": use_bf16, "compile": use_compile,
+                           "model": asdict(config)})
+
+    # ---- data
+    train_loader = DataLoaderLite(args.micro_batch_size, args.sequence_length, rank, world_size, "train", args.data_root, args.seed)
+    val_loader = DataLoaderLite(args.micro_batch_size, args.sequence_length, rank, world_size, "val", args.data_root, args.seed)
+
+    # ---- model and optimizer
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    random.seed(args.seed)
+    raw_model = GPT(config).to(device)  # unwrapped, uncompiled: saved, evaluated on HellaSwag, sampled
+    print0(f"model: {raw_model.get_num_params():,} parameters")
+    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, verbose=master_process)
+
+    start_step, val_loss = 0, None
+    if resume_path is not None:
+        ckpt = torch.load(resume_path, map_location=device, weights_only=False)
+        if ckpt["config"] != asdict(config):
+            raise UsageError(f"{resume_path} holds a model of config {ckpt['config']}, this run asks for {asdict(config)}")
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        train_loader.load_state_dict(ckpt["loader"])
+        set_rng_state(ckpt["rng"])
+        start_step, val_loss = ckpt["step"] + 1, ckpt["val_loss"]
+        for key in ("max_steps", "max_lr", "warmup_steps", "total_batch_size", "seed"):
+            if ckpt["args"].get(key) != getattr(args, key):
+                print0(f"warning: --{key} is {getattr(args, key)} now but was {ckpt['args'].get(key)} in {resume_path}")
+        print0(f"resumed from {resume_path} at step {start_step}")
+
+    model = raw_model
+    if use_compile:
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+
+    if master_process:
+        os.makedirs(args.log_dir, exist_ok=True)
+        if resume_path is not None:
+            truncate_log(log_file, start_step - 1)
+        else:
+            for path in find_checkpoints(args.log_dir):  # only non-empty with --overwrite
+                os.remove(path)
+            open(log_file, "w").close()
+
+    enc = None
+    if args.sample_every > 0:
+        import tiktoken
+        enc = tiktoken.get_encoding("gpt2")
+
+    n_params_flops = raw_model.get_num_params(non_embedding=True)
+    flops_tok = flops_per_token(config, n_params_flops, args.sequence_length)
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
+
+    def due(every, step):
+        return every > 0 and (step % every == 0 or step == args.max_steps - 1)
+
+    min_lr = args.max_lr * args.min_lr_ratio
+    end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
+    for step in range(start_step, end_step):
+        last_step = step == args.max_steps - 1
+
+        # ---- val loss: the model after `step` updates
+        if due(args.eval_every, step):
+            vl = all_reduce_mean(evaluate_loss(model, val_loader, args.val_steps, device, autocast_ctx), world_size)
+            val_loss = vl.item()
+            print0(f"validation loss: {val_loss:.4f}")
+            if master_process:
+                append_log(log_file, step, "val", val_loss)
+
+        # ---- HellaSwag
+        if due(args.hellaswag_every, step):
+            pass  # wired in with hellaswag.py
+
+        # ---- samples from the raw model (any prompt length works, compiled or not)
+        if args.sample_every > 0 and ((step > 0 and step % args.sample_every == 0) or last_step):
+            raw_model.eval()
+            gen = torch.Generator(device=device).manual_seed(args.seed + rank)
+            prompt = torch.tensor(enc.encode(args.sample_prompt), dtype=torch.long, device=device)
+            prompt = prompt.unsqueeze(0).repeat(args.num_samples, 1)
+            with autocast_ctx:
+                out = raw_model.generate(prompt, args.sample_tokens, top_k=50, generator=gen)
+            for i in range(args.num_samples):
+                print(f"rank {rank} sample {i}: {enc.decode(out[i].tolist())}", flush=True)
+            raw_model.train()
+
+        # ==================== training step ====================
+        t0 = time.time()
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(model, train_loader, grad_accum_steps, device, autocast_ctx, ddp)
+        loss = all_reduce_mean(loss, world_size)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        if device_type == "cuda":
+            torch.cuda.synchronize()  # so dt measures the GPU work, not just the launches
+        dt = time.time() - t0
+        tokens_per_sec = args.total_batch_size / dt
+        mfu = f" | mfu {100 * flops_tok * tokens_per_sec / peak / world_size:.1f}%" if peak else ""
+        print0(f"step {step:5d} | loss {loss.item():.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
+               f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}{mfu}")
+        if master_process:
+            append_log(log_file, step, "train", loss.item())
+
+        # ---- checkpoint after the update, so model_{step}.pt includes step `step`
+        stopping = step == end_step - 1
+        if master_process and (last_step or stopping or (args.save_every > 0 and step > 0 and step % args.save_every == 0)):
+            path = os.path.join(args.log_dir, f"model_{step:05d}.pt")
+            save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args)
+            print0(f"saved {path}")
+
+    if ddp:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        train(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
