@@ -163,7 +163,7 @@ class GPT(nn.Module):
             logits[..., self.config.real_vocab_size:] = float("-inf")
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     @classmethod
