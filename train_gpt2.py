@@ -34,7 +34,15 @@ DEFAULT_DATA_ROOT = os.path.join(SCRIPT_DIR, "edu_fineweb10B")
 
 
 class UsageError(Exception):
-    """A problem with the user's input (flags, data, files): reported as one line, exit status 1."""
+    """A problem with the user's input (flags, data, files): reported as one line, exit status 1.
+
+    Under torchrun every rank meets the same problem, so only rank 0 reports it, unless the problem is
+    this rank's own (rank_specific=True).
+    """
+
+    def __init__(self, message, rank_specific=False):
+        super().__init__(message)
+        self.rank_specific = rank_specific
 
 
 # -----------------------------------------------------------------------------
@@ -443,16 +451,47 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args):
+def full_state_dicts(raw_model, optimizer):
+    """Unsharded model and optimizer state, keyed by parameter name, on CPU.
+
+    The same format comes out of a plain, DDP or FSDP model, so a checkpoint moves freely between them.
+    Under FSDP this gathers the shards: every rank must call it (rank 0 gets the tensors).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(raw_model, options=opts), get_optimizer_state_dict(raw_model, optimizer, options=opts)
+
+
+def load_full_state_dicts(raw_model, optimizer, model_sd, optim_sd):
+    """Inverse of full_state_dicts; under FSDP each rank keeps its own shard of what it is given."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(raw_model, model_sd, options=opts)
+    if optimizer is not None:
+        # the kernel choice belongs to this machine, not to the one that wrote the checkpoint
+        impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+        set_optimizer_state_dict(raw_model, optimizer, optim_sd, options=opts)
+        for group, keep in zip(optimizer.param_groups, impl):
+            group.update(keep)
+
+
+def save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args, tokens_seen, master=True):
+    """Write model_{step}.pt atomically. Every rank calls it (FSDP gathers), only the master writes."""
+    model_sd, optim_sd = full_state_dicts(raw_model, optimizer)
+    if not master:
+        return
     ckpt = {
-        "model": raw_model.state_dict(),
+        "model": model_sd,
         "config": asdict(raw_model.config),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optim_sd,
         "step": step,  # the last optimizer step this checkpoint includes
         "loader": train_loader.state_dict(),
         "rng": rng_state(),
         "val_loss": val_loss,
         "args": vars(args),
+        "tokens_seen": tokens_seen,  # train tokens consumed so far (the batch-size ramp depends on it)
     }
     tmp = path + ".tmp"
     torch.save(ckpt, tmp)
@@ -470,7 +509,7 @@ RUN_PRESETS = {
     "gpt2-large": dict(max_lr=2.5e-4, micro_batch_size=16),
     "gpt2-xl": dict(max_lr=2e-4, micro_batch_size=8),
     "tiny": dict(max_lr=1e-3, warmup_steps=100, max_steps=1200, total_batch_size=8192, micro_batch_size=16,
-                 sequence_length=256, eval_every=200, val_steps=10, sample_every=400, hellaswag_every=0,
+                 sequence_length=256, eval_every=200, val_tokens=65536, sample_every=400, hellaswag_every=0,
                  save_every=0, data_root=os.path.join(SCRIPT_DIR, "edu_fineweb_tiny")),
 }
 
@@ -495,11 +534,21 @@ def build_parser():
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matmul weights and embeddings")
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
     g.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, all processes together")
+    g.add_argument("--batch_ramp_tokens", type=int, default=0,
+                   help="GPT-3's batch-size ramp: grow the batch linearly from --batch_ramp_start tokens to "
+                        "--total_batch_size over the first N train tokens, by changing gradient accumulation; "
+                        "the LR schedule is unchanged (0: off)")
+    g.add_argument("--batch_ramp_start", type=int, default=32768, help="first batch of the ramp, in tokens")
     g.add_argument("-B", "--micro_batch_size", type=int, default=64, help="sequences per forward pass per process")
     g.add_argument("-T", "--sequence_length", type=int, default=1024, help="tokens per sequence")
     g = p.add_argument_group("evaluation, sampling, checkpoints (0 turns a block off)")
     g.add_argument("--eval_every", type=int, default=250, help="val loss every N steps and at the last step")
-    g.add_argument("--val_steps", type=int, default=20, help="val batches averaged per evaluation")
+    g.add_argument("--val_tokens", type=int, default=10_485_760,
+                   help="val loss over the first N val tokens, split across processes: the same number for any "
+                        "world size and micro batch (the default is build-nanogpt's 20 x 64 x 1024 x 8)")
+    g.add_argument("--val_steps", type=int, default=None,
+                   help="instead of --val_tokens: N batches of B*T tokens per process (build-nanogpt's 20); "
+                        "the number of tokens then depends on B and the process count")
     g.add_argument("--sample_every", type=int, default=250, help="print samples every N steps (not at step 0) and at the last step")
     g.add_argument("--sample_prompt", default="Hello, I'm a language model,", help="prompt for the samples")
     g.add_argument("--num_samples", type=int, default=4, help="samples per sampling block")
@@ -516,6 +565,11 @@ def build_parser():
                    help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
     g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
                    help="torch.compile the model (default: on for CUDA, off elsewhere)")
+    g.add_argument("--peak_flops", type=float, default=None,
+                   help="peak bf16 FLOP/s of one accelerator for the MFU figure (default: looked up for A100/H100/H200; no MFU elsewhere)")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state across processes with FSDP2 "
+                        "(under torchrun; for models that do not fit one GPU with DDP, e.g. gpt2-xl)")
     g.add_argument("--overwrite", action="store_true",
                    help="start afresh in log_dir, deleting its log.txt and model_*.pt")
     g.add_argument("--resume", default=None, metavar="latest|PATH",
@@ -593,66 +647,109 @@ def forward_backward(model, loader, grad_accum_steps, device, autocast_ctx, ddp=
 
 
 @torch.no_grad()
-def evaluate_loss(model, loader, steps, device, autocast_ctx):
-    """Mean loss over `steps` batches from the start of loader's split (this rank's share)."""
+def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
+    """Mean loss over the first n_tokens targets of the loader's split, all ranks together.
+
+    The loader's windows tile the stream the same way for any B and process count, so this is the same
+    set of tokens everywhere; targets past n_tokens are ignored (-100). Every rank runs the same number
+    of forward passes, as FSDP needs.
+    """
     was_training = model.training
     model.eval()
     loader.reset()
-    total = torch.zeros((), device=device)
+    per_rank = loader.B * loader.T
+    steps = -(-n_tokens // (per_rank * loader.num_processes))
+    total = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of token losses, token count)
     for _ in range(steps):
+        start = loader.position + loader.process_rank * per_rank
+        valid = max(0, min(per_rank, n_tokens - start))
         x, y = loader.next_batch()
+        if valid < per_rank:
+            y = y.clone()  # x and y are views of one buffer: masking y in place would corrupt x
+            y.view(-1)[valid:] = -100  # F.cross_entropy's ignore_index
         x, y = x.to(device), y.to(device)
         with autocast_ctx:
             _, loss = model(x, y)
-        total += loss.detach()
+        if valid > 0:
+            total[0] += loss.double() * valid
+            total[1] += valid
     model.train(was_training)
-    return total / steps
+    all_reduce_sum(total, world_size)
+    return (total[0] / total[1]).item()
 
 
-def all_reduce_mean(t, world_size):
+def all_reduce_sum(t, world_size):
     import torch.distributed as dist
 
     if world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
-        t /= world_size
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_reduce_mean(t, world_size):
+    all_reduce_sum(t, world_size)  # gloo has no AVG: sum, then divide
+    return t / world_size
+
+
+def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768):
+    """GPT-3's ramp: tokens in the next step, linear from `start` to total over the first ramp_tokens.
+
+    Rounded down to a multiple of unit = B*T*world_size (one micro-step on every rank), at least one unit.
+    """
+    if ramp_tokens <= 0 or tokens_seen >= ramp_tokens:
+        return total_batch_size
+    start = min(start, total_batch_size)
+    size = start + (total_batch_size - start) * tokens_seen / ramp_tokens
+    return max(unit, int(size) // unit * unit)
 
 
 # -----------------------------------------------------------------------------
 # Training
+
+def setup_distributed(device_arg):
+    """(ddp, rank, local_rank, world_size, device) from torchrun's environment; one process without it."""
+    import torch.distributed as dist
+
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = resolve_device(device_arg)
+    if ddp and device.startswith("cuda"):
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) on this node: "
+                             f"ask torchrun for at most that many processes per node", rank_specific=True)
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    if ddp:
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return ddp, rank, local_rank, world_size, device
+
 
 def train(args):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # ---- processes and devices: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.fsdp and "WORLD_SIZE" not in os.environ:
+        raise UsageError("--fsdp shards the model across processes: launch with torchrun")
+    ddp, rank, local_rank, world_size, device = setup_distributed(args.device)
     master_process = rank == 0
-    device = resolve_device(args.device)
-    if ddp and device.startswith("cuda"):
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) on this node: "
-                             f"ask torchrun for at most that many processes per node")
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
     device_type = device.split(":")[0]  # autocast, fused AdamW and synchronize want 'cuda', never 'cuda:3'
-    if ddp:
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
 
     def print0(*a, **kw):
         if master_process:
             print(*a, **kw, flush=True)
 
     config = model_config_from_args(args)
-    grad_accum_steps = check_batch(args, world_size, config.block_size)
+    unit = args.micro_batch_size * args.sequence_length * world_size  # tokens of one micro-step, all ranks
+    check_batch(args, world_size, config.block_size)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
     autocast_ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
     use_compile = args.compile if args.compile is not None else device_type == "cuda"
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls that remain
+    val_tokens = args.val_steps * unit if args.val_steps is not None else args.val_tokens
 
     # ---- log dir: never clobber an earlier run by accident
     log_file = os.path.join(args.log_dir, "log.txt")
@@ -673,8 +770,8 @@ def train(args):
                          f"to continue it, --overwrite to start afresh, or another --log_dir")
 
     print0("run config:", {**vars(args), "device": device, "world_size": world_size,
-                           "grad_accum_steps": grad_accum_steps, "bf16": use_bf16, "compile": use_compile,
-                           "model": asdict(config)})
+                           "grad_accum_steps": args.total_batch_size // unit, "bf16": use_bf16,
+                           "compile": use_compile, "val_tokens": val_tokens, "model": asdict(config)})
 
     # ---- data
     train_loader = DataLoaderLite(args.micro_batch_size, args.sequence_length, rank, world_size, "train", args.data_root, args.seed)
@@ -686,28 +783,38 @@ def train(args):
     random.seed(args.seed)
     raw_model = GPT(config).to(device)  # unwrapped, uncompiled: saved, evaluated on HellaSwag, sampled
     print0(f"model: {raw_model.get_num_params():,} parameters")
+    if args.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # bf16 compute and all-gathers, fp32 gradient reduction and master weights
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
+        for block in raw_model.transformer.h:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(raw_model, mp_policy=mp)  # the root: embeddings, tied lm_head, ln_f
     optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, verbose=master_process)
 
-    start_step, val_loss = 0, None
+    start_step, val_loss, tokens_seen = 0, None, 0
     if resume_path is not None:
-        ckpt = torch.load(resume_path, map_location=device, weights_only=False)
+        ckpt = torch.load(resume_path, map_location="cpu", weights_only=False)
         if ckpt["config"] != asdict(config):
             raise UsageError(f"{resume_path} holds a model of config {ckpt['config']}, this run asks for {asdict(config)}")
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_full_state_dicts(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         set_rng_state(ckpt["rng"])
         start_step, val_loss = ckpt["step"] + 1, ckpt["val_loss"]
-        for key in ("max_steps", "max_lr", "warmup_steps", "total_batch_size", "seed"):
+        tokens_seen = ckpt.get("tokens_seen", start_step * args.total_batch_size)
+        for key in ("max_steps", "max_lr", "warmup_steps", "total_batch_size", "batch_ramp_tokens", "batch_ramp_start", "seed"):
             if ckpt["args"].get(key) != getattr(args, key):
                 print0(f"warning: --{key} is {getattr(args, key)} now but was {ckpt['args'].get(key)} in {resume_path}")
         print0(f"resumed from {resume_path} at step {start_step}")
+        del ckpt
 
     model = raw_model
     if use_compile:
         model = torch.compile(model)
-    if ddp:
+    if ddp and not args.fsdp:
         model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+    sync_once = ddp and not args.fsdp  # FSDP reduce-scatters every micro-step to keep gradients sharded
 
     if master_process:
         os.makedirs(args.log_dir, exist_ok=True)
@@ -723,9 +830,8 @@ def train(args):
         import tiktoken
         enc = tiktoken.get_encoding("gpt2")
 
-    n_params_flops = raw_model.get_num_params(non_embedding=True)
-    flops_tok = flops_per_token(config, n_params_flops, args.sequence_length)
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None
+    flops_tok = flops_per_token(config, raw_model.get_num_params(non_embedding=True), args.sequence_length)
+    peak = args.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None)
 
     def due(every, step):
         return every > 0 and (step % every == 0 or step == args.max_steps - 1)
@@ -737,8 +843,7 @@ def train(args):
 
         # ---- val loss: the model after `step` updates
         if due(args.eval_every, step):
-            vl = all_reduce_mean(evaluate_loss(model, val_loader, args.val_steps, device, autocast_ctx), world_size)
-            val_loss = vl.item()
+            val_loss = evaluate_loss(model, val_loader, val_tokens, device, autocast_ctx, world_size)
             print0(f"validation loss: {val_loss:.4f}")
             if master_process:
                 append_log(log_file, step, "val", val_loss)
@@ -761,30 +866,35 @@ def train(args):
 
         # ==================== training step ====================
         t0 = time.time()
+        batch_size = batch_size_at(tokens_seen, args.batch_ramp_tokens, args.total_batch_size, unit, args.batch_ramp_start)
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(model, train_loader, grad_accum_steps, device, autocast_ctx, ddp)
+        loss = forward_backward(model, train_loader, batch_size // unit, device, autocast_ctx, sync_once)
         loss = all_reduce_mean(loss, world_size)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
         lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
         if device_type == "cuda":
             torch.cuda.synchronize()  # so dt measures the GPU work, not just the launches
+        tokens_seen += batch_size
         dt = time.time() - t0
-        tokens_per_sec = args.total_batch_size / dt
-        mfu = f" | mfu {100 * flops_tok * tokens_per_sec / peak / world_size:.1f}%" if peak else ""
+        tokens_per_sec = batch_size / dt
+        ramp = f" | batch {batch_size}" if args.batch_ramp_tokens > 0 else ""
+        mfu = f" | mfu {100 * flops_tok * tokens_per_sec / (peak * world_size):.1f}%" if peak else ""
         print0(f"step {step:5d} | loss {loss.item():.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
-               f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}{mfu}")
+               f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}{ramp}{mfu}")
         if master_process:
             append_log(log_file, step, "train", loss.item())
 
         # ---- checkpoint after the update, so model_{step}.pt includes step `step`
         stopping = step == end_step - 1
-        if master_process and (last_step or stopping or (args.save_every > 0 and step > 0 and step % args.save_every == 0)):
+        if last_step or stopping or (args.save_every > 0 and step > 0 and step % args.save_every == 0):
             path = os.path.join(args.log_dir, f"model_{step:05d}.pt")
-            save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args)
+            save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args, tokens_seen, master_process)
             print0(f"saved {path}")
 
     if ddp:
@@ -796,7 +906,8 @@ def main(argv=None):
     try:
         train(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0 or e.rank_specific:
+            print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         import torch.distributed as dist

@@ -30,7 +30,7 @@ def run_cli(*args, cwd=None):
 def tiny_run_args(data, log, *extra):
     return ["--preset", "tiny", "--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "64",
             "-B", "2", "-T", "32", "--total_batch_size", "128", "--max_steps", "10", "--warmup_steps", "3",
-            "--eval_every", "4", "--val_steps", "2", "--sample_every", "5", "--sample_tokens", "6",
+            "--eval_every", "4", "--val_tokens", "256", "--sample_every", "5", "--sample_tokens", "6",
             "--num_samples", "2", "--save_every", "4", "--hellaswag_every", "0",
             "--data_root", data, "--log_dir", log, *extra]
 
@@ -341,7 +341,7 @@ def test_cli_end_to_end_tiny(shard_dir, tmp_path):
     assert series["val"][0] == [0, 4, 8, 9]
     assert sorted(os.listdir(log)) == ["log.txt", "model_00004.pt", "model_00008.pt", "model_00009.pt"]
     ckpt = torch.load(os.path.join(log, "model_00009.pt"), weights_only=False)
-    assert set(ckpt) == {"model", "config", "optimizer", "step", "loader", "rng", "val_loss", "args"}
+    assert set(ckpt) == {"model", "config", "optimizer", "step", "loader", "rng", "val_loss", "args", "tokens_seen"}
     assert ckpt["step"] == 9 and ckpt["val_loss"] == pytest.approx(series["val"][1][-1], abs=1e-4)
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     assert ckpt["config"]["n_layer"] == 2 and ckpt["args"]["max_steps"] == 10

@@ -1,0 +1,121 @@
+"""Several processes on CPU (torchrun, gloo): DDP and FSDP give one process's losses, checkpoints move between them."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_gpt2 as tg
+from conftest import REPO
+from test_train_gpt2 import run_cli, tiny_run_args
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+
+STEPS = ["--max_steps", "8", "--eval_every", "4", "--sample_every", "0", "--save_every", "0",
+         "--total_batch_size", "256", "--val_tokens", "1000"]
+
+
+def torchrun(*args, nproc=2):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(REPO, "train_gpt2.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+
+
+def losses(log_dir):
+    return tg.read_log(os.path.join(log_dir, "log.txt"))
+
+
+def assert_same_log(a, b, tol):
+    la, lb = losses(a), losses(b)
+    assert set(la) == set(lb)
+    for kind in la:
+        assert la[kind][0] == lb[kind][0], kind
+        assert la[kind][1] == pytest.approx(lb[kind][1], abs=tol), kind
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One process, 8 steps straight: the reference for every distributed run."""
+    from conftest import write_shards
+    root = tmp_path_factory.mktemp("dist")
+    data = str(root / "data")
+    write_shards(data, "val", [5000], seed=1)
+    write_shards(data, "train", [7000, 6000, 6500], seed=2)
+    log = str(root / "single")
+    r = run_cli(*tiny_run_args(data, log, *STEPS))
+    assert r.returncode == 0, r.stderr
+    return data, log
+
+
+def test_ddp_two_processes_then_resume_in_one(single, tmp_path):
+    data, ref = single
+    log = str(tmp_path / "ddp")
+    r = torchrun(*tiny_run_args(data, log, *STEPS, "--stop_step", "4"))
+    assert r.returncode == 0, r.stderr
+    assert "'world_size': 2" in r.stdout and "'grad_accum_steps': 2" in r.stdout
+    assert r.stdout.count("step ") == 4  # only rank 0 prints step lines
+    r = run_cli(*tiny_run_args(data, log, *STEPS, "--resume", "latest"))
+    assert r.returncode == 0, r.stderr
+    # steps 0-3 and the val losses at 0 and 4 came from 2 processes, the rest from 1: all match 1 process
+    assert_same_log(log, ref, 1e-5)
+
+
+def test_one_process_then_resume_in_two(single, tmp_path):
+    data, ref = single
+    log = str(tmp_path / "one-then-two")
+    r = run_cli(*tiny_run_args(data, log, *STEPS, "--stop_step", "4"))
+    assert r.returncode == 0, r.stderr
+    r = torchrun(*tiny_run_args(data, log, *STEPS, "--resume", "latest"))
+    assert r.returncode == 0, r.stderr
+    assert_same_log(log, ref, 1e-5)
+
+
+def test_fsdp_matches_ddp_and_resumes_without_fsdp(single, tmp_path):
+    data, ref = single
+    log = str(tmp_path / "fsdp")
+    r = torchrun(*tiny_run_args(data, log, *STEPS, "--stop_step", "4", "--fsdp"))
+    assert r.returncode == 0, r.stderr
+    ckpt = torch.load(tg.find_checkpoints(log)[-1], weights_only=False)
+    plain = tg.GPT(tg.GPTConfig(**ckpt["config"]))
+    plain.load_state_dict(ckpt["model"])  # a non-FSDP model loads it as is
+    r = run_cli(*tiny_run_args(data, log, *STEPS, "--resume", "latest"))
+    assert r.returncode == 0, r.stderr
+    # fp32: FSDP's reduce-scatter sums in another order than DDP's all-reduce, nothing more
+    assert_same_log(log, ref, 1e-5)
+
+
+def test_fsdp_needs_torchrun(shard_dir, tmp_path):
+    r = run_cli(*tiny_run_args(shard_dir, str(tmp_path / "log"), "--fsdp"))
+    assert r.returncode != 0 and "torchrun" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_batch_not_divisible_by_world_size(shard_dir, tmp_path):
+    r = torchrun(*tiny_run_args(shard_dir, str(tmp_path / "log"), "--total_batch_size", "192"))
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not divisible" in errors[0]  # rank 0 alone reports it
+    assert 'train_gpt2.py", line' not in r.stderr  # no traceback of ours (torchrun adds its own report)
+
+
+def test_batch_size_ramp_schedule():
+    unit = 64
+    sizes = [tg.batch_size_at(t, 2048, 512, unit, start=128) for t in (0, 512, 1024, 2047, 2048, 10 ** 6)]
+    assert sizes == [128, 192, 320, 448, 512, 512]  # 128 + 384*t/2048, rounded down to a multiple of 64
+    assert tg.batch_size_at(0, 0, 512, unit) == 512  # off
+    assert tg.batch_size_at(0, 10 ** 9, 524288, 8 * 65536) == 8 * 65536  # never below one micro-step
+
+
+def test_batch_ramp_resumes_exactly(shard_dir, tmp_path):
+    ramp = ["--max_steps", "8", "--total_batch_size", "512", "--batch_ramp_tokens", "2048",
+            "--batch_ramp_start", "128", "--eval_every", "0", "--sample_every", "0", "--save_every", "0"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    r = run_cli(*tiny_run_args(shard_dir, a, *ramp))
+    assert r.returncode == 0, r.stderr
+    assert "| batch 128\n" in r.stdout and "| batch 320\n" in r.stdout  # grows with the tokens seen
+    r = run_cli(*tiny_run_args(shard_dir, b, *ramp, "--stop_step", "3"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*tiny_run_args(shard_dir, b, *ramp, "--resume", "latest"))
+    assert r.returncode == 0, r.stderr
+    assert open(os.path.join(a, "log.txt")).read() == open(os.path.join(b, "log.txt")).read()
