@@ -56,10 +56,19 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     real_vocab_size: int = GPT2_VOCAB_SIZE  # ids >= this are padding and are never predicted
+    n_kv_head: int | None = None  # key/value heads: n_head (None) is GPT-2's MHA, fewer is GQA, 1 is MQA
+    dropout: float = 0.0  # attention, residual and embedding dropout, in training only
+    bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
 
     def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head != 0:
+            raise ValueError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout ({self.dropout}) must be in [0, 1)")
         if not 0 < self.real_vocab_size <= self.vocab_size:
             raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in 1..vocab_size ({self.vocab_size})")
 
@@ -74,50 +83,87 @@ MODEL_PRESETS = {
 }
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.c_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream
+class KVCache:
+    """Keys and values of the tokens seen so far, for every layer: generation feeds one token at a time.
 
-    def forward(self, x):
+    Preallocated for `max_len` positions: k, v are (n_layer, B, n_kv_head, max_len, hs) and `pos` is how
+    many positions are filled.
+    """
+
+    def __init__(self, config: GPTConfig, batch_size, max_len, device, dtype):
+        hs = config.n_embd // config.n_head
+        shape = (config.n_layer, batch_size, config.n_kv_head, max_len, hs)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0
+
+    def update(self, layer, k, v):
+        """Store k, v (B, nkv, T, hs) after the filled positions; returns all keys and values so far."""
+        T = k.size(2)
+        self.k[layer, :, :, self.pos: self.pos + T] = k
+        self.v[layer, :, :, self.pos: self.pos + T] = v
+        return self.k[layer, :, :, : self.pos + T], self.v[layer, :, :, : self.pos + T]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx=0):
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.hs = config.n_embd // config.n_head
+        self.layer_idx = layer_idx
+        self.dropout = config.dropout
+        # q for all heads and k, v for the n_kv_head key/value heads, in one matmul
+        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * self.hs, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, kv_cache=None):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where available
+        hs, nh, nkv = self.hs, self.n_head, self.n_kv_head
+        q, k, v = self.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=2)
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        mask, causal = None, True
+        if kv_cache is not None:
+            past = kv_cache.pos
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, past + T, hs)
+            if past > 0:
+                causal = False
+                if T > 1:  # query i sits at position past + i and sees keys 0 .. past + i
+                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        extra = {"enable_gqa": True} if nkv != nh else {}  # each group of nh/nkv query heads shares a k, v head
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                           dropout_p=self.dropout if self.training else 0.0, **extra)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer_idx=0):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):
+    def forward(self, x, kv_cache=None):
         # pre-LayerNorm: the residual stream itself is never normalized
-        x = x + self.attn(self.ln_1(x))
+        x = x + self.attn(self.ln_1(x), kv_cache)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -129,8 +175,9 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
@@ -155,15 +202,23 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx, targets=None):
-        """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None)."""
+    def forward(self, idx, targets=None, kv_cache=None):
+        """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
+
+        With a kv_cache, idx continues the cached sequence and only the last position's logits are
+        computed, (B, 1, vocab_size): that is all generation needs.
+        """
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        past = kv_cache.pos if kv_cache is not None else 0
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence length {past + T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, kv_cache)
+        if kv_cache is not None:
+            kv_cache.pos += T
+            x = x[:, -1:, :]
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         if self.config.vocab_size > self.config.real_vocab_size:
@@ -175,11 +230,19 @@ class GPT(nn.Module):
         return logits, loss
 
     @classmethod
-    def from_pretrained(cls, name_or_dir):
-        """OpenAI GPT-2 weights through transformers: a hub name (gpt2 .. gpt2-xl) or a save_pretrained dir."""
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """OpenAI GPT-2 weights through transformers: a hub name (gpt2 .. gpt2-xl) or a save_pretrained dir.
+
+        The vocab is padded to a multiple of 64 (50257 -> 50304); the padding rows are zero and masked.
+        """
         from transformers import GPT2LMHeadModel
 
-        hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
+        except OSError as e:  # offline, unknown name, or not a model directory
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"could not load GPT-2 weights {name_or_dir!r} ({first}); offline, pass a local "
+                             f"directory written by GPT2LMHeadModel.save_pretrained") from None
         hc = hf.config
         n_inner = hc.n_inner if hc.n_inner is not None else 4 * hc.n_embd
         if hc.activation_function != "gelu_new" or n_inner != 4 * hc.n_embd or hc.layer_norm_epsilon != 1e-5 \
@@ -187,7 +250,7 @@ class GPT(nn.Module):
             raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture (activation, MLP width or attention options differ)")
         padded_vocab = -(-hc.vocab_size // 64) * 64
         config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
-                           n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size)
+                           n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size, dropout=dropout)
         model = cls(config)
         sd = model.state_dict()
         sd_hf = hf.state_dict()
@@ -224,30 +287,86 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None):
-        """Sample max_new_tokens after the prompt idx (B, T0); returns (B, T0 + max_new_tokens)."""
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]
-            logits, _ = self(idx_cond)
-            logits = logits[:, -1, : self.config.real_vocab_size].float() / max(temperature, 1e-8)
-            if top_k is not None and top_k > 0:
-                v, ix = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)
-                choice = torch.multinomial(F.softmax(v, dim=-1), 1, generator=generator)
-                nxt = torch.gather(ix, -1, choice)
-            else:
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True):
+        """The prompt idx (B, T0) followed by max_new_tokens sampled tokens: (B, T0 + max_new_tokens).
+
+        With the KV cache the prompt is run once and then one token per step; without it the whole
+        sequence is recomputed every step (the reference the cache is tested against). top_k=1 or
+        temperature=0 is greedy. Padding ids are never produced. Runs in eval mode (no dropout).
+        """
+        B, T0 = idx.size()
+        if T0 + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                             f"block_size {self.config.block_size}")
+        was_training = self.training
+        self.eval()
+        cache = None
+        if use_cache:
+            dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) \
+                else self.lm_head.weight.dtype
+            cache = KVCache(self.config, B, T0 + max_new_tokens, idx.device, dtype)
+        logits, _ = self(idx, kv_cache=cache)  # prefill
+        for i in range(max_new_tokens):
+            nxt = sample_next(logits[:, -1, : self.config.real_vocab_size], temperature, top_k, generator)
             idx = torch.cat((idx, nxt), dim=1)
+            if i < max_new_tokens - 1:
+                logits, _ = self(nxt, kv_cache=cache) if use_cache else self(idx)
+        self.train(was_training)
         return idx
+
+
+def sample_next(logits, temperature=1.0, top_k=50, generator=None):
+    """One token id per row of logits (B, V): top-k sampling at a temperature; greedy for top_k=1 or T=0."""
+    logits = logits.float()
+    if temperature == 0 or top_k == 1:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.size(-1):
+        v, ix = torch.topk(logits, top_k, dim=-1)
+        return torch.gather(ix, -1, torch.multinomial(F.softmax(v, dim=-1), 1, generator=generator))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
 def load_checkpoint_model(path, map_location="cpu"):
     """The GPT stored in one of our checkpoints (model_*.pt), in fp32."""
     if not os.path.isfile(path):
         raise UsageError(f"checkpoint not found: {path}")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # truncated or not a torch file at all
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
+        raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no 'model'/'config')")
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     return model
+
+
+def export_hf(model, out_dir):
+    """Write model as a transformers GPT2LMHeadModel directory (config.json + safetensors), vocab unpadded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.config
+    if not c.bias or c.n_kv_head != c.n_head:
+        raise UsageError("only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
+                         + ("no biases" if not c.bias else f"n_kv_head {c.n_kv_head} != n_head {c.n_head}"))
+    hc = GPT2Config(vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                    n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                    resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
+                    bos_token_id=GPT2_VOCAB_SIZE - 1, eos_token_id=GPT2_VOCAB_SIZE - 1, tie_word_embeddings=True)
+    hf = GPT2LMHeadModel(hc)
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    sd = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().float().cpu()
+        if k.endswith(conv1d):
+            v = v.t()  # nn.Linear (out, in) -> HF Conv1D (in, out)
+        if k in ("transformer.wte.weight", "lm_head.weight"):
+            v = v[: c.real_vocab_size]
+        sd[k] = v.contiguous()
+    hf.load_state_dict(sd, strict=True)
+    hf.save_pretrained(out_dir)
+    return hf
 
 
 def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
@@ -518,6 +637,8 @@ def build_parser():
     p = argparse.ArgumentParser(
         description="Pretrain GPT-2 on FineWeb-Edu shards. One process: python train_gpt2.py; "
                     "several: torchrun --standalone --nproc_per_node=8 train_gpt2.py.",
+        epilog="Other commands: `train_gpt2.py sample --help` (text from a checkpoint or GPT-2), "
+               "`train_gpt2.py export --help` (a checkpoint as a transformers model directory).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS),
@@ -526,6 +647,14 @@ def build_parser():
     g.add_argument("--n_head", type=int, default=None, help="override the preset's attention heads")
     g.add_argument("--n_embd", type=int, default=None, help="override the preset's embedding width")
     g.add_argument("--block_size", type=int, default=None, help="override the preset's context length (default 1024)")
+    g.add_argument("--n_kv_head", type=int, default=None,
+                   help="key/value heads for grouped-query attention (must divide n_head; 1 = MQA; default n_head)")
+    g.add_argument("--dropout", type=float, default=0.0, help="attention, residual and embedding dropout while training")
+    g.add_argument("--bias", default=True, action=argparse.BooleanOptionalAction,
+                   help="biases in Linear and LayerNorm layers (GPT-2 has them)")
+    g.add_argument("--init_from", default=None, metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
+                   help="start from OpenAI's GPT-2 weights (hub name, or a save_pretrained directory) instead of "
+                        "a random init; the shape flags above are then taken from those weights")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_lr", type=float, default=6e-4, help="peak learning rate")
     g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate as a fraction of max_lr")
@@ -590,9 +719,10 @@ def parse_args(argv=None):
 
 def model_config_from_args(args):
     shape = dict(MODEL_PRESETS[args.preset])
-    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head"):
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
+    shape.update(dropout=args.dropout, bias=args.bias)
     try:
         return GPTConfig(**shape)
     except ValueError as e:
@@ -706,6 +836,19 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
 # -----------------------------------------------------------------------------
 # Training
 
+def find_resume_path(args):
+    if args.resume is None:
+        return None
+    if args.resume == "latest":
+        found = find_checkpoints(args.log_dir)
+        if not found:
+            raise UsageError(f"--resume latest: no model_*.pt checkpoint in {args.log_dir}")
+        return found[-1]
+    if os.path.isfile(args.resume):
+        return args.resume
+    raise UsageError(f"--resume {args.resume}: no such checkpoint")
+
+
 def setup_distributed(device_arg):
     """(ddp, rank, local_rank, world_size, device) from torchrun's environment; one process without it."""
     import torch.distributed as dist
@@ -741,7 +884,22 @@ def train(args):
         if master_process:
             print(*a, **kw, flush=True)
 
-    config = model_config_from_args(args)
+    # ---- the model's shape: a checkpoint's when resuming, OpenAI's with --init_from, else the flags'
+    ckpt, pretrained = None, None
+    resume_path = find_resume_path(args)
+    if resume_path is not None:
+        ckpt = torch.load(resume_path, map_location="cpu", weights_only=False)
+        config = GPTConfig(**ckpt["config"])
+        if args.init_from is None and asdict(model_config_from_args(args)) != asdict(config):
+            raise UsageError(f"{resume_path} holds a model of config {asdict(config)}, "
+                             f"the flags ask for {asdict(model_config_from_args(args))}")
+    elif args.init_from is not None:
+        if args.n_kv_head is not None or not args.bias:
+            raise UsageError("--init_from loads GPT-2's architecture: drop --n_kv_head / --no-bias")
+        pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
+        config = pretrained.config
+    else:
+        config = model_config_from_args(args)
     unit = args.micro_batch_size * args.sequence_length * world_size  # tokens of one micro-step, all ranks
     check_batch(args, world_size, config.block_size)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
@@ -753,18 +911,7 @@ def train(args):
 
     # ---- log dir: never clobber an earlier run by accident
     log_file = os.path.join(args.log_dir, "log.txt")
-    resume_path = None
-    if args.resume is not None:
-        if args.resume == "latest":
-            found = find_checkpoints(args.log_dir)
-            if not found:
-                raise UsageError(f"--resume latest: no model_*.pt checkpoint in {args.log_dir}")
-            resume_path = found[-1]
-        elif os.path.isfile(args.resume):
-            resume_path = args.resume
-        else:
-            raise UsageError(f"--resume {args.resume}: no such checkpoint")
-    elif not args.overwrite and ((os.path.exists(log_file) and os.path.getsize(log_file) > 0)
+    if resume_path is None and not args.overwrite and ((os.path.exists(log_file) and os.path.getsize(log_file) > 0)
                                  or find_checkpoints(args.log_dir)):
         raise UsageError(f"{args.log_dir} holds an earlier run (log.txt or model_*.pt): pass --resume latest "
                          f"to continue it, --overwrite to start afresh, or another --log_dir")
@@ -781,7 +928,8 @@ def train(args):
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     random.seed(args.seed)
-    raw_model = GPT(config).to(device)  # unwrapped, uncompiled: saved, evaluated on HellaSwag, sampled
+    # unwrapped, uncompiled: saved, evaluated on HellaSwag, sampled
+    raw_model = (pretrained if pretrained is not None else GPT(config)).to(device)
     print0(f"model: {raw_model.get_num_params():,} parameters")
     if args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -794,10 +942,7 @@ def train(args):
     optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, verbose=master_process)
 
     start_step, val_loss, tokens_seen = 0, None, 0
-    if resume_path is not None:
-        ckpt = torch.load(resume_path, map_location="cpu", weights_only=False)
-        if ckpt["config"] != asdict(config):
-            raise UsageError(f"{resume_path} holds a model of config {ckpt['config']}, this run asks for {asdict(config)}")
+    if ckpt is not None:
         load_full_state_dicts(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])
         train_loader.load_state_dict(ckpt["loader"])
         set_rng_state(ckpt["rng"])
@@ -901,10 +1046,81 @@ def train(args):
         dist.destroy_process_group()
 
 
+# -----------------------------------------------------------------------------
+# Subcommands: sample, export
+
+def build_sample_parser():
+    p = argparse.ArgumentParser(prog="train_gpt2.py sample", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="Sample text from one of our checkpoints or from OpenAI's GPT-2.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a model_*.pt written by training")
+    src.add_argument("--init_from", metavar="gpt2|...|DIR", help="OpenAI GPT-2 weights (hub name or save_pretrained dir)")
+    p.add_argument("--prompt", default="Hello, I'm a language model,", help="text to continue")
+    p.add_argument("--num_samples", type=int, default=4, help="independent samples")
+    p.add_argument("--max_new_tokens", type=int, default=64, help="tokens to generate per sample")
+    p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens (1 = greedy, 0 = all)")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0 = greedy)")
+    p.add_argument("--seed", type=int, default=1337, help="sampling seed")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="bf16 on CUDA for auto")
+    p.add_argument("--no_kv_cache", action="store_true", help="recompute the whole sequence every token (slow; for comparison)")
+    return p
+
+
+def load_model(checkpoint=None, init_from=None, device="cpu"):
+    """A raw GPT in eval mode from our checkpoint or from OpenAI's weights."""
+    model = load_checkpoint_model(checkpoint) if checkpoint else GPT.from_pretrained(init_from)
+    return model.to(device).eval()
+
+
+def sample_main(argv):
+    import tiktoken
+
+    args = build_sample_parser().parse_args(argv)
+    if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature < 0:
+        raise UsageError("--num_samples and --max_new_tokens must be positive, --temperature non-negative")
+    device = resolve_device(args.device)
+    device_type = device.split(":")[0]
+    model = load_model(args.checkpoint, args.init_from, device)
+    enc = tiktoken.get_encoding("gpt2")
+    tokens = enc.encode(args.prompt, allowed_special={"<|endoftext|>"}) or [GPT2_VOCAB_SIZE - 1]
+    if len(tokens) + args.max_new_tokens > model.config.block_size:
+        raise UsageError(f"prompt ({len(tokens)} tokens) + --max_new_tokens ({args.max_new_tokens}) exceeds the "
+                         f"model's block_size {model.config.block_size}")
+    idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
+    ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    with ctx:
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             generator=gen, use_cache=not args.no_kv_cache)
+    for i in range(args.num_samples):
+        print(f"--- sample {i}\n{enc.decode(out[i].tolist())}")
+    return 0
+
+
+def export_main(argv):
+    p = argparse.ArgumentParser(prog="train_gpt2.py export",
+                                description="Write a checkpoint as a transformers GPT2LMHeadModel directory "
+                                            "(config.json + model.safetensors) for GPT2LMHeadModel.from_pretrained.")
+    p.add_argument("--checkpoint", required=True, help="a model_*.pt written by training")
+    p.add_argument("--out", required=True, help="new (or empty) directory to write")
+    args = p.parse_args(argv)
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        raise UsageError(f"--out {args.out} exists and is not an empty directory: choose a new one")
+    model = load_checkpoint_model(args.checkpoint)
+    export_hf(model, args.out)
+    print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
+    return 0
+
+
 def main(argv=None):
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = {"sample": sample_main, "export": export_main}
     try:
-        train(args)
+        if argv and argv[0] in commands:
+            return commands[argv[0]](argv[1:])
+        train(parse_args(argv))
     except UsageError as e:
         if int(os.environ.get("RANK", 0)) == 0 or e.rank_specific:
             print(f"error: {e}", file=sys.stderr)
