@@ -703,6 +703,14 @@ def build_parser():
                    help="start afresh in log_dir, deleting its log.txt and model_*.pt")
     g.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue from the newest checkpoint in log_dir, or from PATH")
+    g.add_argument("--profile", default=None, choices=["continue", "exit"],
+                   help="run torch.profiler over a few training steps (--profile_schedule), write a trace to "
+                        "<log_dir>/profile/ (Perfetto / TensorBoard) and print the top ops, then continue or exit")
+    g.add_argument("--profile_schedule", default="1,1,3", metavar="WAIT,WARMUP,ACTIVE",
+                   help="profiler schedule in steps: skipped, warmed up (not recorded), recorded")
+    g.add_argument("--wandb_project", default=None,
+                   help="also log metrics to this Weights & Biases project (needs `pip install wandb`)")
+    g.add_argument("--wandb_run_name", default=None, help="W&B run name (default: W&B picks one)")
     g.add_argument("--stop_step", type=int, default=None,
                    help="leave after this many steps with a checkpoint, keeping the schedule of --max_steps "
                         "(for jobs with a time limit; continue with --resume latest)")
@@ -835,6 +843,61 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
 
 # -----------------------------------------------------------------------------
 # Training
+
+class Metrics:
+    """Where a run's numbers go: log.txt on the master process, and W&B when --wandb_project is set."""
+
+    def __init__(self, log_file, master, wandb_run=None):
+        self.log_file, self.master, self.wandb_run = log_file, master, wandb_run
+
+    def log(self, step, kind, value, **extra):
+        """kind is a log.txt series (train/val/hella); extra numbers (lr, norm, ...) go to W&B only."""
+        if not self.master:
+            return
+        append_log(self.log_file, step, kind, value)
+        if self.wandb_run is not None:
+            self.wandb_run.log({kind: value, **{f"{kind}/{k}": v for k, v in extra.items()}}, step=step)
+
+    def finish(self):
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def init_wandb(args, config):
+    try:
+        import wandb
+    except ImportError:
+        raise UsageError("--wandb_project needs the wandb package: pip install wandb") from None
+    return wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=config)
+
+
+def parse_profile_schedule(text):
+    try:
+        wait, warmup, active = (int(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"--profile_schedule {text!r}: expected three integers WAIT,WARMUP,ACTIVE") from None
+    if min(wait, warmup) < 0 or active < 1:
+        raise UsageError(f"--profile_schedule {text!r}: WAIT and WARMUP must be >= 0 and ACTIVE >= 1")
+    return wait, warmup, active
+
+
+def start_profiler(args, device_type, rank):
+    """A torch.profiler session over the next wait+warmup+active steps; returns (profiler, steps)."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    wait, warmup, active = parse_profile_schedule(args.profile_schedule)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    out = os.path.join(args.log_dir, "profile")
+    prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(out, worker_name=f"rank{rank}"), record_shapes=True)
+    prof.start()
+    return prof, wait + warmup + active
+
+
+def format_eta(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
 
 def find_resume_path(args):
     if args.resume is None:
@@ -970,6 +1033,11 @@ def train(args):
                 os.remove(path)
             open(log_file, "w").close()
 
+    run_config = {**vars(args), "world_size": world_size, "model": asdict(config)}
+    metrics = Metrics(log_file, master_process, init_wandb(args, run_config) if args.wandb_project and master_process else None)
+    if args.profile:
+        parse_profile_schedule(args.profile_schedule)  # a bad schedule fails now, not after the first evals
+
     enc = None
     if args.sample_every > 0:
         import tiktoken
@@ -983,6 +1051,8 @@ def train(args):
 
     min_lr = args.max_lr * args.min_lr_ratio
     end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
+    prof, prof_steps_left = start_profiler(args, device_type, rank) if args.profile else (None, 0)
+    dt_avg = None  # smoothed step time, for the ETA
     for step in range(start_step, end_step):
         last_step = step == args.max_steps - 1
 
@@ -990,8 +1060,7 @@ def train(args):
         if due(args.eval_every, step):
             val_loss = evaluate_loss(model, val_loader, val_tokens, device, autocast_ctx, world_size)
             print0(f"validation loss: {val_loss:.4f}")
-            if master_process:
-                append_log(log_file, step, "val", val_loss)
+            metrics.log(step, "val", val_loss)
 
         # ---- HellaSwag
         if due(args.hellaswag_every, step):
@@ -1028,12 +1097,35 @@ def train(args):
         tokens_seen += batch_size
         dt = time.time() - t0
         tokens_per_sec = batch_size / dt
-        ramp = f" | batch {batch_size}" if args.batch_ramp_tokens > 0 else ""
-        mfu = f" | mfu {100 * flops_tok * tokens_per_sec / (peak * world_size):.1f}%" if peak else ""
-        print0(f"step {step:5d} | loss {loss.item():.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
-               f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}{ramp}{mfu}")
-        if master_process:
-            append_log(log_file, step, "train", loss.item())
+        if step > start_step:  # the first step compiles and warms up: keep it out of the ETA
+            dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        extra = {"lr": lr, "norm": norm.item(), "tok_per_sec": tokens_per_sec}
+        line = (f"step {step:5d} | loss {loss.item():.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
+                f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}")
+        if args.batch_ramp_tokens > 0:
+            line += f" | batch {batch_size}"
+        if peak:
+            extra["mfu"] = flops_tok * tokens_per_sec / (peak * world_size)
+            line += f" | mfu {100 * extra['mfu']:.1f}%"
+        if device_type == "cuda":
+            extra["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            line += f" | mem {extra['mem_gib']:.1f}GiB"
+        if dt_avg is not None:
+            line += f" | eta {format_eta((end_step - step - 1) * dt_avg)}"
+        print0(line)
+        metrics.log(step, "train", loss.item(), **extra)
+
+        if prof is not None:
+            prof.step()
+            prof_steps_left -= 1
+            if prof_steps_left == 0:
+                prof.stop()  # the trace handler has written <log_dir>/profile/rank{r}.*.pt.trace.json
+                sort = "self_cuda_time_total" if device_type == "cuda" else "self_cpu_time_total"
+                print0(prof.key_averages().table(sort_by=sort, row_limit=20))
+                print0(f"profiler trace in {os.path.join(args.log_dir, 'profile')} (open in ui.perfetto.dev or TensorBoard)")
+                prof = None
+                if args.profile == "exit":
+                    break
 
         # ---- checkpoint after the update, so model_{step}.pt includes step `step`
         stopping = step == end_step - 1
@@ -1042,6 +1134,7 @@ def train(args):
             save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args, tokens_seen, master_process)
             print0(f"saved {path}")
 
+    metrics.finish()
     if ddp:
         dist.destroy_process_group()
 
