@@ -1,0 +1,220 @@
+"""
+Measure the hot paths of this repository for one setting, and print one table (or --json).
+
+    python bench.py --preset tiny                                   # CPU, under a minute
+    python bench.py --preset gpt2 -B 64 -T 1024 --device cuda        # GPT-2 124M on a GPU (bf16, compiled)
+
+Rows: training (tokens/s, ms/step, MFU, peak memory; median of timed steps after warm-up, GPU
+synchronized), HellaSwag scoring (batched vs one example per forward), generation (KV cache vs
+recompute, 128 new tokens), DataLoaderLite (µs/batch and resident memory over memory-mapped shards),
+fineweb tokenization (tokens/s). All inputs are synthetic, so nothing needs to be downloaded.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import train_gpt2 as tg
+
+
+def sync(device_type):
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device_type, warmup, iters):
+    """Median seconds of fn() over iters calls after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync(device_type)
+        t0 = time.perf_counter()
+        fn()
+        sync(device_type)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class RandomLoader:
+    """Stands in for DataLoaderLite: random token batches already on the device."""
+
+    def __init__(self, B, T, vocab, device):
+        self.B, self.T, self.vocab, self.device = B, T, vocab, device
+
+    def next_batch(self):
+        buf = torch.randint(0, self.vocab, (self.B * self.T + 1,), device=self.device)
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+
+
+def rss_bytes():
+    """Resident memory of this process now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def bench_training(args, config, device, device_type, autocast_ctx):
+    model = tg.GPT(config).to(device)
+    optimizer = model.configure_optimizers(0.1, 6e-4, device_type, verbose=False)
+    if args.foreach_adamw:
+        for g in optimizer.param_groups:
+            g["fused"], g["foreach"] = False, True
+    train_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
+    loader = RandomLoader(args.micro_batch_size, args.sequence_length, config.real_vocab_size, device)
+    accum = args.grad_accum
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        tg.forward_backward(train_model, loader, accum, device, autocast_ctx)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    dt = timed(step, device_type, args.warmup, args.steps)
+    tokens = args.micro_batch_size * args.sequence_length * accum
+    flops = tg.flops_per_token(config, model.get_num_params(non_embedding=True), args.sequence_length)
+    peak = args.peak_flops or (tg.peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None)
+    row = {"tokens_per_sec": tokens / dt, "ms_per_step": dt * 1000, "tokens_per_step": tokens,
+           "mfu": flops * tokens / dt / peak if peak else None,
+           "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device_type == "cuda" else None}
+    del model, optimizer, train_model
+    return row
+
+
+def bench_generation(args, config, device, device_type, autocast_ctx):
+    torch.manual_seed(0)
+    model = tg.GPT(config).to(device).eval()
+    prompt = torch.randint(0, config.real_vocab_size, (1, 16), device=device)
+    new = min(128, config.block_size - 16)
+    rows = {}
+    for use_cache in (True, False):
+        def run():
+            with autocast_ctx:
+                model.generate(prompt, new, top_k=1, use_cache=use_cache)
+        dt = timed(run, device_type, 1, 3)
+        rows["kv_cache" if use_cache else "no_cache"] = new / dt
+    rows["speedup"] = rows["kv_cache"] / rows["no_cache"]
+    rows["new_tokens"] = new
+    return rows
+
+
+def bench_loader(args, tmp):
+    """DataLoaderLite over two 10M-token shards: µs per next_batch and the resident memory it adds."""
+    rng = np.random.default_rng(0)
+    for i, split in enumerate(("val", "train", "train")):
+        np.save(os.path.join(tmp, f"bench_{split}_{i:06d}.npy"), rng.integers(0, 50257, 10_000_000, dtype=np.uint16))
+    before = rss_bytes()
+    loader = tg.DataLoaderLite(args.micro_batch_size, args.sequence_length, split="train", data_root=tmp)
+    n = max(1, min(2000, 20_000_000 // (args.micro_batch_size * args.sequence_length)))  # about one pass
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loader.next_batch()
+    dt = time.perf_counter() - t0
+    return {"us_per_batch": dt / n * 1e6, "batches": n, "rss_added_mib": (rss_bytes() - before) / 2**20,
+            "shard_tokens": 10_000_000}
+
+
+def fmt(v, unit=""):
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:,.3g}{unit}" if abs(v) < 100 else f"{v:,.0f}{unit}"
+    return f"{v}{unit}"
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(tg.MODEL_PRESETS), help="model shape")
+    p.add_argument("-B", "--micro_batch_size", type=int, default=None, help="sequences per forward (default: 64 on CUDA, 8 elsewhere)")
+    p.add_argument("-T", "--sequence_length", type=int, default=None, help="tokens per sequence (default: the preset's block size)")
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="bf16 on CUDA for auto")
+    p.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction, help="torch.compile (default: on for CUDA)")
+    p.add_argument("--compile_mode", default=None, choices=[None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode")
+    p.add_argument("--foreach_adamw", action="store_true", help="multi-tensor AdamW instead of the fused one on CUDA")
+    p.add_argument("--peak_flops", type=float, default=None, help="peak FLOP/s for MFU (default: known GPUs)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed training steps first (default: 3, 10 with compile)")
+    p.add_argument("--steps", type=int, default=5, help="timed training steps (the median is reported)")
+    p.add_argument("--only", default="train,hellaswag,generate,loader,fineweb",
+                   help="comma-separated subset of rows to measure")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        device = tg.resolve_device(args.device)
+    except tg.UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    device_type = device.split(":")[0]
+    config = tg.GPTConfig(**tg.MODEL_PRESETS[args.preset])
+    args.micro_batch_size = args.micro_batch_size or (64 if device_type == "cuda" else 8)
+    args.sequence_length = args.sequence_length or config.block_size
+    if args.sequence_length > config.block_size:
+        print(f"error: -T {args.sequence_length} exceeds the {args.preset} block size {config.block_size}", file=sys.stderr)
+        return 1
+    args.compile = args.compile if args.compile is not None else device_type == "cuda"
+    args.warmup = args.warmup if args.warmup is not None else (10 if args.compile else 3)
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
+    autocast_ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    only = set(args.only.split(","))
+
+    results = {"setting": {"preset": args.preset, "B": args.micro_batch_size, "T": args.sequence_length,
+                           "grad_accum": args.grad_accum, "device": device, "dtype": "bf16" if use_bf16 else "fp32",
+                           "compile": args.compile, "compile_mode": args.compile_mode, "torch": torch.__version__,
+                           "gpu": torch.cuda.get_device_name(device) if device_type == "cuda" else None,
+                           "threads": torch.get_num_threads()}}
+    if "train" in only:
+        results["train"] = bench_training(args, config, device, device_type, autocast_ctx)
+    if "generate" in only:
+        results["generate"] = bench_generation(args, config, device, device_type, autocast_ctx)
+    if "loader" in only:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["loader"] = bench_loader(args, tmp)
+
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print("setting: " + ", ".join(f"{k}={v}" for k, v in results["setting"].items()))
+    print(f"{'what':<34} {'value':>16}")
+    rows = []
+    if "train" in results:
+        t = results["train"]
+        rows += [("train tokens/s", fmt(t["tokens_per_sec"])), ("train ms/step", fmt(t["ms_per_step"])),
+                 ("train MFU", fmt(t["mfu"] * 100 if t["mfu"] else None, "%")),
+                 ("train peak GPU memory", fmt(t["peak_mem_gib"], " GiB"))]
+    if "generate" in results:
+        g = results["generate"]
+        rows += [(f"generate tok/s, KV cache ({g['new_tokens']} new)", fmt(g["kv_cache"])),
+                 (f"generate tok/s, recompute ({g['new_tokens']} new)", fmt(g["no_cache"])),
+                 ("generate KV-cache speedup", fmt(g["speedup"], "x"))]
+    if "loader" in results:
+        d = results["loader"]
+        rows += [("DataLoaderLite µs/batch", fmt(d["us_per_batch"])),
+                 ("DataLoaderLite RSS added", fmt(d["rss_added_mib"], " MiB"))]
+    for name, value in rows:
+        print(f"{name:<34} {value:>16}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
