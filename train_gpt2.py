@@ -899,6 +899,26 @@ def format_eta(seconds):
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def hellaswag_module(every, master_process, world_size, device):
+    """hellaswag.py when its val data can be had on every rank, else None after one warning."""
+    if every <= 0:
+        return None
+    import hellaswag
+
+    ok = torch.ones((), device=device)
+    for turn in ("master", "others"):  # the master downloads first, the other ranks then find the file
+        if master_process == (turn == "master"):
+            try:
+                hellaswag.download("val")
+            except hellaswag.HellaSwagUnavailable as e:
+                print(f"warning: HellaSwag evaluation turned off: {e}", flush=True)
+                ok.zero_()
+        if world_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # also the barrier between the turns
+    return hellaswag if ok.item() == 1 else None
+
+
 def find_resume_path(args):
     if args.resume is None:
         return None
@@ -1038,6 +1058,8 @@ def train(args):
     if args.profile:
         parse_profile_schedule(args.profile_schedule)  # a bad schedule fails now, not after the first evals
 
+    hella = hellaswag_module(args.hellaswag_every, master_process, world_size, device)
+
     enc = None
     if args.sample_every > 0:
         import tiktoken
@@ -1062,9 +1084,17 @@ def train(args):
             print0(f"validation loss: {val_loss:.4f}")
             metrics.log(step, "val", val_loss)
 
-        # ---- HellaSwag
-        if due(args.hellaswag_every, step):
-            pass  # wired in with hellaswag.py
+        # ---- HellaSwag acc_norm of the raw model: any shape works, compiled or not
+        if hella is not None and due(args.hellaswag_every, step):
+            try:
+                res = hella.evaluate(raw_model, device, limit=args.hellaswag_limit, rank=rank, world_size=world_size,
+                                     autocast_dtype=torch.bfloat16 if use_bf16 else None, device_type=device_type)
+            except hella.HellaSwagUnavailable as e:  # e.g. the file went away mid-run
+                print0(f"warning: HellaSwag evaluation turned off: {e}")
+                hella = None
+            else:
+                print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
+                metrics.log(step, "hella", res["acc_norm"])
 
         # ---- samples from the raw model (any prompt length works, compiled or not)
         if args.sample_every > 0 and ((step > 0 and step % args.sample_every == 0) or last_step):

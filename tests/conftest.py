@@ -37,3 +37,20 @@ def shard_dir(tmp_path):
     write_shards(root, "val", [5000], seed=1)
     write_shards(root, "train", [7000, 6000, 6500], seed=2)
     return root
+
+
+def write_hellaswag(folder, n, seed=0):
+    """A hellaswag_val.jsonl of n made-up examples in the original schema."""
+    import json
+    import random
+    rng = random.Random(seed)
+    words = "the a man woman dog ball runs jumps into water slowly then picks up throws it over fence".split()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "hellaswag_val.jsonl"), "w") as f:
+        for i in range(n):
+            ctx_a = " ".join(rng.choice(words) for _ in range(rng.randint(5, 12))).capitalize() + "."
+            ctx_b = " ".join(rng.choice(words) for _ in range(rng.randint(2, 5)))
+            endings = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "." for _ in range(4)]
+            f.write(json.dumps({"ind": i, "activity_label": "Fixture", "ctx_a": ctx_a, "ctx_b": ctx_b,
+                                "ctx": f"{ctx_a} {ctx_b}", "split": "val", "split_type": "indomain",
+                                "endings": endings, "label": rng.randrange(4), "source_id": f"fixture~{i}"}) + "\n")

@@ -119,3 +119,26 @@ def test_batch_ramp_resumes_exactly(shard_dir, tmp_path):
     r = run_cli(*tiny_run_args(shard_dir, b, *ramp, "--resume", "latest"))
     assert r.returncode == 0, r.stderr
     assert open(os.path.join(a, "log.txt")).read() == open(os.path.join(b, "log.txt")).read()
+
+
+def test_hellaswag_in_training_one_and_two_processes(single, tmp_path, monkeypatch):
+    from conftest import write_hellaswag
+    import hellaswag
+    data, _ = single
+    hdir = str(tmp_path / "hs")
+    write_hellaswag(hdir, 13)  # odd, so the ranks get 7 and 6 examples
+    monkeypatch.setenv("HELLASWAG_DIR", hdir)
+    hs = ["--max_steps", "2", "--hellaswag_every", "1", "--eval_every", "0", "--sample_every", "0",
+          "--save_every", "0", "--total_batch_size", "256"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    r = run_cli(*tiny_run_args(data, one, *hs))
+    assert r.returncode == 0, r.stderr
+    r2 = torchrun(*tiny_run_args(data, two, *hs))
+    assert r2.returncode == 0, r2.stderr
+    assert "HellaSwag accuracy: " in r.stdout and "/13=" in r2.stdout
+    a, b = losses(one)["hella"], losses(two)["hella"]
+    assert a[0] == b[0] == [0, 1] and a[1] == pytest.approx(b[1], abs=1e-9)
+    # step 0 scores the freshly initialized model: the same number from hellaswag.evaluate directly
+    torch.manual_seed(1337)
+    init = tg.GPT(tg.model_config_from_args(tg.parse_args(tiny_run_args(data, one))))
+    assert hellaswag.evaluate(init, "cpu")["acc_norm"] == pytest.approx(a[1][0], abs=1e-4)

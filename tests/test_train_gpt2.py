@@ -406,3 +406,13 @@ def test_preset_defaults_and_overrides():
     assert tg.model_config_from_args(tiny).n_layer == 4
     assert tg.model_config_from_args(tg.parse_args(["--preset", "tiny", "--n_layer", "2"])).n_layer == 2
     assert tg.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu") or torch.backends.mps.is_available()
+
+
+def test_hellaswag_missing_data_warns_and_trains_on(shard_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HELLASWAG_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("HELLASWAG_OFFLINE", "1")
+    log = str(tmp_path / "log")
+    r = run_cli(*tiny_run_args(shard_dir, log, "--hellaswag_every", "2", "--max_steps", "3", "--sample_every", "0"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("warning: HellaSwag evaluation turned off") == 1
+    assert "hella" not in tg.read_log(os.path.join(log, "log.txt"))
