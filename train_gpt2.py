@@ -422,7 +422,7 @@ class DataLoaderLite:
         self.shards = list_shards(data_root, split)
         if not self.shards:
             raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: "
-                             f"prepare them with `python fineweb.py` (see --help there)")
+                             f"prepare them with `python fineweb.py` (see --help there)", rank_specific=True)
         self.tokens = [np.load(path, mmap_mode="r") for path in self.shards]
         for path, arr in zip(self.shards, self.tokens):
             if arr.dtype != np.uint16 or arr.ndim != 1:
@@ -687,7 +687,15 @@ def build_parser():
     g.add_argument("--save_every", type=int, default=5000, help="checkpoint every N steps; the last step is always saved")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1337, help="seed for init, data order and sampling")
-    g.add_argument("--data_root", default=DEFAULT_DATA_ROOT, help="folder of *_train_*.npy / *_val_*.npy shards")
+    g.add_argument("--data_root", default=DEFAULT_DATA_ROOT,
+                   help="folder of *_train_*.npy / *_val_*.npy shards; when it has none, rank 0 prepares them "
+                        "with fineweb.py (just the tokens the run needs, at least 10M)")
+    g.add_argument("--fineweb_name", default="sample-10BT", choices=["sample-10BT", "sample-100BT", "sample-350BT"],
+                   help="FineWeb-Edu sample to prepare when data_root is empty")
+    g.add_argument("--input", nargs="+", default=None, metavar="PATH",
+                   help="prepare data_root from these local .txt/.jsonl/.parquet files (or globs) instead of "
+                        "downloading FineWeb-Edu")
+    g.add_argument("--text_column", default="text", help="text field of --input .jsonl/.parquet files")
     g.add_argument("--log_dir", default="log", help="where log.txt and model_*.pt go")
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
@@ -899,6 +907,57 @@ def format_eta(seconds):
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+# approximate GPT-2 token counts of the FineWeb-Edu samples: a run needing most of one takes it whole
+FINEWEB_SAMPLE_TOKENS = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}
+MIN_PREP_TOKENS = 10_000_000
+
+
+def ensure_data(args, train_tokens, val_tokens, master_process, world_size, device, print0):
+    """Make sure data_root has shards: if it has none, the master prepares them while the others wait.
+
+    With several nodes, data_root must be on a shared filesystem for this (or prepared on each node first).
+    """
+    have = torch.tensor(float(bool(list_shards(args.data_root, "train")) and bool(list_shards(args.data_root, "val"))),
+                        device=device)
+    if world_size > 1:
+        import torch.distributed as dist
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank takes the same branch below
+    if have.item() == 1.0:
+        manifest = os.path.join(args.data_root, "manifest.json")
+        if master_process and os.path.exists(manifest):
+            import json
+            with open(manifest) as f:
+                info = json.load(f)
+            if info.get("complete") and info.get("total_tokens", float("inf")) < train_tokens:
+                print0(f"note: {args.data_root} holds {info['total_tokens']:,} tokens and the run reads {train_tokens:,}: "
+                       f"it will go over the data more than once")
+        return
+    message = None
+    if master_process:
+        import fineweb
+
+        needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
+        full = args.input is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS[args.fineweb_name]
+        max_tokens = None if full else needed
+        what = " ".join(args.input) if args.input else f"FineWeb-Edu {args.fineweb_name}"
+        print0(f"no shards in {args.data_root}: preparing them from {what}"
+               + (f" ({max_tokens:,} tokens)" if max_tokens else ""))
+        try:
+            fineweb.prepare(args.data_root, name=args.fineweb_name, inputs=args.input, text_column=args.text_column,
+                            max_tokens=max_tokens, val_tokens=None if full else min(max(val_tokens, 1), max_tokens // 2))
+        except fineweb.DataPrepError as e:
+            message = f"preparing {args.data_root} failed: {e}"
+    ok = torch.tensor(0.0 if message else 1.0)
+    if world_size > 1:
+        import datetime
+        import torch.distributed as dist
+        # preparing 10B tokens takes hours, far past NCCL's collective timeout: wait on a gloo group of our own
+        waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=waiting)
+    if ok.item() != 1.0:
+        raise UsageError(message or "data preparation failed on rank 0 (see its message)")
+
+
 def hellaswag_module(every, master_process, world_size, device):
     """hellaswag.py when its val data can be had on every rank, else None after one warning."""
     if every <= 0:
@@ -1003,7 +1062,8 @@ def train(args):
                            "grad_accum_steps": args.total_batch_size // unit, "bf16": use_bf16,
                            "compile": use_compile, "val_tokens": val_tokens, "model": asdict(config)})
 
-    # ---- data
+    # ---- data: prepared here on first use
+    ensure_data(args, args.max_steps * args.total_batch_size, val_tokens, master_process, world_size, device, print0)
     train_loader = DataLoaderLite(args.micro_batch_size, args.sequence_length, rank, world_size, "train", args.data_root, args.seed)
     val_loader = DataLoaderLite(args.micro_batch_size, args.sequence_length, rank, world_size, "val", args.data_root, args.seed)
 

@@ -54,3 +54,18 @@ def write_hellaswag(folder, n, seed=0):
             f.write(json.dumps({"ind": i, "activity_label": "Fixture", "ctx_a": ctx_a, "ctx_b": ctx_b,
                                 "ctx": f"{ctx_a} {ctx_b}", "split": "val", "split_type": "indomain",
                                 "endings": endings, "label": rng.randrange(4), "source_id": f"fixture~{i}"}) + "\n")
+
+
+def write_corpus_jsonl(path, n_docs=200, seed=0):
+    """A small .jsonl corpus of made-up English-like documents (a `text` field each)."""
+    import json
+    import random
+    rng = random.Random(seed)
+    words = ("the of and to in is was for on that with as by at from his her an were are which this be or "
+             "river mountain city school teacher student science history water light energy plant animal "
+             "learned built grew studied measured found wrote taught").split()
+    with open(path, "w") as f:
+        for _ in range(n_docs):
+            sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "."
+                         for _ in range(rng.randint(3, 8))]
+            f.write(json.dumps({"text": " ".join(sentences)}) + "\n")

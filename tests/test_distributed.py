@@ -142,3 +142,15 @@ def test_hellaswag_in_training_one_and_two_processes(single, tmp_path, monkeypat
     torch.manual_seed(1337)
     init = tg.GPT(tg.model_config_from_args(tg.parse_args(tiny_run_args(data, one))))
     assert hellaswag.evaluate(init, "cpu")["acc_norm"] == pytest.approx(a[1][0], abs=1e-4)
+
+
+def test_rank0_prepares_data_while_others_wait(tmp_path):
+    from conftest import write_corpus_jsonl
+    corpus = str(tmp_path / "corpus.jsonl")
+    write_corpus_jsonl(corpus)
+    data, log = str(tmp_path / "data"), str(tmp_path / "log")
+    r = torchrun(*tiny_run_args(data, log, "--input", corpus, "--max_steps", "2", "--sample_every", "0",
+                                "--save_every", "0", "--total_batch_size", "256"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("preparing them from") == 1
+    assert tg.read_log(os.path.join(log, "log.txt"))["train"][0] == [0, 1]

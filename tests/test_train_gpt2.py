@@ -378,7 +378,7 @@ def test_resume_gives_identical_losses(shard_dir, tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["-T", "128"], "block_size"),
     (["--total_batch_size", "100"], "not divisible"),
-    (["--data_root", "/nonexistent/data"], "fineweb.py"),
+    (["--data_root", "/nonexistent/data"], "--input"),  # tries to prepare it; offline: explains --input
     (["--resume", "latest"], "no model_*.pt"),
     (["--n_head", "3"], "divisible"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["-B", "0"], "" if torch.cuda.is_available() else "CUDA"),
@@ -416,3 +416,15 @@ def test_hellaswag_missing_data_warns_and_trains_on(shard_dir, tmp_path, monkeyp
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("warning: HellaSwag evaluation turned off") == 1
     assert "hella" not in tg.read_log(os.path.join(log, "log.txt"))
+
+
+def test_train_prepares_missing_data_from_input(tmp_path):
+    from conftest import write_corpus_jsonl
+    corpus = str(tmp_path / "corpus.jsonl")
+    write_corpus_jsonl(corpus)
+    data, log = str(tmp_path / "data"), str(tmp_path / "log")
+    r = run_cli(*tiny_run_args(data, log, "--input", corpus, "--max_steps", "2", "--sample_every", "0", "--save_every", "0"))
+    assert r.returncode == 0, r.stderr
+    assert "preparing them from" in r.stdout
+    assert tg.list_shards(data, "val") and tg.list_shards(data, "train")
+    assert tg.read_log(os.path.join(log, "log.txt"))["train"][0] == [0, 1]
