@@ -1,0 +1,497 @@
+"""Tests for fineweb.py on small local fixtures: no network, tiny shards, a few seconds."""
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# tiktoken needs its GPT-2 files offline; CI exports this, fall back to the shared copy
+_cache = os.path.join(REPO, "..", "shared", "tiktoken_cache")
+if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(_cache):
+    os.environ["TIKTOKEN_CACHE_DIR"] = os.path.abspath(_cache)
+# never touch the network (datasets reads these when it is first imported)
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import fineweb  # noqa: E402
+from fineweb import EOT, DataPrepError, prepare  # noqa: E402
+
+WORDS = ("the of and to in is was for on that with as by at from education learning school students "
+         "teacher science history water energy cell plant animal river mountain city number theory "
+         "experiment result data model children reading writing mathematics language world").split()
+
+
+def make_docs(n, seed=0, min_words=20, max_words=200):
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))]
+        docs.append(f"Document {i}. " + " ".join(words) + ".\n\nThe end, n=" + str(rng.randint(0, 10**6)))
+    return docs
+
+
+def write_jsonl(path, docs, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({key: d, "id": len(d)}) + "\n")
+    return str(path)
+
+
+def write_parquet(path, docs, key="text"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({key: docs, "score": [1.0] * len(docs)}), str(path), row_group_size=50)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def enc():
+    import tiktoken
+    return tiktoken.get_encoding("gpt2")
+
+
+def expected_tokens(enc, docs):
+    out = []
+    for d in docs:
+        out.append(EOT)
+        out.extend(enc.encode_ordinary(d))
+    return np.array(out, dtype=np.uint16)
+
+
+def load(paths):
+    arrays = [np.load(p) for p in paths]
+    for a in arrays:
+        assert a.dtype == np.uint16 and a.ndim == 1
+    return np.concatenate(arrays)
+
+
+def cli(*args, env_extra=None):
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+# -----------------------------------------------------------------------------
+# layout, content, boundaries
+
+def test_constants():
+    assert EOT == 50256
+    assert os.path.isabs(fineweb.DEFAULT_DATA_ROOT)
+    assert fineweb.DEFAULT_DATA_ROOT == os.path.join(REPO, "edu_fineweb10B")
+    assert fineweb.shard_name(0) == "edufineweb_val_000000.npy"
+    assert fineweb.shard_name(12) == "edufineweb_train_000012.npy"
+
+
+def test_shard_layout_and_names(tmp_path, enc):
+    docs = make_docs(60)
+    src = write_parquet(tmp_path / "data.parquet", docs)
+    out = tmp_path / "out"
+    paths = prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False)
+    expected = expected_tokens(enc, docs)
+    n_shards = -(-len(expected) // 1000)
+    assert n_shards >= 4
+    names = [os.path.basename(p) for p in paths]
+    assert names == ["edufineweb_val_000000.npy"] + [f"edufineweb_train_{i:06d}.npy" for i in range(1, n_shards)]
+    # what the loader globs, and nothing else (no temp files left behind)
+    assert sorted(glob.glob(str(out / "*_val_[0-9]*.npy"))) == paths[:1]
+    assert sorted(glob.glob(str(out / "*_train_[0-9]*.npy"))) == paths[1:]
+    assert sorted(os.listdir(out)) == sorted(names + ["manifest.json"])
+    sizes = [len(np.load(p)) for p in paths]
+    assert sizes[:-1] == [1000] * (n_shards - 1)  # val is a full shard by default
+    assert 0 < sizes[-1] <= 1000  # the last partial shard is written
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    assert manifest["total_tokens"] == len(expected) == sum(sizes)
+    assert [s["file"] for s in manifest["shards"]] == names
+
+
+def test_round_trip_mixed_inputs(tmp_path, enc):
+    docs = make_docs(30, seed=1)
+    docs[3] = "Unicode: héllo wörld — 你好 🙂, and a literal <|endoftext|> inside the text."
+    txt_docs = ["A plain text file.\nSecond line.\n", "Another file, one document."]
+    for i, d in enumerate(txt_docs):
+        (tmp_path / f"t{i}.txt").write_text(d, encoding="utf-8")
+    a = write_jsonl(tmp_path / "a.jsonl", docs[:10])
+    b = write_parquet(tmp_path / "b.parquet", docs[10:])
+    # a quoted glob is expanded by fineweb itself, sorted
+    paths = prepare(tmp_path / "out", inputs=[a, b, str(tmp_path / "t*.txt")], shard_size=700, num_proc=1,
+                    progress=False)
+    all_docs = docs + txt_docs
+    tokens = load(paths)
+    assert tokens[0] == EOT
+    assert np.array_equal(tokens, expected_tokens(enc, all_docs))
+    assert enc.decode(tokens.tolist()) == "".join("<|endoftext|>" + d for d in all_docs)
+    # the literal "<|endoftext|>" in a document is text, not the delimiter
+    assert int((tokens == EOT).sum()) == len(all_docs)
+
+
+def test_document_split_across_shard_boundary(tmp_path, enc):
+    docs = make_docs(20, seed=2, min_words=150, max_words=300)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    paths = prepare(tmp_path / "out", inputs=[src], shard_size=500, num_proc=1, progress=False)
+    shards = [np.load(p) for p in paths]
+    # documents are longer than a shard, so shards start inside a document...
+    assert sum(s[0] != EOT for s in shards[1:]) >= 3
+    # ...and the document simply continues there: nothing lost, duplicated or reordered
+    assert np.array_equal(np.concatenate(shards), expected_tokens(enc, docs))
+
+
+def test_multi_batch_pool_matches_inline(tmp_path, monkeypatch, enc):
+    docs = make_docs(80, seed=3)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    monkeypatch.setattr(fineweb, "BATCH_CHARS", 2000)  # many small batches, boundaries inside them
+    one = prepare(tmp_path / "one", inputs=[src], shard_size=900, num_proc=1, progress=False)
+    two = prepare(tmp_path / "two", inputs=[src], shard_size=900, num_proc=2, progress=False)
+    assert [os.path.basename(p) for p in one] == [os.path.basename(p) for p in two]
+    for p, q in zip(one, two):
+        assert np.array_equal(np.load(p), np.load(q))
+    assert np.array_equal(load(one), expected_tokens(enc, docs))
+
+
+def test_empty_documents_are_skipped(tmp_path, enc):
+    docs = ["first", "", "third"]
+    src = write_parquet(tmp_path / "d.parquet", docs)
+    paths = prepare(tmp_path / "out", inputs=[src], shard_size=100, num_proc=1, progress=False)
+    assert np.array_equal(load(paths), expected_tokens(enc, ["first", "third"]))
+
+
+def test_tokenize_batch_matches_encode_ordinary(enc):
+    texts = ["Hello world", "", None, "lone surrogate \ud800 from a JSON escape", "<|endoftext|> as text"]
+    tokens, lengths = fineweb.tokenize_batch(texts)
+    expected = []
+    for t in texts:
+        if t:
+            expected += [EOT] + enc.encode_ordinary(t)
+    assert tokens.dtype == np.uint16 and tokens.tolist() == expected
+    assert lengths.tolist() == [len(enc.encode_ordinary(t)) + 1 if t else 0 for t in texts]
+
+
+def test_token_ids_checked_against_uint16(monkeypatch):
+    class Huge:
+        def encode_to_numpy(self, text, **kw):
+            return np.array([70000], dtype=np.uint32)
+    monkeypatch.setattr(fineweb, "_enc", Huge())
+    with pytest.raises(DataPrepError, match="uint16"):
+        fineweb.tokenize_batch(["x"])
+
+
+# -----------------------------------------------------------------------------
+# small corpora, --val_tokens, --max_tokens
+
+def test_small_corpus_gets_val_and_train(tmp_path, enc):
+    docs = make_docs(5, seed=4)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    expected = expected_tokens(enc, docs)
+    assert len(expected) < 5000  # smaller than one (val) shard
+    paths = prepare(tmp_path / "out", inputs=[src], shard_size=5000, num_proc=1, progress=False)
+    assert [os.path.basename(p) for p in paths] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
+    val, train = np.load(paths[0]), np.load(paths[1])
+    assert len(val) == len(expected) // 10 and len(train) == len(expected) - len(val)
+    assert np.array_equal(np.concatenate([val, train]), expected)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["total_tokens"] == len(expected)
+
+
+def test_explicit_val_tokens(tmp_path, enc):
+    docs = make_docs(20, seed=5)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    paths = prepare(tmp_path / "out", inputs=[src], shard_size=1000, val_tokens=123, num_proc=1, progress=False)
+    assert len(np.load(paths[0])) == 123
+    assert all(len(np.load(p)) == 1000 for p in paths[1:-1])
+    assert np.array_equal(load(paths), expected_tokens(enc, docs))
+    with pytest.raises(DataPrepError, match="val_tokens"):
+        prepare(tmp_path / "bad", inputs=[src], shard_size=1000, val_tokens=1001, progress=False)
+
+
+def test_max_tokens_stops(tmp_path, enc, monkeypatch):
+    docs = make_docs(200, seed=6)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    monkeypatch.setattr(fineweb, "BATCH_CHARS", 1000)
+    seen = []
+    real = fineweb.tokenize_batch
+    monkeypatch.setattr(fineweb, "tokenize_batch", lambda texts: seen.extend(texts) or real(texts))
+    paths = prepare(tmp_path / "out", inputs=[src], shard_size=1000, max_tokens=2500, num_proc=1, progress=False)
+    sizes = [len(np.load(p)) for p in paths]
+    assert sizes == [250, 1000, 1000, 250]  # val: 10% of max_tokens by default
+    assert np.array_equal(load(paths), expected_tokens(enc, docs)[:2500])
+    assert len(seen) < len(docs) // 2  # stopped reading, did not tokenize the rest
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["total_tokens"] == 2500
+
+
+# -----------------------------------------------------------------------------
+# the HF datasets code path, on a local copy of a hub-style repo (no network)
+
+def make_hub_repo(root, docs):
+    """A folder laid out like HuggingFaceFW/fineweb-edu: README configs + parquet files."""
+    data = root / "sample" / "10BT"
+    data.mkdir(parents=True)
+    half = len(docs) // 2
+    write_parquet(data / "000_00000.parquet", docs[:half])
+    write_parquet(data / "001_00000.parquet", docs[half:])
+    (root / "README.md").write_text(textwrap.dedent("""\
+        ---
+        configs:
+        - config_name: sample-10BT
+          data_files:
+          - split: train
+            path: sample/10BT/*.parquet
+        ---
+        Local stand-in for the FineWeb-Edu repo.
+        """))
+    return str(root)
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """Keep datasets' cache (and its lock files) out of the user's ~/.cache."""
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+
+
+def test_streaming_path_on_local_dataset(tmp_path, enc, hf_cache):
+    docs = make_docs(60, seed=7)
+    repo = make_hub_repo(tmp_path / "repo", docs)
+    paths = prepare(tmp_path / "out", dataset=repo, name="sample-10BT", shard_size=1000, max_tokens=3000,
+                    num_proc=1, progress=False)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["args"]["streaming"] is True and manifest["args"]["name"] == "sample-10BT"
+    assert np.array_equal(load(paths), expected_tokens(enc, docs)[:3000])
+    assert [len(np.load(p)) for p in paths] == [300, 1000, 1000, 700]
+
+
+def test_download_path_on_local_dataset(tmp_path, enc, hf_cache):
+    docs = make_docs(40, seed=8)
+    repo = make_hub_repo(tmp_path / "repo", docs)
+    paths = prepare(tmp_path / "out", dataset=repo, name="sample-10BT", shard_size=1000, num_proc=1, progress=False)
+    assert np.array_equal(load(paths), expected_tokens(enc, docs))
+    with pytest.raises(DataPrepError, match="no column 'body'"):
+        prepare(tmp_path / "out2", dataset=repo, name="sample-10BT", text_column="body", max_tokens=100,
+                progress=False)
+
+
+def test_hub_network_failure_is_a_clear_error(tmp_path, monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataPrepError) as e:
+        prepare(tmp_path / "out", max_tokens=1000, progress=False)
+    assert "unreachable" in str(e.value) and "--input" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_offline_hub(tmp_path):
+    r = cli("--local_dir", tmp_path / "out", "--max_tokens", 1000)
+    assert_one_line_error(r, "unreachable", "--input")
+
+
+# -----------------------------------------------------------------------------
+# resume and refusal
+
+def test_resume_after_interrupted_run(tmp_path, enc, monkeypatch):
+    docs = make_docs(100, seed=9)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    out = tmp_path / "out"
+    monkeypatch.setattr(fineweb, "BATCH_CHARS", 1500)
+    real_write = fineweb._atomic_write
+
+    def crash_on_shard_3(path, write):
+        if path.endswith("_000003.npy"):
+            with open(path + ".tmp", "wb") as f:
+                f.write(b"half a shard")  # what a crash leaves behind
+            raise KeyboardInterrupt
+        real_write(path, write)
+    monkeypatch.setattr(fineweb, "_atomic_write", crash_on_shard_3)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and len(manifest["shards"]) == 3
+    assert manifest["shards"][-1]["next_offset"] > 0  # the interruption fell inside a document
+    before = {p: os.stat(p).st_mtime_ns for p in glob.glob(str(out / "*.npy"))}
+    assert len(before) == 3
+
+    monkeypatch.setattr(fineweb, "_atomic_write", real_write)
+    seen = []
+    real_tokenize = fineweb.tokenize_batch
+    monkeypatch.setattr(fineweb, "tokenize_batch", lambda texts: seen.extend(texts) or real_tokenize(texts))
+    paths = prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False)
+    assert len(paths) > 4
+    assert {p: os.stat(p).st_mtime_ns for p in paths[:3]} == before  # finished shards kept as they were
+    assert len(seen) == len(docs) - manifest["shards"][-1]["next_doc"]  # only the rest was tokenized
+    assert seen[0] == docs[manifest["shards"][-1]["next_doc"]]
+    assert np.array_equal(load(paths), expected_tokens(enc, docs))
+    assert not glob.glob(str(out / "*.tmp"))
+    # a third run finds it complete and reads nothing
+    monkeypatch.setattr(fineweb, "_iter_files", lambda *a: pytest.fail("re-read a complete directory"))
+    assert prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False) == paths
+
+
+@pytest.mark.parametrize("max_tokens", [None, 1500])
+def test_resume_when_only_the_complete_flag_is_missing(tmp_path, enc, monkeypatch, max_tokens):
+    docs = make_docs(30, seed=13)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    out = tmp_path / "out"
+    real_save = fineweb._save_manifest
+
+    def crash_at_the_end(local_dir, manifest):
+        if manifest["complete"]:
+            raise KeyboardInterrupt
+        real_save(local_dir, manifest)
+    monkeypatch.setattr(fineweb, "_save_manifest", crash_at_the_end)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(out, inputs=[src], shard_size=1000, max_tokens=max_tokens, num_proc=1, progress=False)
+    monkeypatch.setattr(fineweb, "_save_manifest", real_save)
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+    paths = prepare(out, inputs=[src], shard_size=1000, max_tokens=max_tokens, num_proc=1, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    assert np.array_equal(load(paths), expected_tokens(enc, docs)[:max_tokens])
+
+
+def test_refuses_mismatched_arguments(tmp_path):
+    docs = make_docs(20, seed=10)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    out = tmp_path / "out"
+    paths = prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False)
+    before = {p: os.stat(p).st_mtime_ns for p in paths}
+    with pytest.raises(DataPrepError, match=r"different arguments \(shard_size: 1000 -> 2000"):
+        prepare(out, inputs=[src], shard_size=2000, num_proc=1, progress=False)
+    other = write_jsonl(tmp_path / "other.jsonl", docs[:5])
+    with pytest.raises(DataPrepError, match="inputs"):
+        prepare(out, inputs=[other], shard_size=1000, num_proc=1, progress=False)
+    r = cli("--input", src, "--local_dir", out, "--shard_size", 1000, "--max_tokens", 500)
+    assert_one_line_error(r, "different arguments", "max_tokens")
+    assert {p: os.stat(p).st_mtime_ns for p in paths} == before  # nothing touched
+
+
+def test_refuses_directory_of_foreign_shards(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    np.save(out / "edufineweb_val_000000.npy", np.zeros(10, dtype=np.uint16))  # e.g. from build-nanogpt
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(3))
+    with pytest.raises(DataPrepError, match="no manifest.json"):
+        prepare(out, inputs=[src], shard_size=1000, progress=False)
+    assert len(np.load(out / "edufineweb_val_000000.npy")) == 10
+
+
+# -----------------------------------------------------------------------------
+# input errors: exception and CLI
+
+def test_missing_text_column(tmp_path):
+    pq = write_parquet(tmp_path / "d.parquet", ["a", "b"], key="content")
+    jl = write_jsonl(tmp_path / "d.jsonl", ["a", "b"], key="content")
+    for src in (pq, jl):
+        with pytest.raises(DataPrepError, match="no (column|field) 'text'.*--text_column"):
+            prepare(tmp_path / "out", inputs=[src], progress=False)
+        assert_one_line_error(cli("--input", src, "--local_dir", tmp_path / "out"), "'text'", "--text_column")
+    assert not (tmp_path / "out").exists()
+    # and with the right column it works
+    paths = prepare(tmp_path / "ok", inputs=[pq], text_column="content", shard_size=100, num_proc=1, progress=False)
+    assert len(paths) == 2
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet", "blank_texts"])
+def test_empty_input(tmp_path, kind):
+    if kind == "txt":
+        src = tmp_path / "e.txt"
+        src.write_text("")
+    elif kind == "jsonl":
+        src = tmp_path / "e.jsonl"
+        src.write_text("\n")
+    elif kind == "parquet":
+        src = write_parquet(tmp_path / "e.parquet", [])
+    else:
+        src = write_jsonl(tmp_path / "e.jsonl", ["", ""])
+    with pytest.raises(DataPrepError, match="contains no text"):
+        prepare(tmp_path / "out", inputs=[str(src)], shard_size=100, num_proc=1, progress=False)
+    assert not glob.glob(str(tmp_path / "out" / "*"))  # no manifest claiming the directory
+    assert_one_line_error(cli("--input", src, "--local_dir", tmp_path / "out", "--num_proc", 1), "no text")
+
+
+def test_unreadable_inputs(tmp_path):
+    bad_parquet = tmp_path / "bad.parquet"
+    bad_parquet.write_bytes(b"this is not parquet at all")
+    bad_txt = tmp_path / "bad.txt"
+    bad_txt.write_bytes(b"caf\xe9 latin-1 bytes")
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "fine"}\n{"text": broken\n')
+    cases = [(bad_parquet, "not a valid Parquet file"), (bad_txt, "not UTF-8"), (bad_json, "bad.jsonl:2: invalid JSON"),
+             (tmp_path / "missing.jsonl", "not found"), (tmp_path / "x.csv", "unsupported"),
+             (str(tmp_path / "nothing*.parquet"), "no files match")]
+    (tmp_path / "x.csv").write_text("a,b\n")
+    for src, message in cases:
+        with pytest.raises(DataPrepError, match=message):
+            prepare(tmp_path / "out", inputs=[str(src)], shard_size=100, num_proc=1, progress=False)
+        assert_one_line_error(cli("--input", src, "--local_dir", tmp_path / "out", "--num_proc", 1), message)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can read anything")
+def test_permission_denied(tmp_path):
+    src = tmp_path / "secret.txt"
+    src.write_text("text")
+    src.chmod(0)
+    with pytest.raises(DataPrepError, match="cannot read"):
+        prepare(tmp_path / "out", inputs=[str(src)], progress=False)
+
+
+# -----------------------------------------------------------------------------
+# CLI, import side effects, spawn
+
+def test_cli_success(tmp_path, enc):
+    docs = make_docs(10, seed=11)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    r = cli("--input", src, "--local_dir", tmp_path / "out", "--shard_size", 500, "--num_proc", 1)
+    assert r.returncode == 0, r.stderr
+    assert "tokens in" in r.stdout
+    paths = sorted(glob.glob(str(tmp_path / "out" / "*_val_*.npy"))) + \
+        sorted(glob.glob(str(tmp_path / "out" / "*_train_*.npy")))
+    assert np.array_equal(load(paths), expected_tokens(enc, docs))
+
+
+def test_import_has_no_side_effects():
+    code = ("import multiprocessing as mp, sys; import fineweb; "
+            "assert not mp.active_children(); assert 'datasets' not in sys.modules; "
+            "assert 'tiktoken' not in sys.modules; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_works_with_spawn(tmp_path, enc):
+    docs = make_docs(40, seed=12)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    script = tmp_path / "run_spawn.py"
+    script.write_text(textwrap.dedent(f"""\
+        import multiprocessing as mp, sys
+        sys.path.insert(0, {REPO!r})
+        import fineweb
+        if __name__ == "__main__":
+            mp.set_start_method("spawn")
+            fineweb.BATCH_CHARS = 1000
+            sys.exit(fineweb.main(["--input", {src!r}, "--local_dir", {str(tmp_path / "out")!r},
+                                   "--shard_size", "700", "--num_proc", "2"]))
+        """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    paths = sorted(glob.glob(str(tmp_path / "out" / "*_val_*.npy"))) + \
+        sorted(glob.glob(str(tmp_path / "out" / "*_train_*.npy")))
+    assert np.array_equal(load(paths), expected_tokens(enc, docs))
