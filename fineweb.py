@@ -281,12 +281,31 @@ def _hub_error(dataset, name, e):
     return DataPrepError(f"cannot load {dataset} ({name}): {type(e).__name__}: {_one_line(e)}")
 
 
+def _hub_unreachable(timeout=5.0):
+    """True when the hub's host refuses or ignores a TCP connection: `datasets` would retry for
+    ~25 s before saying so. Unsure (a proxy is configured, or offline mode asked for) -> False."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
+                                       "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError:
+        return True
+    return False
+
+
 def _iter_hub(dataset, name, text_column, streaming, skip, num_proc):
     """Documents of a HF dataset, from document index `skip` on. `dataset` is a hub repo
     id or a local copy of one (a folder with the same README configs and parquet files),
     which is how the tests exercise this exact code path offline. The dataset is opened
     here, eagerly, so that an unreachable hub fails before anything is written."""
     import datasets  # heavy: imported only when a dataset is actually read
+    if not os.path.exists(dataset) and _hub_unreachable():
+        raise _hub_error(dataset, name, ConnectionError(f"no connection to {dataset}'s host"))
     try:
         kwargs = {} if streaming else {"num_proc": num_proc if num_proc > 1 else None}
         ds = datasets.load_dataset(dataset, name=name, split="train", streaming=streaming, **kwargs)

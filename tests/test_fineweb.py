@@ -495,3 +495,20 @@ def test_works_with_spawn(tmp_path, enc):
     paths = sorted(glob.glob(str(tmp_path / "out" / "*_val_*.npy"))) + \
         sorted(glob.glob(str(tmp_path / "out" / "*_train_*.npy")))
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
+
+
+def test_unreachable_hub_fails_fast_with_input_hint(tmp_path, monkeypatch):
+    import socket
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    calls = []
+
+    def refuse(address, timeout=None):
+        calls.append(address)
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    with pytest.raises(fineweb.DataPrepError, match="unreachable.*--input"):
+        fineweb.prepare(str(tmp_path / "out"), max_tokens=1000, progress=False)
+    assert calls and calls[0][0] == "huggingface.co"
+    assert not os.path.exists(tmp_path / "out")  # nothing written
