@@ -435,7 +435,8 @@ def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tok
     try:
         for tokens, lengths in batches:
             if pbar is None and len(tokens):
-                pbar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, disable=not progress,
+                # disable=None: no bar when stderr is not a terminal (a log file would fill with redraws)
+                pbar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, disable=None if progress else True,
                             desc=f"shard {index}", dynamic_ncols=True)
             ends = np.cumsum(lengths)
             i, skip = skip, 0  # after a resume, drop what the previous shard already holds

@@ -512,3 +512,16 @@ def test_unreachable_hub_fails_fast_with_input_hint(tmp_path, monkeypatch):
         fineweb.prepare(str(tmp_path / "out"), max_tokens=1000, progress=False)
     assert calls and calls[0][0] == "huggingface.co"
     assert not os.path.exists(tmp_path / "out")  # nothing written
+
+
+def test_no_progress_bar_in_non_interactive_logs(tmp_path):
+    import subprocess
+    import sys
+    from conftest import REPO, write_corpus_jsonl
+    corpus = str(tmp_path / "c.jsonl")
+    write_corpus_jsonl(corpus, 300)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus, "--local_dir",
+                        str(tmp_path / "out"), "--num_proc", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" not in r.stderr and "shard 0" not in r.stderr  # stderr is a pipe: tqdm stays quiet
+    assert "tokens in 2 shards" in r.stdout
