@@ -127,6 +127,30 @@ def bench_loader(args, tmp):
             "shard_tokens": 10_000_000}
 
 
+def bench_fineweb(tmp, num_proc):
+    """fineweb.prepare on a synthetic ~6 MB English-like .jsonl corpus: tokens/s, files to shards."""
+    import random
+
+    import fineweb
+
+    rng = random.Random(0)
+    words = ("the of and to in is was for on that with as by at from his her an were are which this be or "
+             "river mountain city school teacher student science history water light energy plant animal "
+             "learned built grew studied measured found wrote taught because however during between").split()
+    corpus = os.path.join(tmp, "corpus.jsonl")
+    with open(corpus, "w") as f:
+        for _ in range(3000):
+            doc = " ".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))).capitalize() + "."
+                           for _ in range(rng.randint(10, 30)))
+            f.write(json.dumps({"text": doc}) + "\n")
+    t0 = time.perf_counter()
+    fineweb.prepare(os.path.join(tmp, "shards"), inputs=[corpus], shard_size=1_000_000, num_proc=num_proc, progress=False)
+    dt = time.perf_counter() - t0
+    with open(os.path.join(tmp, "shards", "manifest.json")) as f:
+        tokens = json.load(f)["total_tokens"]
+    return {"tokens_per_sec": tokens / dt, "tokens": tokens, "num_proc": num_proc}
+
+
 def fmt(v, unit=""):
     if v is None:
         return "n/a"
@@ -190,6 +214,9 @@ def main(argv=None):
     if "loader" in only:
         with tempfile.TemporaryDirectory() as tmp:
             results["loader"] = bench_loader(args, tmp)
+    if "fineweb" in only:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["fineweb"] = bench_fineweb(tmp, os.cpu_count() or 1)
 
     if args.json:
         print(json.dumps(results, indent=2))
@@ -211,6 +238,9 @@ def main(argv=None):
         d = results["loader"]
         rows += [("DataLoaderLite µs/batch", fmt(d["us_per_batch"])),
                  ("DataLoaderLite RSS added", fmt(d["rss_added_mib"], " MiB"))]
+    if "fineweb" in results:
+        w = results["fineweb"]
+        rows += [(f"fineweb tokens/s ({w['num_proc']} processes)", fmt(w["tokens_per_sec"]))]
     for name, value in rows:
         print(f"{name:<34} {value:>16}")
     return 0

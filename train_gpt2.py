@@ -327,16 +327,23 @@ def sample_next(logits, temperature=1.0, top_k=50, generator=None):
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
-def load_checkpoint_model(path, map_location="cpu"):
-    """The GPT stored in one of our checkpoints (model_*.pt), in fp32."""
+def read_checkpoint(path, map_location="cpu", keys=("model", "config")):
+    """The dict in one of our checkpoints, or a UsageError saying why it cannot be used."""
     if not os.path.isfile(path):
         raise UsageError(f"checkpoint not found: {path}")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:  # truncated or not a torch file at all
         raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
-        raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no 'model'/'config')")
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
+    return ckpt
+
+
+def load_checkpoint_model(path, map_location="cpu"):
+    """The GPT stored in one of our checkpoints (model_*.pt), in fp32."""
+    ckpt = read_checkpoint(path, map_location)
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     return model
@@ -1030,7 +1037,7 @@ def train(args):
     ckpt, pretrained = None, None
     resume_path = find_resume_path(args)
     if resume_path is not None:
-        ckpt = torch.load(resume_path, map_location="cpu", weights_only=False)
+        ckpt = read_checkpoint(resume_path, keys=("model", "config", "optimizer", "step", "loader", "rng", "val_loss", "args"))
         config = GPTConfig(**ckpt["config"])
         if args.init_from is None and asdict(model_config_from_args(args)) != asdict(config):
             raise UsageError(f"{resume_path} holds a model of config {asdict(config)}, "

@@ -391,6 +391,13 @@ def test_cli_bad_input_is_one_clear_line(shard_dir, tmp_path, extra, message):
     assert len(errors) == 1 and message in errors[0], r.stderr
 
 
+def test_resume_from_a_broken_checkpoint_is_one_line(shard_dir, tmp_path):
+    bad = tmp_path / "model_00003.pt"
+    bad.write_bytes(b"not a checkpoint")
+    r = run_cli(*tiny_run_args(shard_dir, str(tmp_path), "--resume", str(bad)))
+    assert r.returncode == 1 and "not a readable checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bad_flag_value_exits_nonzero_without_traceback():
     r = run_cli("--max_steps", "many")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid int value" in r.stderr
