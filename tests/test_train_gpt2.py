@@ -1,5 +1,6 @@
 """train_gpt2.py: model, optimizer, schedule, loader, loop, checkpoints and CLI, on CPU in fp32."""
 import contextlib
+import io
 import math
 import os
 import subprocess
@@ -21,9 +22,24 @@ def tiny_model(seed=0, **kw):
     return tg.GPT(tg.GPTConfig(**{**TINY, **kw}))
 
 
-def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), *args],
-                          capture_output=True, text=True, cwd=cwd or REPO, timeout=300)
+class CliResult:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_cli(*args, subprocess_run=False):
+    """`python train_gpt2.py ARGS`: in this process by default (the same main(), without paying for a new
+    interpreter and torch import each time), or as a real subprocess."""
+    if subprocess_run:
+        return subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=300)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = tg.main(list(args))
+        except SystemExit as e:  # argparse
+            code = e.code if isinstance(e.code, int) else 1
+    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 # a tiny training run on the shards in `data`, writing to `log`; extra flags override these
@@ -331,7 +347,7 @@ def test_log_roundtrip_and_truncate(tmp_path):
 
 def test_cli_end_to_end_tiny(shard_dir, tmp_path):
     log = str(tmp_path / "log")
-    r = run_cli(*tiny_run_args(shard_dir, log))
+    r = run_cli(*tiny_run_args(shard_dir, log), subprocess_run=True)  # the real `python train_gpt2.py`
     assert r.returncode == 0, r.stderr
     assert "run config: {" in r.stdout and "'grad_accum_steps': 2" in r.stdout
     assert r.stdout.count("sample 0:") == 2  # steps 5 and 9 (the last)
@@ -399,7 +415,7 @@ def test_resume_from_a_broken_checkpoint_is_one_line(shard_dir, tmp_path):
 
 
 def test_bad_flag_value_exits_nonzero_without_traceback():
-    r = run_cli("--max_steps", "many")
+    r = run_cli("--max_steps", "many", subprocess_run=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid int value" in r.stderr
 
 
