@@ -98,7 +98,7 @@ def bench_generation(args, config, device, device_type, autocast_ctx):
     torch.manual_seed(0)
     model = tg.GPT(config).to(device).eval()
     prompt = torch.randint(0, config.real_vocab_size, (1, 16), device=device)
-    new = min(128, config.block_size - 16)
+    new = min(args.gen_tokens, config.block_size - 16)
     rows = {}
     for use_cache in (True, False):
         def run():
@@ -109,6 +109,29 @@ def bench_generation(args, config, device, device_type, autocast_ctx):
     rows["speedup"] = rows["kv_cache"] / rows["no_cache"]
     rows["new_tokens"] = new
     return rows
+
+
+def synthetic_hellaswag(n, seed=0):
+    """n made-up examples in HellaSwag's record schema, with realistic lengths (context ~40, endings ~20 tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    words = "the a man woman dog ball runs jumps into water slowly then picks up throws it over fence and".split()
+    sentence = lambda lo, hi: " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+    return [{"ctx": sentence(25, 55).capitalize() + ".", "endings": [sentence(10, 30) + "." for _ in range(4)],
+             "label": rng.randrange(4)} for _ in range(n)]
+
+
+def bench_hellaswag(args, config, device, autocast_ctx):
+    import hellaswag
+
+    torch.manual_seed(0)
+    model = tg.GPT(config).to(device)
+    dtype = torch.bfloat16 if not isinstance(autocast_ctx, contextlib.nullcontext) else None
+    b = hellaswag.benchmark(model, device, synthetic_hellaswag(args.hellaswag_examples), batch_tokens=args.hellaswag_batch_tokens,
+                            autocast_dtype=dtype, repeats=3, warmup=1, modes=("naive", "batched"))
+    return {"one_per_forward": b["naive_ex_per_s"], "batched": b["batched_ex_per_s"], "speedup": b["speedup"],
+            "examples": b["n"], "batch_tokens": args.hellaswag_batch_tokens, "same_predictions": b["same_predictions"]}
 
 
 def bench_loader(args, tmp):
@@ -176,6 +199,10 @@ def build_parser():
     p.add_argument("--steps", type=int, default=5, help="timed training steps (the median is reported)")
     p.add_argument("--only", default="train,hellaswag,generate,loader,fineweb",
                    help="comma-separated subset of rows to measure")
+    p.add_argument("--gen_tokens", type=int, default=128, help="new tokens per generation (after a 16-token prompt)")
+    p.add_argument("--hellaswag_examples", type=int, default=40, help="synthetic HellaSwag examples to score")
+    p.add_argument("--hellaswag_batch_tokens", type=int, default=None,
+                   help="tokens per batched HellaSwag forward (default: 8192 on CUDA, 512 elsewhere)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     return p
 
@@ -195,6 +222,7 @@ def main(argv=None):
         print(f"error: -T {args.sequence_length} exceeds the {args.preset} block size {config.block_size}", file=sys.stderr)
         return 1
     args.compile = args.compile if args.compile is not None else device_type == "cuda"
+    args.hellaswag_batch_tokens = args.hellaswag_batch_tokens or (8192 if device_type == "cuda" else 512)
     args.warmup = args.warmup if args.warmup is not None else (10 if args.compile else 3)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
     autocast_ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
@@ -209,6 +237,8 @@ def main(argv=None):
                            "threads": torch.get_num_threads()}}
     if "train" in only:
         results["train"] = bench_training(args, config, device, device_type, autocast_ctx)
+    if "hellaswag" in only:
+        results["hellaswag"] = bench_hellaswag(args, config, device, autocast_ctx)
     if "generate" in only:
         results["generate"] = bench_generation(args, config, device, device_type, autocast_ctx)
     if "loader" in only:
@@ -229,6 +259,11 @@ def main(argv=None):
         rows += [("train tokens/s", fmt(t["tokens_per_sec"])), ("train ms/step", fmt(t["ms_per_step"])),
                  ("train MFU", fmt(t["mfu"] * 100 if t["mfu"] else None, "%")),
                  ("train peak GPU memory", fmt(t["peak_mem_gib"], " GiB"))]
+    if "hellaswag" in results:
+        h = results["hellaswag"]
+        rows += [("HellaSwag ex/s, one per forward", fmt(h["one_per_forward"])),
+                 (f"HellaSwag ex/s, batched ({h['batch_tokens']} tok)", fmt(h["batched"])),
+                 ("HellaSwag batched speedup", fmt(h["speedup"], "x"))]
     if "generate" in results:
         g = results["generate"]
         rows += [(f"generate tok/s, KV cache ({g['new_tokens']} new)", fmt(g["kv_cache"])),

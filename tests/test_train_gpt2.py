@@ -451,3 +451,20 @@ def test_train_prepares_missing_data_from_input(tmp_path):
     assert "preparing them from" in r.stdout
     assert tg.list_shards(data, "val") and tg.list_shards(data, "train")
     assert tg.read_log(os.path.join(log, "log.txt"))["train"][0] == [0, 1]
+
+
+@pytest.mark.skipif(os.environ.get("SLOW_TESTS") != "1", reason="torch.compile on CPU takes minutes: SLOW_TESTS=1 to run")
+def test_compile_on_with_val_hellaswag_and_samples(shard_dir, tmp_path, monkeypatch):
+    from conftest import write_hellaswag
+    write_hellaswag(str(tmp_path / "hs"), 8)
+    monkeypatch.setenv("HELLASWAG_DIR", str(tmp_path / "hs"))
+    flags = ["--max_steps", "4", "--eval_every", "2", "--hellaswag_every", "2", "--sample_every", "2"]
+    eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    assert run_cli(*tiny_run_args(shard_dir, eager, *flags, "--no-compile")).returncode == 0
+    r = run_cli(*tiny_run_args(shard_dir, compiled, *flags, "--compile"))
+    assert r.returncode == 0, r.stderr
+    assert "'compile': True" in r.stdout and r.stdout.count("sample 0:") == 2
+    a, b = tg.read_log(os.path.join(eager, "log.txt")), tg.read_log(os.path.join(compiled, "log.txt"))
+    assert set(a) == set(b) == {"train", "val", "hella"}
+    for kind in a:
+        assert a[kind][0] == b[kind][0] and a[kind][1] == pytest.approx(b[kind][1], abs=1e-4)
