@@ -453,7 +453,6 @@ def test_train_prepares_missing_data_from_input(tmp_path):
     assert tg.read_log(os.path.join(log, "log.txt"))["train"][0] == [0, 1]
 
 
-@pytest.mark.skipif(os.environ.get("SLOW_TESTS") != "1", reason="torch.compile on CPU takes minutes: SLOW_TESTS=1 to run")
 def test_compile_on_with_val_hellaswag_and_samples(shard_dir, tmp_path, monkeypatch):
     from conftest import write_hellaswag
     write_hellaswag(str(tmp_path / "hs"), 8)
