@@ -1083,7 +1083,10 @@ def train(args):
     raw_model = (pretrained if pretrained is not None else GPT(config)).to(device)
     print0(f"model: {raw_model.get_num_params():,} parameters")
     if args.fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:  # torch 2.5 kept FSDP2 under _composable
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
         # bf16 compute and all-gathers, fp32 gradient reduction and master weights
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
