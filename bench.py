@@ -90,7 +90,6 @@ def bench_training(args, config, device, device_type, autocast_ctx):
     row = {"tokens_per_sec": tokens / dt, "ms_per_step": dt * 1000, "tokens_per_step": tokens,
            "mfu": flops * tokens / dt / peak if peak else None,
            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device_type == "cuda" else None}
-    del model, optimizer, train_model
     return row
 
 
@@ -127,7 +126,7 @@ def bench_hellaswag(args, config, device, autocast_ctx):
 
     torch.manual_seed(0)
     model = tg.GPT(config).to(device)
-    dtype = torch.bfloat16 if not isinstance(autocast_ctx, contextlib.nullcontext) else None
+    dtype = None if isinstance(autocast_ctx, contextlib.nullcontext) else torch.bfloat16
     b = hellaswag.benchmark(model, device, synthetic_hellaswag(args.hellaswag_examples), batch_tokens=args.hellaswag_batch_tokens,
                             autocast_dtype=dtype, repeats=3, warmup=1, modes=("naive", "batched"))
     return {"one_per_forward": b["naive_ex_per_s"], "batched": b["batched_ex_per_s"], "speedup": b["speedup"],
@@ -224,8 +223,7 @@ def main(argv=None):
     args.compile = args.compile if args.compile is not None else device_type == "cuda"
     args.hellaswag_batch_tokens = args.hellaswag_batch_tokens or (8192 if device_type == "cuda" else 512)
     args.warmup = args.warmup if args.warmup is not None else (10 if args.compile else 3)
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
-    autocast_ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    autocast_ctx, use_bf16 = tg.autocast_for(args.dtype, device_type)
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")
     only = set(args.only.split(","))

@@ -480,7 +480,8 @@ class DataLoaderLite:
             take = min(n, int(self.lengths[order[i]]) - local)
             pieces.append(self.tokens[order[i]][local: local + take])
             start, n = start + take, n - take
-        return torch.from_numpy(np.concatenate(pieces).astype(np.int64))
+        window = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return torch.from_numpy(window.astype(np.int64))  # the only copy of a memory-mapped window
 
     def next_batch(self):
         B, T = self.B, self.T
@@ -751,6 +752,13 @@ def model_config_from_args(args):
         return GPTConfig(**shape)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def autocast_for(dtype, device_type):
+    """(autocast context, uses bf16) for --dtype auto|fp32|bf16: auto is bf16 on CUDA and fp32 elsewhere."""
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
+    ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    return ctx, use_bf16
 
 
 def resolve_device(name):
@@ -1052,8 +1060,7 @@ def train(args):
         config = model_config_from_args(args)
     unit = args.micro_batch_size * args.sequence_length * world_size  # tokens of one micro-step, all ranks
     check_batch(args, world_size, config.block_size)
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
-    autocast_ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    autocast_ctx, use_bf16 = autocast_for(args.dtype, device_type)
     use_compile = args.compile if args.compile is not None else device_type == "cuda"
     if device_type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls that remain
@@ -1200,8 +1207,9 @@ def train(args):
         tokens_per_sec = batch_size / dt
         if step > start_step:  # the first step compiles and warms up: keep it out of the ETA
             dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-        extra = {"lr": lr, "norm": norm.item(), "tok_per_sec": tokens_per_sec}
-        line = (f"step {step:5d} | loss {loss.item():.6f} | lr {lr:.4e} | norm {norm.item():.4f} | "
+        loss, norm = loss.item(), norm.item()
+        extra = {"lr": lr, "norm": norm, "tok_per_sec": tokens_per_sec}
+        line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
                 f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}")
         if args.batch_ramp_tokens > 0:
             line += f" | batch {batch_size}"
@@ -1214,7 +1222,7 @@ def train(args):
         if dt_avg is not None:
             line += f" | eta {format_eta((end_step - step - 1) * dt_avg)}"
         print0(line)
-        metrics.log(step, "train", loss.item(), **extra)
+        metrics.log(step, "train", loss, **extra)
 
         if prof is not None:
             prof.step()
@@ -1283,8 +1291,7 @@ def sample_main(argv):
                          f"model's block_size {model.config.block_size}")
     idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device_type == "cuda")
-    ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    ctx, _ = autocast_for(args.dtype, device_type)
     with ctx:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              generator=gen, use_cache=not args.no_kv_cache)

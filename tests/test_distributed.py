@@ -50,15 +50,21 @@ def single(tmp_path_factory):
     return data, log
 
 
+def stop_then_resume(data, log, first, second, *first_flags):
+    """Steps 0-3 with `first` (stopping with a checkpoint), then the rest with `second` from that checkpoint."""
+    r = first(*tiny_run_args(data, log, *STEPS, "--stop_step", "4", *first_flags))
+    assert r.returncode == 0, r.stderr
+    resumed = second(*tiny_run_args(data, log, *STEPS, "--resume", "latest"))
+    assert resumed.returncode == 0, resumed.stderr
+    return r
+
+
 def test_ddp_two_processes_then_resume_in_one(single, tmp_path):
     data, ref = single
     log = str(tmp_path / "ddp")
-    r = torchrun(*tiny_run_args(data, log, *STEPS, "--stop_step", "4"))
-    assert r.returncode == 0, r.stderr
+    r = stop_then_resume(data, log, torchrun, run_cli)
     assert "'world_size': 2" in r.stdout and "'grad_accum_steps': 2" in r.stdout
     assert r.stdout.count("step ") == 4  # only rank 0 prints step lines
-    r = run_cli(*tiny_run_args(data, log, *STEPS, "--resume", "latest"))
-    assert r.returncode == 0, r.stderr
     # steps 0-3 and the val losses at 0 and 4 came from 2 processes, the rest from 1: all match 1 process
     assert_same_log(log, ref, 1e-5)
 
@@ -66,23 +72,17 @@ def test_ddp_two_processes_then_resume_in_one(single, tmp_path):
 def test_one_process_then_resume_in_two(single, tmp_path):
     data, ref = single
     log = str(tmp_path / "one-then-two")
-    r = run_cli(*tiny_run_args(data, log, *STEPS, "--stop_step", "4"))
-    assert r.returncode == 0, r.stderr
-    r = torchrun(*tiny_run_args(data, log, *STEPS, "--resume", "latest"))
-    assert r.returncode == 0, r.stderr
+    stop_then_resume(data, log, run_cli, torchrun)
     assert_same_log(log, ref, 1e-5)
 
 
 def test_fsdp_matches_ddp_and_resumes_without_fsdp(single, tmp_path):
     data, ref = single
     log = str(tmp_path / "fsdp")
-    r = torchrun(*tiny_run_args(data, log, *STEPS, "--stop_step", "4", "--fsdp"))
-    assert r.returncode == 0, r.stderr
-    ckpt = torch.load(tg.find_checkpoints(log)[-1], weights_only=False)
+    stop_then_resume(data, log, torchrun, run_cli, "--fsdp")
+    ckpt = torch.load(os.path.join(log, "model_00003.pt"), weights_only=False)  # written under FSDP
     plain = tg.GPT(tg.GPTConfig(**ckpt["config"]))
     plain.load_state_dict(ckpt["model"])  # a non-FSDP model loads it as is
-    r = run_cli(*tiny_run_args(data, log, *STEPS, "--resume", "latest"))
-    assert r.returncode == 0, r.stderr
     # fp32: FSDP's reduce-scatter sums in another order than DDP's all-reduce, nothing more
     assert_same_log(log, ref, 1e-5)
 

@@ -67,7 +67,7 @@ def test_generate_refuses_beyond_block_size():
 # ----------------------------------------------------------------------------- GQA / MQA
 
 def test_gqa_parameter_count():
-    C, nh, hs, L = 64, 4, 16, 2
+    nh, hs, L, C = 4, 16, 2, 64
     mha, gqa, mqa = (tiny_model(n_head=nh, n_kv_head=k) for k in (4, 2, 1))
     for model, nkv in ((mha, 4), (gqa, 2), (mqa, 1)):
         assert model.transformer.h[0].attn.c_attn.weight.shape == ((nh + 2 * nkv) * hs, C)
@@ -90,7 +90,7 @@ def test_gqa_matches_mha_with_repeated_kv_heads():
     """A GQA model equals the MHA model whose k/v heads are copies of the shared ones."""
     gqa = tiny_model(n_head=4, n_kv_head=2).eval()
     mha = tiny_model(n_head=4).eval()
-    hs, C = 16, 64
+    hs = 16
     sd = {k: v.clone() for k, v in gqa.state_dict().items()}
     for i in range(2):
         for kind in ("weight", "bias"):
@@ -195,7 +195,6 @@ def test_sample_from_pretrained_dir(tmp_path):
     hf, path = hf_dir(tmp_path)
     r = run_cli("sample", "--init_from", path, "--max_new_tokens", "4", "--num_samples", "1", "--top_k", "1")
     assert r.returncode == 0, r.stderr
-    ours = tg.GPT.from_pretrained(path)
     import tiktoken
     enc = tiktoken.get_encoding("gpt2")
     prompt = torch.tensor([enc.encode("Hello, I'm a language model,")])

@@ -9,10 +9,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import train_gpt2 as tg
-from conftest import REPO, write_shards
+from conftest import REPO
 
 TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=64)
 
