@@ -181,6 +181,12 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        # 0 for real tokens, -inf for the padding ids: added inside the lm_head matmul, so padding gets zero
+        # probability (never sampled, never an argmax, no share of any softmax) at no extra pass over the
+        # logits or their gradient; a buffer, not a parameter, so the state dict stays GPT-2's
+        vocab_mask = torch.zeros(config.vocab_size)
+        vocab_mask[config.real_vocab_size:] = float("-inf")
+        self.register_buffer("vocab_mask", vocab_mask, persistent=False)
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -202,11 +208,13 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
 
-        With a kv_cache, idx continues the cached sequence and only the last position's logits are
-        computed, (B, 1, vocab_size): that is all generation needs.
+        logits_to_keep follows transformers' GPT2LMHeadModel: 0 projects every position onto the vocab; an
+        int k > 0 only the last k positions; a 1-D tensor of positions only those, giving (B, len, vocab).
+        The vocab projection is most of a small model's work and scoring or generation needs few positions.
+        With a kv_cache, idx continues the cached sequence (positions past .. past + T - 1).
         """
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
@@ -218,12 +226,12 @@ class GPT(nn.Module):
             x = block(x, kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T
-            x = x[:, -1:, :]
+        if not isinstance(logits_to_keep, int) or logits_to_keep > 0:
+            if targets is not None:
+                raise ValueError("targets need the logits of every position: leave logits_to_keep at 0")
+            x = x[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else x[:, logits_to_keep]
         x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)  # (B, T, vocab_size)
-        if self.config.vocab_size > self.config.real_vocab_size:
-            # padding ids get zero probability: never sampled, never an argmax, no share of any softmax
-            logits[..., self.config.real_vocab_size:] = float("-inf")
+        logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
@@ -305,12 +313,12 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) \
                 else self.lm_head.weight.dtype
             cache = KVCache(self.config, B, T0 + max_new_tokens, idx.device, dtype)
-        logits, _ = self(idx, kv_cache=cache)  # prefill
+        logits, _ = self(idx, kv_cache=cache, logits_to_keep=1)  # prefill
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1, : self.config.real_vocab_size], temperature, top_k, generator)
             idx = torch.cat((idx, nxt), dim=1)
             if i < max_new_tokens - 1:
-                logits, _ = self(nxt, kv_cache=cache) if use_cache else self(idx)
+                logits, _ = self(nxt, kv_cache=cache, logits_to_keep=1) if use_cache else self(idx, logits_to_keep=1)
         self.train(was_training)
         return idx
 

@@ -39,9 +39,9 @@ def test_kv_cache_logits_match_full_forward():
     idx = torch.randint(0, 50257, (2, 20))
     full, _ = model(idx)
     cache = tg.KVCache(model.config, 2, 20, "cpu", torch.float32)
-    pieces = [model(idx[:, :7], kv_cache=cache)[0]]  # a prefill, then a chunk of 3 (masked), then singles
-    pieces.append(model(idx[:, 7:10], kv_cache=cache)[0])
-    pieces += [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(10, 20)]
+    pieces = [model(idx[:, :7], kv_cache=cache, logits_to_keep=1)[0]]  # a prefill, then a chunk of 3 (masked), then singles
+    pieces.append(model(idx[:, 7:10], kv_cache=cache, logits_to_keep=1)[0])
+    pieces += [model(idx[:, t:t + 1], kv_cache=cache, logits_to_keep=1)[0] for t in range(10, 20)]
     got = torch.cat(pieces, dim=1)
     want = full[:, [6, 9] + list(range(10, 20))]
     torch.testing.assert_close(got[..., :50257], want[..., :50257], atol=1e-5, rtol=1e-5)
