@@ -339,20 +339,30 @@ def _iter_hub(dataset, name, text_column, streaming, skip, num_proc):
 # -----------------------------------------------------------------------------
 # shards and the manifest
 
-def _atomic_write(path, write):
-    # write to a temp name and rename: a crash never leaves a truncated file under the
-    # final name (the temp name ends in .tmp, so the loader's *.npy glob never sees it)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def atomic_write(path, write):
+    """Write a file through write(f) (binary) under a temp name, then rename it into place.
+
+    A crash never leaves a truncated file under the final name, and the temp name is unique to this
+    writer, so two writers never write into one temp file. It ends in .tmp: shard and checkpoint globs
+    (*.npy, model_*.pt) never see it. Every file this repository writes for keeps goes through here.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _save_manifest(local_dir, manifest):
     data = (json.dumps(manifest, indent=1) + "\n").encode()
-    _atomic_write(os.path.join(local_dir, MANIFEST), lambda f: f.write(data))
+    atomic_write(os.path.join(local_dir, MANIFEST), lambda f: f.write(data))
 
 
 def _load_manifest(local_dir):
@@ -368,11 +378,13 @@ def _load_manifest(local_dir):
         raise DataPrepError(f"{path} is damaged ({_one_line(e, 100)}); delete {local_dir} to start over") from None
 
 
+def list_shards(data_root, split):
+    """The `*_{split}_NNNNNN.npy` shard files in data_root, in order (none if it does not exist)."""
+    return sorted(glob.glob(os.path.join(data_root, f"*_{split}_[0-9]*.npy")))
+
+
 def _existing_shards(local_dir):
-    if not os.path.isdir(local_dir):
-        return []
-    return sorted(glob.glob(os.path.join(local_dir, "*_val_[0-9]*.npy")) +
-                  glob.glob(os.path.join(local_dir, "*_train_[0-9]*.npy")))
+    return list_shards(local_dir, "val") + list_shards(local_dir, "train")
 
 
 def _check_shards(local_dir, manifest):
@@ -422,7 +434,7 @@ def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tok
         if not os.path.exists(os.path.join(local_dir, MANIFEST)):
             _save_manifest(local_dir, manifest)  # claim the directory before the first shard
         name = shard_name(index)
-        _atomic_write(os.path.join(local_dir, name), lambda f: np.save(f, tokens))
+        atomic_write(os.path.join(local_dir, name), lambda f: np.save(f, tokens))
         shards.append({"file": name, "split": "val" if index == 0 else "train", "tokens": int(len(tokens)),
                        "next_doc": position[0], "next_offset": position[1]})
         manifest["total_tokens"] = sum(s["tokens"] for s in shards)
@@ -482,7 +494,7 @@ def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tok
         # after the val shard: an interruption here simply redoes this (small) dataset
         _save_manifest(local_dir, manifest)
         for i, part in enumerate((val, train)):
-            _atomic_write(os.path.join(local_dir, shard_name(i)), lambda f, part=part: np.save(f, part))
+            atomic_write(os.path.join(local_dir, shard_name(i)), lambda f, part=part: np.save(f, part))
         shards.append({"file": shard_name(0), "split": "val", "tokens": n_val, "next_doc": None, "next_offset": None})
         shards.append({"file": shard_name(1), "split": "train", "tokens": fill - n_val,
                        "next_doc": cut[0], "next_offset": cut[1]})

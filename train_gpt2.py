@@ -28,9 +28,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fineweb
+from fineweb import EOT, atomic_write, list_shards
+
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
-GPT2_VOCAB_SIZE = 50257  # real GPT-2 BPE tokens; ids >= this in a padded vocab are padding
-DEFAULT_DATA_ROOT = os.path.join(SCRIPT_DIR, "edu_fineweb10B")
+GPT2_VOCAB_SIZE = EOT + 1  # real GPT-2 BPE tokens, <|endoftext|> last; ids >= this in a padded vocab are padding
 
 
 class UsageError(Exception):
@@ -368,7 +370,7 @@ def export_hf(model, out_dir):
     hc = GPT2Config(vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
                     n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5,
                     resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
-                    bos_token_id=GPT2_VOCAB_SIZE - 1, eos_token_id=GPT2_VOCAB_SIZE - 1, tie_word_embeddings=True)
+                    bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True)
     hf = GPT2LMHeadModel(hc)
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     sd = {}
@@ -413,10 +415,6 @@ def peak_flops(device_name: str):
 # -----------------------------------------------------------------------------
 # Data: uint16 token shards written by fineweb.py
 
-def list_shards(data_root, split):
-    return sorted(glob.glob(os.path.join(data_root, f"*_{split}_[0-9]*.npy")))
-
-
 class DataLoaderLite:
     """Batches (x, y) of shape (B, T) from the `*_{split}_NNNNNN.npy` shards in data_root.
 
@@ -428,7 +426,7 @@ class DataLoaderLite:
     and `state_dict()` resumes exactly. Shards are memory-mapped: each batch copies only its B*T+1 tokens.
     """
 
-    def __init__(self, B, T, process_rank=0, num_processes=1, split="train", data_root=DEFAULT_DATA_ROOT, seed=1337):
+    def __init__(self, B, T, process_rank=0, num_processes=1, split="train", data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         self.B, self.T = B, T
@@ -549,10 +547,7 @@ def truncate_log(path, last_step):
         return
     with open(path) as f:
         kept = [line for line in f if line.split() and int(line.split()[0]) <= last_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.writelines(line.encode() for line in kept))
 
 
 # -----------------------------------------------------------------------------
@@ -628,9 +623,7 @@ def save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, ar
         "args": vars(args),
         "tokens_seen": tokens_seen,  # train tokens consumed so far (the batch-size ramp depends on it)
     }
-    tmp = path + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a truncated model_*.pt
+    atomic_write(path, lambda f: torch.save(ckpt, f))
 
 
 # -----------------------------------------------------------------------------
@@ -704,7 +697,7 @@ def build_parser():
     g.add_argument("--save_every", type=int, default=5000, help="checkpoint every N steps; the last step is always saved")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1337, help="seed for init, data order and sampling")
-    g.add_argument("--data_root", default=DEFAULT_DATA_ROOT,
+    g.add_argument("--data_root", default=fineweb.DEFAULT_DATA_ROOT,
                    help="folder of *_train_*.npy / *_val_*.npy shards; when it has none, rank 0 prepares them "
                         "with fineweb.py (just the tokens the run needs, at least 10M)")
     g.add_argument("--fineweb_name", default="sample-10BT", choices=["sample-10BT", "sample-100BT", "sample-350BT"],
@@ -958,7 +951,6 @@ def ensure_data(args, train_tokens, val_tokens, master_process, world_size, devi
         return
     message = None
     if master_process:
-        import fineweb
 
         needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
         full = args.input is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS[args.fineweb_name]
@@ -1293,7 +1285,7 @@ def sample_main(argv):
     device_type = device.split(":")[0]
     model = load_model(args.checkpoint, args.init_from, device)
     enc = tiktoken.get_encoding("gpt2")
-    tokens = enc.encode(args.prompt, allowed_special={"<|endoftext|>"}) or [GPT2_VOCAB_SIZE - 1]
+    tokens = enc.encode(args.prompt, allowed_special={"<|endoftext|>"}) or [EOT]
     if len(tokens) + args.max_new_tokens > model.config.block_size:
         raise UsageError(f"prompt ({len(tokens)} tokens) + --max_new_tokens ({args.max_new_tokens}) exceeds the "
                          f"model's block_size {model.config.block_size}")

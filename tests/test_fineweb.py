@@ -313,7 +313,7 @@ def test_resume_after_interrupted_run(tmp_path, enc, monkeypatch):
     src = write_jsonl(tmp_path / "d.jsonl", docs)
     out = tmp_path / "out"
     monkeypatch.setattr(fineweb, "BATCH_CHARS", 1500)
-    real_write = fineweb._atomic_write
+    real_write = fineweb.atomic_write
 
     def crash_on_shard_3(path, write):
         if path.endswith("_000003.npy"):
@@ -321,7 +321,7 @@ def test_resume_after_interrupted_run(tmp_path, enc, monkeypatch):
                 f.write(b"half a shard")  # what a crash leaves behind
             raise KeyboardInterrupt
         real_write(path, write)
-    monkeypatch.setattr(fineweb, "_atomic_write", crash_on_shard_3)
+    monkeypatch.setattr(fineweb, "atomic_write", crash_on_shard_3)
     with pytest.raises(KeyboardInterrupt):
         prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -330,7 +330,7 @@ def test_resume_after_interrupted_run(tmp_path, enc, monkeypatch):
     before = {p: os.stat(p).st_mtime_ns for p in glob.glob(str(out / "*.npy"))}
     assert len(before) == 3
 
-    monkeypatch.setattr(fineweb, "_atomic_write", real_write)
+    monkeypatch.setattr(fineweb, "atomic_write", real_write)
     seen = []
     real_tokenize = fineweb.tokenize_batch
     monkeypatch.setattr(fineweb, "tokenize_batch", lambda texts: seen.extend(texts) or real_tokenize(texts))
