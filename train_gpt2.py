@@ -4,10 +4,12 @@ GPT-2 pretraining on FineWeb-Edu token shards, in one flat, importable file.
     python train_gpt2.py                                        # GPT-2 124M recipe, one GPU (or CPU)
     torchrun --standalone --nproc_per_node=8 train_gpt2.py      # the same recipe on a node of 8 GPUs
     python train_gpt2.py --preset tiny                          # a few-M-parameter model, laptop CPU
+    python train_gpt2.py sample|export|eval --help              # use a checkpoint
 
-Importing this file defines the model, data loader, LR schedule and helpers; it trains nothing.
-`python train_gpt2.py --help` lists every flag. The run writes `<log_dir>/log.txt` (see `read_log`)
-and checkpoints `<log_dir>/model_{step:05d}.pt`; `--resume latest` continues exactly where a run stopped.
+Importing this file defines everything below and runs nothing. The sections follow a run: config and
+presets, the model, the data loader, schedules, distributed setup, checkpoints and the run log,
+evaluation, the training loop, the command line. A run writes `<log_dir>/log.txt` (see `read_log`) and
+checkpoints `<log_dir>/model_{step:05d}.pt`; `--resume latest` continues exactly where a run stopped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fineweb
+import hellaswag
 from fineweb import EOT, atomic_write, list_shards
 
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -47,8 +50,9 @@ class UsageError(Exception):
         self.rank_specific = rank_specific
 
 
-# -----------------------------------------------------------------------------
-# The model
+# =============================================================================
+# Config and presets
+# =============================================================================
 
 @dataclass
 class GPTConfig:
@@ -65,6 +69,8 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
+        if min(self.block_size, self.n_layer, self.n_head, self.n_embd) < 1:
+            raise ValueError("block_size, n_layer, n_head and n_embd must be positive")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head != 0:
@@ -83,7 +89,25 @@ MODEL_PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),  # ~7M, mostly the embedding
 }
+SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "bias")
 
+# Run settings a preset changes; everything else keeps the parser's defaults. The larger GPT-2 shapes take
+# the GPT-3 paper's (Table 2.1) learning rate for the nearest size and a micro batch that fits 80 GB.
+RUN_PRESETS = {
+    "gpt2": {},
+    "gpt2-medium": dict(max_lr=3e-4, micro_batch_size=32),
+    "gpt2-large": dict(max_lr=2.5e-4, micro_batch_size=16),
+    "gpt2-xl": dict(max_lr=2e-4, micro_batch_size=8),
+    # the CPU demo: ~300k tokens, about 5 minutes at ~1k tokens/s (a 2-core VM); val and samples every 50 steps
+    "tiny": dict(max_lr=2e-3, warmup_steps=15, max_steps=150, total_batch_size=2048, micro_batch_size=8,
+                 sequence_length=256, eval_every=50, val_tokens=16384, sample_every=50, hellaswag_every=0,
+                 save_every=0, data_root=os.path.join(SCRIPT_DIR, "edu_fineweb_tiny")),
+}
+
+
+# =============================================================================
+# The model
+# =============================================================================
 
 class KVCache:
     """Keys and values of the tokens seen so far, for every layer: generation feeds one token at a time.
@@ -337,26 +361,6 @@ def sample_next(logits, temperature=1.0, top_k=50, generator=None):
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
-def read_checkpoint(path, map_location="cpu", keys=("model", "config")):
-    """The dict in one of our checkpoints, or a UsageError saying why it cannot be used."""
-    if not os.path.isfile(path):
-        raise UsageError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # truncated or not a torch file at all
-        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
-    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
-    return ckpt
-
-
-def load_checkpoint_model(path, map_location="cpu"):
-    """The GPT stored in one of our checkpoints (model_*.pt), in fp32."""
-    ckpt = read_checkpoint(path, map_location)
-    model = GPT(GPTConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    return model
 
 
 def export_hf(model, out_dir):
@@ -412,8 +416,11 @@ def peak_flops(device_name: str):
     return None
 
 
-# -----------------------------------------------------------------------------
-# Data: uint16 token shards written by fineweb.py
+
+
+# =============================================================================
+# Data loader: uint16 token shards written by fineweb.py
+# =============================================================================
 
 class DataLoaderLite:
     """Batches (x, y) of shape (B, T) from the `*_{split}_NNNNNN.npy` shards in data_root.
@@ -498,8 +505,57 @@ class DataLoaderLite:
         return x, y
 
 
-# -----------------------------------------------------------------------------
-# Learning rate schedule
+
+# approximate GPT-2 token counts of the FineWeb-Edu samples: a run needing most of one takes it whole
+FINEWEB_SAMPLE_TOKENS = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}
+MIN_PREP_TOKENS = 10_000_000
+
+
+def ensure_data(args, train_tokens, val_tokens, dist):
+    """Make sure data_root has shards: if it has none, the master prepares them while the others wait.
+
+    With several nodes, data_root must be on a shared filesystem for this (or prepared on each node first).
+    """
+    have = bool(list_shards(args.data_root, "train")) and bool(list_shards(args.data_root, "val"))
+    if dist.agree(have):  # every rank takes the same branch
+        if dist.master:
+            warn_if_data_short(args.data_root, train_tokens, dist.print0)
+        return
+    message = prepare_data(args, train_tokens, val_tokens, dist.print0) if dist.master else None
+    # preparing 10B tokens takes hours, far past NCCL's collective timeout: wait on a long-timeout gloo group
+    if not dist.agree(message is None, long_wait=True):
+        raise UsageError(message or "data preparation failed on rank 0 (see its message)")
+
+
+def warn_if_data_short(data_root, train_tokens, print0):
+    manifest = os.path.join(data_root, fineweb.MANIFEST)
+    if os.path.exists(manifest):
+        import json
+        with open(manifest) as f:
+            info = json.load(f)
+        if info.get("complete") and info.get("total_tokens", float("inf")) < train_tokens:
+            print0(f"note: {data_root} holds {info['total_tokens']:,} tokens and the run reads {train_tokens:,}: "
+                   f"it will go over the data more than once")
+
+
+def prepare_data(args, train_tokens, val_tokens, print0):
+    """fineweb.prepare just the tokens the run needs (at least 10M), or the whole source; None or an error."""
+    needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
+    full = args.input is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS[args.fineweb_name]
+    max_tokens = None if full else needed
+    what = " ".join(args.input) if args.input else f"FineWeb-Edu {args.fineweb_name}"
+    print0(f"no shards in {args.data_root}: preparing them from {what}" + (f" ({max_tokens:,} tokens)" if max_tokens else ""))
+    try:
+        fineweb.prepare(args.data_root, name=args.fineweb_name, inputs=args.input, text_column=args.text_column,
+                        max_tokens=max_tokens, val_tokens=None if full else min(max(val_tokens, 1), max_tokens // 2))
+    except fineweb.DataPrepError as e:
+        return f"preparing {args.data_root} failed: {e}"
+    return None
+
+
+# =============================================================================
+# Schedules: learning rate and batch size, both functions of where the run is
+# =============================================================================
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     """Linear warmup to max_lr over warmup_steps, cosine decay to min_lr at max_steps, constant after."""
@@ -512,48 +568,177 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     return min_lr + coeff * (max_lr - min_lr)
 
 
-# -----------------------------------------------------------------------------
-# log.txt: written and parsed only here
-
-LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
 
 
-def format_log_line(step, kind, value):
-    return f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n"
+def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768):
+    """GPT-3's ramp: tokens in the next step, linear from `start` to total over the first ramp_tokens.
+
+    Rounded down to a multiple of unit = B*T*world_size (one micro-step on every rank), at least one unit.
+    """
+    if ramp_tokens <= 0 or tokens_seen >= ramp_tokens:
+        return total_batch_size
+    start = min(start, total_batch_size)
+    size = start + (total_batch_size - start) * tokens_seen / ramp_tokens
+    return max(unit, int(size) // unit * unit)
 
 
-def append_log(path, step, kind, value):
-    with open(path, "a") as f:
-        f.write(format_log_line(step, kind, value))
 
 
-def read_log(path):
-    """{kind: (steps, values)} for the kinds present in a log.txt ('train', 'val', 'hella')."""
-    series = {}
-    with open(path) as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) != 3:
-                continue
-            steps, values = series.setdefault(parts[1], ([], []))
-            steps.append(int(parts[0]))
-            values.append(float(parts[2]))
-    return series
+# =============================================================================
+# Distributed: processes, wrapping the model in FSDP / DDP, all-reduce helpers
+# =============================================================================
+
+def resolve_device(name):
+    """auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps; a UsageError for anything this machine lacks."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    return name
 
 
-def truncate_log(path, last_step):
-    """Drop the lines a run wrote after its checkpoint at last_step, so a resumed run continues cleanly."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.split() and int(line.split()[0]) <= last_step]
-    atomic_write(path, lambda f: f.writelines(line.encode() for line in kept))
+def autocast_for(dtype, device_type):
+    """(autocast context, uses bf16) for --dtype auto|fp32|bf16: auto is bf16 on CUDA and fp32 elsewhere."""
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
+    ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    return ctx, use_bf16
 
 
-# -----------------------------------------------------------------------------
-# Checkpoints
+@dataclass
+class Dist:
+    """This process's place in the run (torchrun's RANK, LOCAL_RANK, WORLD_SIZE) and its device."""
+    ddp: bool
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str
+    _long_wait_group: object = None
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def device_type(self):
+        return self.device.split(":")[0]  # autocast, fused AdamW and synchronize want 'cuda', never 'cuda:3'
+
+    def print0(self, *args, **kwargs):
+        if self.master:
+            print(*args, **kwargs, flush=True)
+
+    def agree(self, ok, long_wait=False):
+        """True when ok is true on every rank; also a barrier. long_wait: on a gloo group that waits 48 h."""
+        flag = torch.tensor(1.0 if ok else 0.0, device="cpu" if long_wait else self.device)
+        if self.world_size > 1:
+            import datetime
+            import torch.distributed as dist
+
+            group = None
+            if long_wait:
+                if self._long_wait_group is None:
+                    self._long_wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
+                group = self._long_wait_group
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return flag.item() == 1.0
+
+
+def setup_distributed(args):
+    """A Dist from torchrun's environment (one process without it), with the process group started."""
+    import torch.distributed as dist
+
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.fsdp and not ddp:
+        raise UsageError("--fsdp shards the model across processes: launch with torchrun")
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = resolve_device(args.device)
+    if ddp and device.startswith("cuda"):
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) on this node: "
+                             f"ask torchrun for at most that many processes per node", rank_specific=True)
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    if ddp:
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return Dist(ddp, rank, local_rank, world_size, device)
+
+
+def shard_model(raw_model, use_bf16):
+    """FSDP2 on every block and then the root (embeddings, tied lm_head, ln_f); in place."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.5 kept FSDP2 under _composable
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # bf16 compute and all-gathers, fp32 gradient reduction and master weights
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
+    for block in raw_model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(raw_model, mp_policy=mp)
+
+
+def wrap_for_training(raw_model, use_compile, dist, fsdp):
+    """(the model the training step calls, whether DDP should sync gradients only on the last micro-step)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = torch.compile(raw_model) if use_compile else raw_model
+    if dist.ddp and not fsdp:
+        model = DDP(model, device_ids=[dist.local_rank] if dist.device_type == "cuda" else None)
+        return model, True
+    return model, False  # FSDP reduce-scatters every micro-step to keep gradients sharded
+
+
+
+def all_reduce_sum(t, world_size):
+    import torch.distributed as dist
+
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_mean(t, world_size):
+    all_reduce_sum(t, world_size)  # gloo has no AVG: sum, then divide
+    return t / world_size
+
+
+
+# =============================================================================
+# Checkpoints and the run log
+# =============================================================================
+
+@dataclass
+class TrainState:
+    """Where a run stands: everything a checkpoint holds besides the weights and the optimizer state.
+
+    save_checkpoint writes these fields as the checkpoint's top-level keys and resuming reads them back,
+    so a run continues bit-exactly: same batches, same random numbers, same schedule position.
+    """
+    step: int = -1  # the last optimizer step taken (and included in a checkpoint); -1 before the first
+    tokens_seen: int = 0  # train tokens consumed so far (the batch-size ramp depends on it)
+    val_loss: float | None = None  # the latest val loss
+    loader: dict | None = None  # the train loader's position, DataLoaderLite.state_dict()
+    rng: dict | None = None  # python, numpy, torch (and CUDA) generator states
+    args: dict | None = None  # the run's flags
+
+    @classmethod
+    def from_checkpoint(cls, ckpt):
+        fields = {k: ckpt[k] for k in ("step", "val_loss", "loader", "rng", "args")}
+        # checkpoints written before the batch ramp existed have no tokens_seen: every step was a full batch
+        fields["tokens_seen"] = ckpt.get("tokens_seen", (ckpt["step"] + 1) * ckpt["args"]["total_batch_size"])
+        return cls(**fields)
+
 
 CKPT_RE = re.compile(r"model_(\d+)\.pt$")
+CKPT_KEYS = ("model", "config", "optimizer") + tuple(TrainState.__dataclass_fields__)
+
+
+def checkpoint_path(log_dir, step):
+    return os.path.join(log_dir, f"model_{step:05d}.pt")
 
 
 def find_checkpoints(log_dir):
@@ -607,206 +792,187 @@ def load_full_state_dicts(raw_model, optimizer, model_sd, optim_sd):
             group.update(keep)
 
 
-def save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args, tokens_seen, master=True):
-    """Write model_{step}.pt atomically. Every rank calls it (FSDP gathers), only the master writes."""
+
+
+def save_checkpoint(path, raw_model, optimizer, state, train_loader, master=True):
+    """Write the model, optimizer and TrainState to path atomically. Every rank calls it (FSDP gathers)."""
     model_sd, optim_sd = full_state_dicts(raw_model, optimizer)
     if not master:
         return
-    ckpt = {
-        "model": model_sd,
-        "config": asdict(raw_model.config),
-        "optimizer": optim_sd,
-        "step": step,  # the last optimizer step this checkpoint includes
-        "loader": train_loader.state_dict(),
-        "rng": rng_state(),
-        "val_loss": val_loss,
-        "args": vars(args),
-        "tokens_seen": tokens_seen,  # train tokens consumed so far (the batch-size ramp depends on it)
-    }
-    atomic_write(path, lambda f: torch.save(ckpt, f))
+    state.loader, state.rng = train_loader.state_dict(), rng_state()
+    ckpt = {"model": model_sd, "config": asdict(raw_model.config), "optimizer": optim_sd, **asdict(state)}
+    atomic_write(path, lambda f: torch.save(ckpt, f))  # a crash mid-write never leaves a truncated model_*.pt
 
 
-# -----------------------------------------------------------------------------
-# Run configuration
-
-# Run settings a preset changes; everything else keeps the parser's defaults. The larger GPT-2 shapes take
-# the GPT-3 paper's (Table 2.1) learning rate for the nearest size and a micro batch that fits 80 GB.
-RUN_PRESETS = {
-    "gpt2": {},
-    "gpt2-medium": dict(max_lr=3e-4, micro_batch_size=32),
-    "gpt2-large": dict(max_lr=2.5e-4, micro_batch_size=16),
-    "gpt2-xl": dict(max_lr=2e-4, micro_batch_size=8),
-    # the CPU demo: ~300k tokens, about 5 minutes at ~1k tokens/s (a 2-core VM); val and samples every 50 steps
-    "tiny": dict(max_lr=2e-3, warmup_steps=15, max_steps=150, total_batch_size=2048, micro_batch_size=8,
-                 sequence_length=256, eval_every=50, val_tokens=16384, sample_every=50, hellaswag_every=0,
-                 save_every=0, data_root=os.path.join(SCRIPT_DIR, "edu_fineweb_tiny")),
-}
+def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
+    """Load a checkpoint dict into the model, optimizer, loader and RNGs; returns its TrainState."""
+    state = TrainState.from_checkpoint(ckpt)
+    load_full_state_dicts(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])
+    train_loader.load_state_dict(state.loader)
+    set_rng_state(state.rng)
+    return state
 
 
-def build_parser():
-    p = argparse.ArgumentParser(
-        description="Pretrain GPT-2 on FineWeb-Edu shards. One process: python train_gpt2.py; "
-                    "several: torchrun --standalone --nproc_per_node=8 train_gpt2.py.",
-        epilog="Other commands: `train_gpt2.py sample --help` (text from a checkpoint or GPT-2), "
-               "`train_gpt2.py export --help` (a checkpoint as a transformers model directory).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("model")
-    g.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS),
-                   help="model shape and matching run settings; explicit flags override it")
-    g.add_argument("--n_layer", type=int, default=None, help="override the preset's number of blocks")
-    g.add_argument("--n_head", type=int, default=None, help="override the preset's attention heads")
-    g.add_argument("--n_embd", type=int, default=None, help="override the preset's embedding width")
-    g.add_argument("--block_size", type=int, default=None, help="override the preset's context length (default 1024)")
-    g.add_argument("--n_kv_head", type=int, default=None,
-                   help="key/value heads for grouped-query attention (must divide n_head; 1 = MQA; default n_head)")
-    g.add_argument("--dropout", type=float, default=0.0, help="attention, residual and embedding dropout while training")
-    g.add_argument("--bias", default=True, action=argparse.BooleanOptionalAction,
-                   help="biases in Linear and LayerNorm layers (GPT-2 has them)")
-    g.add_argument("--init_from", default=None, metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
-                   help="start from OpenAI's GPT-2 weights (hub name, or a save_pretrained directory) instead of "
-                        "a random init; the shape flags above are then taken from those weights")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--max_lr", type=float, default=6e-4, help="peak learning rate")
-    g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate as a fraction of max_lr")
-    g.add_argument("--warmup_steps", type=int, default=715, help="linear warmup steps")
-    g.add_argument("--max_steps", type=int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
-    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matmul weights and embeddings")
-    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
-    g.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, all processes together")
-    g.add_argument("--batch_ramp_tokens", type=int, default=0,
-                   help="GPT-3's batch-size ramp: grow the batch linearly from --batch_ramp_start tokens to "
-                        "--total_batch_size over the first N train tokens, by changing gradient accumulation; "
-                        "the LR schedule is unchanged (0: off)")
-    g.add_argument("--batch_ramp_start", type=int, default=32768, help="first batch of the ramp, in tokens")
-    g.add_argument("-B", "--micro_batch_size", type=int, default=64, help="sequences per forward pass per process")
-    g.add_argument("-T", "--sequence_length", type=int, default=1024, help="tokens per sequence")
-    g = p.add_argument_group("evaluation, sampling, checkpoints (0 turns a block off)")
-    g.add_argument("--eval_every", type=int, default=250, help="val loss every N steps and at the last step")
-    g.add_argument("--val_tokens", type=int, default=10_485_760,
-                   help="val loss over the first N val tokens, split across processes: the same number for any "
-                        "world size and micro batch (the default is build-nanogpt's 20 x 64 x 1024 x 8)")
-    g.add_argument("--val_steps", type=int, default=None,
-                   help="instead of --val_tokens: N batches of B*T tokens per process (build-nanogpt's 20); "
-                        "the number of tokens then depends on B and the process count")
-    g.add_argument("--sample_every", type=int, default=250, help="print samples every N steps (not at step 0) and at the last step")
-    g.add_argument("--sample_prompt", default="Hello, I'm a language model,", help="prompt for the samples")
-    g.add_argument("--num_samples", type=int, default=4, help="samples per sampling block")
-    g.add_argument("--sample_tokens", type=int, default=32, help="new tokens per sample")
-    g.add_argument("--hellaswag_every", type=int, default=250, help="HellaSwag acc_norm every N steps and at the last step")
-    g.add_argument("--hellaswag_limit", type=int, default=None, help="evaluate only the first N HellaSwag val examples")
-    g.add_argument("--save_every", type=int, default=5000, help="checkpoint every N steps; the last step is always saved")
-    g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=1337, help="seed for init, data order and sampling")
-    g.add_argument("--data_root", default=fineweb.DEFAULT_DATA_ROOT,
-                   help="folder of *_train_*.npy / *_val_*.npy shards; when it has none, rank 0 prepares them "
-                        "with fineweb.py (just the tokens the run needs, at least 10M)")
-    g.add_argument("--fineweb_name", default="sample-10BT", choices=["sample-10BT", "sample-100BT", "sample-350BT"],
-                   help="FineWeb-Edu sample to prepare when data_root is empty")
-    g.add_argument("--input", nargs="+", default=None, metavar="PATH",
-                   help="prepare data_root from these local .txt/.jsonl/.parquet files (or globs) instead of "
-                        "downloading FineWeb-Edu")
-    g.add_argument("--text_column", default="text", help="text field of --input .jsonl/.parquet files")
-    g.add_argument("--log_dir", default="log", help="where log.txt and model_*.pt go")
-    g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
-    g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
-                   help="torch.compile the model (default: on for CUDA, off elsewhere)")
-    g.add_argument("--peak_flops", type=float, default=None,
-                   help="peak bf16 FLOP/s of one accelerator for the MFU figure (default: looked up for A100/H100/H200; no MFU elsewhere)")
-    g.add_argument("--fsdp", action="store_true",
-                   help="shard parameters, gradients and optimizer state across processes with FSDP2 "
-                        "(under torchrun; for models that do not fit one GPU with DDP, e.g. gpt2-xl)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start afresh in log_dir, deleting its log.txt and model_*.pt")
-    g.add_argument("--resume", default=None, metavar="latest|PATH",
-                   help="continue from the newest checkpoint in log_dir, or from PATH")
-    g.add_argument("--profile", default=None, choices=["continue", "exit"],
-                   help="run torch.profiler over a few training steps (--profile_schedule), write a trace to "
-                        "<log_dir>/profile/ (Perfetto / TensorBoard) and print the top ops, then continue or exit")
-    g.add_argument("--profile_schedule", default="1,1,3", metavar="WAIT,WARMUP,ACTIVE",
-                   help="profiler schedule in steps: skipped, warmed up (not recorded), recorded")
-    g.add_argument("--wandb_project", default=None,
-                   help="also log metrics to this Weights & Biases project (needs `pip install wandb`)")
-    g.add_argument("--wandb_run_name", default=None, help="W&B run name (default: W&B picks one)")
-    g.add_argument("--stop_step", type=int, default=None,
-                   help="leave after this many steps with a checkpoint, keeping the schedule of --max_steps "
-                        "(for jobs with a time limit; continue with --resume latest)")
-    return p
-
-
-def parse_args(argv=None):
-    """Parse flags, applying the preset's run settings as defaults so that explicit flags still win."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    parser.set_defaults(**RUN_PRESETS[args.preset])
-    return parser.parse_args(argv)
-
-
-def model_config_from_args(args):
-    shape = dict(MODEL_PRESETS[args.preset])
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
-    shape.update(dropout=args.dropout, bias=args.bias)
+def read_checkpoint(path, map_location="cpu", keys=("model", "config")):
+    """The dict in one of our checkpoints, or a UsageError saying why it cannot be used."""
+    if not os.path.isfile(path):
+        raise UsageError(f"checkpoint not found: {path}")
     try:
-        return GPTConfig(**shape)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # truncated, or not a torch file at all
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
+    return ckpt
 
 
-def autocast_for(dtype, device_type):
-    """(autocast context, uses bf16) for --dtype auto|fp32|bf16: auto is bf16 on CUDA and fp32 elsewhere."""
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
-    ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    return ctx, use_bf16
+def find_resume_checkpoint(resume, log_dir, print0):
+    """(path, checkpoint dict) for --resume latest|PATH; latest skips unreadable newer files with a warning."""
+    if resume != "latest":
+        if not os.path.isfile(resume):
+            raise UsageError(f"--resume {resume}: no such checkpoint")
+        return resume, read_checkpoint(resume, keys=CKPT_KEYS[:-1])
+    found = find_checkpoints(log_dir)
+    if not found:
+        raise UsageError(f"--resume latest: no model_*.pt checkpoint in {log_dir}")
+    for path in reversed(found):
+        try:
+            return path, read_checkpoint(path, keys=CKPT_KEYS[:-1])  # tokens_seen: optional in old files
+        except UsageError as e:
+            print0(f"warning: skipping {e}")
+    raise UsageError(f"--resume latest: none of the {len(found)} checkpoints in {log_dir} is readable")
 
 
-def resolve_device(name):
-    if name == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine")
-    return name
+def load_checkpoint_model(path, map_location="cpu"):
+    """The GPT stored in one of our checkpoints (model_*.pt), in fp32."""
+    ckpt = read_checkpoint(path, map_location)
+    model = GPT(GPTConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model
 
 
-def check_batch(args, world_size, block_size):
-    """grad_accum_steps, or a UsageError naming what does not fit."""
-    B, T = args.micro_batch_size, args.sequence_length
-    if B < 1 or T < 1:
-        raise UsageError("-B and -T must be positive")
-    if T > block_size:
-        raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
-    per_step = B * T * world_size
-    if args.total_batch_size % per_step != 0:
-        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by B*T*world_size = "
-                         f"{B}*{T}*{world_size} = {per_step}")
-    return args.total_batch_size // per_step
+def prune_checkpoints(log_dir, keep_last):
+    """Delete all but the newest keep_last model_*.pt (0 keeps all); returns the deleted paths."""
+    if keep_last <= 0:
+        return []
+    old = find_checkpoints(log_dir)[:-keep_last]
+    for path in old:
+        os.remove(path)
+    return old
 
 
-# -----------------------------------------------------------------------------
-# Pieces of a training step, shared by the loop and the tests
+class LogDirLock:
+    """One run per log dir: an exclusive lock on <log_dir>/.lock, held for the life of the run.
 
-def forward_backward(model, loader, grad_accum_steps, device, autocast_ctx, ddp=False):
-    """Accumulate the gradients of one optimizer step; returns the mean micro-batch loss (detached)."""
-    loss_accum = torch.zeros((), device=device)
-    for micro_step in range(grad_accum_steps):
-        x, y = loader.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if ddp:
-            # all-reduce the gradients only once, on the last micro-step
-            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
-        with autocast_ctx:
-            _, loss = model(x, y)
-        # each micro-step's loss is a mean over B*T tokens: scale so the sum over steps is the mean
-        loss = loss / grad_accum_steps
-        loss_accum += loss.detach()
-        loss.backward()
-    return loss_accum
+    flock is released by the OS when the process dies, kill -9 included, so a crash never leaves a stale
+    lock. The file holds the owner's pid and host for the message a second run prints.
+    """
+
+    def __init__(self, log_dir):
+        self.path = os.path.join(log_dir, ".lock")
+        self.file = None
+
+    def acquire(self):
+        import fcntl
+        import socket
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            owner = f.read().strip() or "another process"
+            f.close()
+            raise UsageError(f"{os.path.dirname(self.path)} is in use by a live run ({owner}): wait for it to end, "
+                             f"or choose another --log_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self.file = f
+
+    def release(self):
+        if self.file is not None:
+            self.file.close()  # closing the file releases the lock
+            self.file = None
+
+
+def clear_log_dir(log_dir, resume_step, overwrite):
+    """Get log_dir ready for this run (the lock is held): never clobber an earlier run by accident.
+
+    Removes temp files a crash left; a resumed run drops the log lines written after its checkpoint;
+    --overwrite deletes an earlier run's log and checkpoints; anything else with an earlier run is refused.
+    """
+    for tmp in glob.glob(os.path.join(log_dir, "*.tmp")):
+        os.remove(tmp)
+    log_file = os.path.join(log_dir, "log.txt")
+    if resume_step is not None:
+        return truncate_log(log_file, resume_step)
+    earlier = (os.path.exists(log_file) and os.path.getsize(log_file) > 0) or find_checkpoints(log_dir)
+    if earlier and not overwrite:
+        raise UsageError(f"{log_dir} holds an earlier run (log.txt or model_*.pt): pass --resume latest "
+                         f"to continue it, --overwrite to start afresh, or another --log_dir")
+    for path in find_checkpoints(log_dir):
+        os.remove(path)
+    open(log_file, "w").close()
+    return 0
+
+
+# log.txt: one `step kind value` line per number, written and parsed only here
+
+LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
+
+
+def format_log_line(step, kind, value):
+    return f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n"
+
+
+def append_log(path, step, kind, value):
+    with open(path, "a") as f:
+        f.write(format_log_line(step, kind, value))
+
+
+def parse_log_line(line):
+    """(step, kind, value) of a log.txt line, or None for a damaged one (a crash can leave NUL bytes)."""
+    parts = line.split()
+    if len(parts) != 3 or parts[1] not in LOG_FORMATS:
+        return None
+    try:
+        return int(parts[0]), parts[1], float(parts[2])
+    except ValueError:
+        return None
+
+
+def read_log(path):
+    """{kind: (steps, values)} for the kinds present in a log.txt ('train', 'val', 'hella'); bad lines skipped."""
+    series = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            parsed = parse_log_line(line)
+            if parsed is not None:
+                steps, values = series.setdefault(parsed[1], ([], []))
+                steps.append(parsed[0])
+                values.append(parsed[2])
+    return series
+
+
+def truncate_log(path, last_step):
+    """Keep the lines up to last_step, so a resumed run continues cleanly; returns how many damaged lines
+    were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, errors="replace") as f:
+        lines = [(line, parse_log_line(line)) for line in f if line.strip()]
+    kept = [line for line, parsed in lines if parsed is not None and parsed[0] <= last_step]
+    atomic_write(path, lambda f: f.writelines(line.encode() for line in kept))
+    return sum(parsed is None for _, parsed in lines)
+
+
+# =============================================================================
+# Evaluation: val loss, the HellaSwag hand-off, samples
+# =============================================================================
 
 
 @torch.no_grad()
@@ -841,33 +1007,433 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
     return (total[0] / total[1]).item()
 
 
-def all_reduce_sum(t, world_size):
-    import torch.distributed as dist
-
-    if world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def all_reduce_mean(t, world_size):
-    all_reduce_sum(t, world_size)  # gloo has no AVG: sum, then divide
-    return t / world_size
-
-
-def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768):
-    """GPT-3's ramp: tokens in the next step, linear from `start` to total over the first ramp_tokens.
-
-    Rounded down to a multiple of unit = B*T*world_size (one micro-step on every rank), at least one unit.
-    """
-    if ramp_tokens <= 0 or tokens_seen >= ramp_tokens:
-        return total_batch_size
-    start = min(start, total_batch_size)
-    size = start + (total_batch_size - start) * tokens_seen / ramp_tokens
-    return max(unit, int(size) // unit * unit)
+def hellaswag_ready(every, dist):
+    """True when HellaSwag's val data can be had on every rank; else False after one warning."""
+    if every <= 0:
+        return False
+    ok = True
+    for turn in ("master", "others"):  # the master downloads first, the other ranks then find the file
+        if dist.master == (turn == "master"):
+            try:
+                hellaswag.download("val")
+            except hellaswag.HellaSwagUnavailable as e:
+                print(f"warning: HellaSwag evaluation turned off: {e}", flush=True)
+                ok = False
+        ok = dist.agree(ok)  # also the barrier between the turns
+    return ok
 
 
-# -----------------------------------------------------------------------------
-# Training
+def print_samples(raw_model, enc, args, dist, autocast_ctx):
+    """num_samples continuations of the sample prompt from each rank (its own seed), printed."""
+    gen = torch.Generator(device=dist.device).manual_seed(args.seed + dist.rank)
+    prompt = torch.tensor(enc.encode(args.sample_prompt), dtype=torch.long, device=dist.device)
+    prompt = prompt.unsqueeze(0).repeat(args.num_samples, 1)
+    with autocast_ctx:
+        out = raw_model.generate(prompt, args.sample_tokens, top_k=50, generator=gen)
+    for i in range(args.num_samples):
+        print(f"rank {dist.rank} sample {i}: {enc.decode(out[i].tolist())}", flush=True)
+
+
+# =============================================================================
+# The training loop
+# =============================================================================
+
+# ---- phase 1: run settings, every flag checked before any work
+
+@dataclass
+class Settings:
+    """What the flags (and a checkpoint being resumed) decide, worked out once before anything is written."""
+    config: GPTConfig
+    grad_accum: int  # micro-steps per optimizer step at the full batch (check_batch's result)
+    unit: int  # tokens of one micro-step over all ranks: B * T * world_size
+    val_tokens: int
+    autocast_ctx: object
+    use_bf16: bool
+    use_compile: bool
+    enc: object = None  # the GPT-2 tokenizer, when samples are on
+    resume_path: str | None = None
+    ckpt: dict | None = None  # the checkpoint being resumed; dropped once it is restored
+    pretrained: GPT | None = None  # --init_from's model
+
+
+# flags that belong to one invocation: a resumed run takes every other flag it is not given from its checkpoint
+PER_INVOCATION = {"resume", "overwrite", "stop_step", "device", "dtype", "compile", "profile", "profile_schedule",
+                  "wandb_project", "wandb_run_name", "log_dir", "init_from", "keep_last", "peak_flops"}
+SCHEDULE_FLAGS = ("max_steps", "max_lr", "warmup_steps", "total_batch_size", "batch_ramp_tokens",
+                  "batch_ramp_start", "seed")
+
+
+def run_flags(args):
+    """The flags as a plain dict, as logged and stored in checkpoints."""
+    return {k: v for k, v in vars(args).items() if k != "given"}
+
+
+def check_flags(args):
+    """One-line UsageErrors for values and flag pairs that cannot work; returns warnings for dubious ones."""
+    def need(ok, message):
+        if not ok:
+            raise UsageError(message)
+
+    for key in ("max_steps", "total_batch_size", "micro_batch_size", "sequence_length", "batch_ramp_start"):
+        need(getattr(args, key) > 0, f"--{key} must be positive, not {getattr(args, key)}")
+    need(args.max_lr > 0 and math.isfinite(args.max_lr), f"--max_lr must be a positive number, not {args.max_lr}")
+    need(0 <= args.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], not {args.min_lr_ratio}")
+    for key in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "sample_every", "hellaswag_every",
+                "save_every", "keep_last", "batch_ramp_tokens"):
+        need(getattr(args, key) >= 0, f"--{key} must be >= 0, not {getattr(args, key)}")
+    for key in ("val_steps", "hellaswag_limit", "stop_step", "peak_flops"):
+        need(getattr(args, key) is None or getattr(args, key) > 0, f"--{key} must be positive, not {getattr(args, key)}")
+    if args.eval_every > 0:
+        need(args.val_tokens > 0, f"--val_tokens must be positive while val is on (--eval_every {args.eval_every})")
+    if args.sample_every > 0:
+        need(args.num_samples > 0 and args.sample_tokens > 0,
+             "--num_samples and --sample_tokens must be positive while samples are on (--sample_every 0 turns them off)")
+    need(not ({"val_steps", "val_tokens"} <= args.given), "--val_steps and --val_tokens both set the val size: give one")
+    need(not (args.resume and args.overwrite), "--resume continues the run in log_dir, --overwrite deletes it: give one")
+    need(not (args.resume and args.init_from), "--resume continues a checkpoint, --init_from starts from OpenAI's "
+                                               "weights: give one")
+    shape = sorted(f"--{k}" if k != "bias" else "--[no-]bias" for k in SHAPE_FLAGS if k in args.given)
+    need(not (args.init_from and shape), f"--init_from takes the model's shape from the weights: drop {', '.join(shape)}")
+    if args.profile:
+        parse_profile_schedule(args.profile_schedule)
+    warnings = []
+    if args.warmup_steps >= args.max_steps:
+        warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: the LR never leaves warmup")
+    if args.init_from and "preset" in args.given:
+        warnings.append(f"--init_from {args.init_from}: --preset {args.preset} gives only run settings, not the shape")
+    return warnings
+
+
+def adopt_checkpoint_flags(args, saved, print0):
+    """Resuming: flags not given now take the checkpoint's values; given schedule flags that differ warn."""
+    for key, value in saved.items():
+        if key in PER_INVOCATION or not hasattr(args, key):
+            continue
+        if key not in args.given:
+            setattr(args, key, value)
+        elif key in SCHEDULE_FLAGS and getattr(args, key) != value:
+            print0(f"warning: --{key} is {getattr(args, key)} now but was {value} in the checkpoint")
+
+
+def model_config_from_args(args):
+    shape = dict(MODEL_PRESETS[args.preset])
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    shape.update(dropout=args.dropout, bias=args.bias)
+    try:
+        return GPTConfig(**shape)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def resumed_config(args, ckpt, path):
+    """The checkpoint's model shape; shape flags given now must agree with it."""
+    config = GPTConfig(**ckpt["config"])
+    asked = asdict(model_config_from_args(args))
+    keys = set(SHAPE_FLAGS + ("dropout",)) & args.given
+    if "preset" in args.given:
+        keys |= set(MODEL_PRESETS[args.preset])
+    differ = sorted(k for k in keys if asked[k] != getattr(config, k))
+    if differ:
+        raise UsageError(f"{path} holds a model with {', '.join(f'{k}={getattr(config, k)}' for k in differ)}; the flags "
+                         f"ask for {', '.join(f'{k}={asked[k]}' for k in differ)} (a resumed run needs no shape flags)")
+    return config
+
+
+def check_batch(args, world_size, block_size):
+    """grad_accum_steps, or a UsageError naming what does not fit."""
+    B, T = args.micro_batch_size, args.sequence_length
+    if T > block_size:
+        raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
+    per_step = B * T * world_size
+    if args.total_batch_size % per_step != 0:
+        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by B*T*world_size = "
+                         f"{B}*{T}*{world_size} = {per_step}")
+    return args.total_batch_size // per_step
+
+
+def encode_prompt(enc, text):
+    """Token ids of a prompt; an empty prompt starts from <|endoftext|>, as a new document would."""
+    return enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
+
+
+def sample_tokenizer(args, block_size):
+    """The GPT-2 tokenizer when samples are on, once the prompt and sample length are known to fit."""
+    if args.sample_every <= 0:
+        return None
+    import tiktoken
+
+    enc = tiktoken.get_encoding("gpt2")
+    n = len(encode_prompt(enc, args.sample_prompt))
+    if n + args.sample_tokens > block_size:
+        raise UsageError(f"--sample_prompt ({n} tokens) + --sample_tokens ({args.sample_tokens}) exceeds the model's "
+                         f"block_size {block_size}: shorten them, or turn samples off with --sample_every 0")
+    return enc
+
+
+def resolve_settings(args, dist):
+    """Phase 1: check every flag, find the checkpoint to resume, and work out the run's settings."""
+    for warning in check_flags(args):
+        dist.print0(f"warning: {warning}")
+    resume_path, ckpt, pretrained = None, None, None
+    if args.resume:
+        resume_path, ckpt = find_resume_checkpoint(args.resume, args.log_dir, dist.print0)
+        adopt_checkpoint_flags(args, ckpt["args"], dist.print0)
+        config = resumed_config(args, ckpt, resume_path)
+    elif args.init_from:
+        pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
+        config = pretrained.config
+    else:
+        config = model_config_from_args(args)
+    grad_accum = check_batch(args, dist.world_size, config.block_size)
+    unit = args.micro_batch_size * args.sequence_length * dist.world_size
+    autocast_ctx, use_bf16 = autocast_for(args.dtype, dist.device_type)
+    if dist.device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls that remain
+    return Settings(config=config, grad_accum=grad_accum, unit=unit,
+                    val_tokens=args.val_steps * unit if args.val_steps is not None else args.val_tokens,
+                    autocast_ctx=autocast_ctx, use_bf16=use_bf16,
+                    use_compile=args.compile if args.compile is not None else dist.device_type == "cuda",
+                    enc=sample_tokenizer(args, config.block_size), resume_path=resume_path, ckpt=ckpt,
+                    pretrained=pretrained)
+
+
+# ---- phase 2: one run per log dir
+
+@contextlib.contextmanager
+def claim_log_dir(args, settings, dist):
+    """Rank 0 locks log_dir for the whole run and readies it; every rank stops if it cannot."""
+    lock, error = LogDirLock(args.log_dir), None
+    if dist.master:
+        try:
+            lock.acquire()
+            damaged = clear_log_dir(args.log_dir, settings.ckpt["step"] if settings.ckpt else None, args.overwrite)
+            if damaged:
+                print(f"warning: dropped {damaged} damaged line(s) from {args.log_dir}/log.txt", flush=True)
+        except UsageError as e:
+            error = e
+    if not dist.agree(error is None):
+        lock.release()
+        raise error or UsageError("rank 0 could not claim the log dir (see its message)")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+# ---- phases 3-5: data, model and optimizer, restored state
+
+def open_data(args, settings, dist):
+    """Train and val loaders, the shards prepared first if data_root has none."""
+    ensure_data(args, args.max_steps * args.total_batch_size, settings.val_tokens, dist)
+    return [DataLoaderLite(args.micro_batch_size, args.sequence_length, dist.rank, dist.world_size, split,
+                           args.data_root, args.seed) for split in ("train", "val")]
+
+
+def build_model(args, settings, dist):
+    """The raw model (a seeded init or OpenAI's weights) on its device, sharded under --fsdp, and AdamW."""
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    random.seed(args.seed)
+    raw_model = settings.pretrained if settings.pretrained is not None else GPT(settings.config)
+    raw_model = raw_model.to(dist.device)
+    settings.pretrained = None
+    dist.print0(f"model: {raw_model.get_num_params():,} parameters")
+    if args.fsdp:
+        shard_model(raw_model, settings.use_bf16)
+    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, dist.device_type, verbose=dist.master)
+    return raw_model, optimizer
+
+
+def restore_state(args, settings, raw_model, optimizer, train_loader, dist):
+    """The checkpoint's TrainState loaded into model, optimizer, loader and RNGs; a fresh one otherwise."""
+    state = TrainState()
+    if settings.ckpt is not None:
+        state = restore_checkpoint(settings.ckpt, raw_model, optimizer, train_loader)
+        dist.print0(f"resumed from {settings.resume_path} at step {state.step + 1}")
+        settings.ckpt = None  # the weights live in the model now
+    state.args = run_flags(args)
+    return state
+
+
+# ---- phase 6: the loop
+
+@dataclass
+class Run:
+    """What the loop works with, built by train()'s phases."""
+    args: argparse.Namespace
+    dist: Dist
+    settings: Settings
+    raw_model: GPT  # unwrapped, uncompiled: saved, evaluated on HellaSwag, sampled
+    model: nn.Module  # what the training step calls: compiled and/or DDP-wrapped
+    sync_once: bool  # DDP: all-reduce gradients on the last micro-step only
+    optimizer: torch.optim.Optimizer
+    train_loader: DataLoaderLite
+    val_loader: DataLoaderLite
+    metrics: Metrics
+    hellaswag_on: bool
+    last_saved: int = -1  # the step of the newest checkpoint this run has (or resumed from)
+
+
+def start_run(args, settings, dist, raw_model, optimizer, loaders, state):
+    """The compiled / DDP-wrapped model and the run's outputs (log.txt, W&B, HellaSwag) around the raw one."""
+    model, sync_once = wrap_for_training(raw_model, settings.use_compile, dist, args.fsdp)
+    run_config = {**run_flags(args), "world_size": dist.world_size, "model": asdict(settings.config)}
+    wandb_run = init_wandb(args, run_config) if args.wandb_project and dist.master else None
+    metrics = Metrics(os.path.join(args.log_dir, "log.txt"), dist.master, wandb_run)
+    return Run(args, dist, settings, raw_model, model, sync_once, optimizer, *loaders, metrics,
+               hellaswag_on=hellaswag_ready(args.hellaswag_every, dist), last_saved=state.step)
+
+
+def forward_backward(model, loader, grad_accum_steps, device, autocast_ctx, ddp=False):
+    """Accumulate the gradients of one optimizer step; returns the mean micro-batch loss (detached)."""
+    loss_accum = torch.zeros((), device=device)
+    for micro_step in range(grad_accum_steps):
+        x, y = loader.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if ddp:
+            # all-reduce the gradients only once, on the last micro-step
+            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        with autocast_ctx:
+            _, loss = model(x, y)
+        # each micro-step's loss is a mean over B*T tokens: scale so the sum over steps is the mean
+        loss = loss / grad_accum_steps
+        loss_accum += loss.detach()
+        loss.backward()
+    return loss_accum
+
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean over the step's tokens, all ranks
+    norm: float  # global gradient norm before clipping
+    lr: float
+    dt: float  # seconds, the GPU's work included
+    batch_size: int  # tokens in this step, all ranks
+
+
+def train_step(run, state, step):
+    """One optimizer step: accumulate the batch's gradients, clip, set the scheduled LR, update."""
+    args, s, dist = run.args, run.settings, run.dist
+    t0 = time.time()
+    batch_size = batch_size_at(state.tokens_seen, args.batch_ramp_tokens, args.total_batch_size, s.unit,
+                               args.batch_ramp_start)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(run.model, run.train_loader, batch_size // s.unit, dist.device, s.autocast_ctx, run.sync_once)
+    loss = all_reduce_mean(loss, dist.world_size)
+    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+        norm = norm.full_tensor()
+    lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps, args.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    if dist.device_type == "cuda":
+        torch.cuda.synchronize()  # so dt measures the GPU work, not just the launches
+    dt = time.time() - t0
+    state.step, state.tokens_seen = step, state.tokens_seen + batch_size
+    return StepStats(loss.item(), norm.item(), lr, dt, batch_size)
+
+
+def evaluate_due(run, state, step, final=False):
+    """The every-N actions due at `step`, side by side: val loss, HellaSwag, samples (all of them when final)."""
+    args, dist, s = run.args, run.dist, run.settings
+
+    def due(every):
+        return every > 0 and (final or step % every == 0)
+
+    if due(args.eval_every):
+        state.val_loss = evaluate_loss(run.model, run.val_loader, s.val_tokens, dist.device, s.autocast_ctx, dist.world_size)
+        dist.print0(f"validation loss: {state.val_loss:.4f}")
+        run.metrics.log(step, "val", state.val_loss)
+    if run.hellaswag_on and due(args.hellaswag_every):
+        run_hellaswag(run, step)
+    if due(args.sample_every) and step > 0:
+        print_samples(run.raw_model, s.enc, args, dist, s.autocast_ctx)
+
+
+def run_hellaswag(run, step):
+    """HellaSwag acc_norm of the raw model, split over the ranks; logged as `hella`."""
+    dist = run.dist
+    try:
+        res = hellaswag.evaluate(run.raw_model, dist.device, limit=run.args.hellaswag_limit, rank=dist.rank,
+                                 world_size=dist.world_size, device_type=dist.device_type,
+                                 autocast_dtype=torch.bfloat16 if run.settings.use_bf16 else None)
+    except hellaswag.HellaSwagUnavailable as e:  # e.g. the file went away mid-run
+        dist.print0(f"warning: HellaSwag evaluation turned off: {e}")
+        run.hellaswag_on = False
+        return
+    dist.print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
+    run.metrics.log(step, "hella", res["acc_norm"])
+
+
+def save(run, state):
+    """Checkpoint the model after step state.step, then prune old ones (--keep_last)."""
+    path = checkpoint_path(run.args.log_dir, state.step)
+    save_checkpoint(path, run.raw_model, run.optimizer, state, run.train_loader, run.dist.master)
+    run.last_saved = state.step
+    if run.dist.master:
+        prune_checkpoints(run.args.log_dir, run.args.keep_last)
+    run.dist.print0(f"saved {path}")
+    return path
+
+
+def guarded(run, state, what, step, action):
+    """Run an every-N action; if it fails, keep what was trained: checkpoint the last step, then stop."""
+    try:
+        action()
+    except UsageError:
+        raise
+    except Exception as e:
+        saved = None
+        if state.step >= 0:
+            saved = checkpoint_path(run.args.log_dir, state.step) if run.last_saved == state.step else save(run, state)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"{what} at step {step} failed ({type(e).__name__}: {first})"
+                         + (f"; {saved} holds step {state.step}: continue with --resume latest" if saved else "")) from None
+
+
+def training_loop(run, state):
+    args = run.args
+    end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
+    reporter = StepReporter(run, state.step + 1, end_step)
+    profiler = Profiler(args, run.dist) if args.profile else None
+    for step in range(state.step + 1, end_step):
+        last_step = step == args.max_steps - 1
+        guarded(run, state, "evaluation", step, lambda: evaluate_due(run, state, step))  # the model after `step` updates
+
+        # ==================== training step ====================
+        stats = train_step(run, state, step)
+        guarded(run, state, "logging", step, lambda: reporter.report(step, stats))
+        if profiler is not None and profiler.step():
+            break  # --profile exit
+        if last_step or step == end_step - 1 or (args.save_every > 0 and step > 0 and step % args.save_every == 0):
+            save(run, state)  # model_{step}.pt includes step `step`
+        if last_step:  # the final model, evaluated once its checkpoint is safe
+            guarded(run, state, "final evaluation", args.max_steps,
+                    lambda: evaluate_due(run, state, args.max_steps, final=True))
+
+
+def train(args):
+    """A training run, phase by phase."""
+    dist = setup_distributed(args)  # processes: torchrun's ranks, this rank's device
+    settings = resolve_settings(args, dist)  # every flag checked; the checkpoint to resume read
+    dist.print0("run config:", {**run_flags(args), "device": dist.device, "world_size": dist.world_size,
+                                "grad_accum_steps": settings.grad_accum, "bf16": settings.use_bf16,
+                                "compile": settings.use_compile, "val_tokens": settings.val_tokens,
+                                "model": asdict(settings.config)})
+    with claim_log_dir(args, settings, dist):  # one run per log dir, locked until the end
+        loaders = open_data(args, settings, dist)  # shards, prepared on first use
+        raw_model, optimizer = build_model(args, settings, dist)
+        state = restore_state(args, settings, raw_model, optimizer, loaders[0], dist)
+        run = start_run(args, settings, dist, raw_model, optimizer, loaders, state)
+        training_loop(run, state)
+        run.metrics.finish()
+
+
+# ---- what a run reports: the step line, log.txt, W&B, the profiler
 
 class Metrics:
     """Where a run's numbers go: log.txt on the master process, and W&B when --wandb_project is set."""
@@ -906,17 +1472,68 @@ def parse_profile_schedule(text):
     return wait, warmup, active
 
 
-def start_profiler(args, device_type, rank):
-    """A torch.profiler session over the next wait+warmup+active steps; returns (profiler, steps)."""
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+class Profiler:
+    """torch.profiler over a few training steps (--profile_schedule): a trace, then the top ops."""
 
-    wait, warmup, active = parse_profile_schedule(args.profile_schedule)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
-    out = os.path.join(args.log_dir, "profile")
-    prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-                   on_trace_ready=tensorboard_trace_handler(out, worker_name=f"rank{rank}"), record_shapes=True)
-    prof.start()
-    return prof, wait + warmup + active
+    def __init__(self, args, dist):
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        wait, warmup, active = parse_profile_schedule(args.profile_schedule)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dist.device_type == "cuda" else [])
+        self.out = os.path.join(args.log_dir, "profile")
+        self.prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                            on_trace_ready=tensorboard_trace_handler(self.out, worker_name=f"rank{dist.rank}"),
+                            record_shapes=True)
+        self.prof.start()
+        self.steps_left, self.exit_after, self.dist = wait + warmup + active, args.profile == "exit", dist
+
+    def step(self):
+        """Call after each training step; True when the run should stop here (--profile exit)."""
+        if self.prof is None:
+            return False
+        self.prof.step()
+        self.steps_left -= 1
+        if self.steps_left > 0:
+            return False
+        self.prof.stop()  # the trace handler has written <log_dir>/profile/rank{r}.*.pt.trace.json
+        sort = "self_cuda_time_total" if self.dist.device_type == "cuda" else "self_cpu_time_total"
+        self.dist.print0(self.prof.key_averages().table(sort_by=sort, row_limit=20))
+        self.dist.print0(f"profiler trace in {self.out} (open in ui.perfetto.dev or TensorBoard)")
+        self.prof = None
+        return self.exit_after
+
+
+class StepReporter:
+    """The line printed after each step (loss, lr, norm, speed, MFU, memory, ETA) and the train series."""
+
+    def __init__(self, run, first_step, end_step):
+        self.run, self.first_step, self.end_step = run, first_step, end_step
+        config, device = run.settings.config, run.dist.device
+        self.flops_tok = flops_per_token(config, run.raw_model.get_num_params(non_embedding=True), run.args.sequence_length)
+        self.peak = run.args.peak_flops or (peak_flops(torch.cuda.get_device_name(device))
+                                            if run.dist.device_type == "cuda" else None)
+        self.dt_avg = None  # smoothed step time, for the ETA
+
+    def report(self, step, s):
+        run = self.run
+        tokens_per_sec = s.batch_size / s.dt
+        if step > self.first_step:  # the first step compiles and warms up: keep it out of the ETA
+            self.dt_avg = s.dt if self.dt_avg is None else 0.9 * self.dt_avg + 0.1 * s.dt
+        extra = {"lr": s.lr, "norm": s.norm, "tok_per_sec": tokens_per_sec}
+        line = (f"step {step:5d} | loss {s.loss:.6f} | lr {s.lr:.4e} | norm {s.norm:.4f} | "
+                f"dt {s.dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}")
+        if run.args.batch_ramp_tokens > 0:
+            line += f" | batch {s.batch_size}"
+        if self.peak:
+            extra["mfu"] = self.flops_tok * tokens_per_sec / (self.peak * run.dist.world_size)
+            line += f" | mfu {100 * extra['mfu']:.1f}%"
+        if run.dist.device_type == "cuda":
+            extra["mem_gib"] = torch.cuda.max_memory_allocated(run.dist.device) / 2**30
+            line += f" | mem {extra['mem_gib']:.1f}GiB"
+        if self.dt_avg is not None:
+            line += f" | eta {format_eta((self.end_step - step - 1) * self.dt_avg)}"
+        run.dist.print0(line)
+        run.metrics.log(step, "train", s.loss, **extra)
 
 
 def format_eta(seconds):
@@ -924,374 +1541,179 @@ def format_eta(seconds):
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-# approximate GPT-2 token counts of the FineWeb-Edu samples: a run needing most of one takes it whole
-FINEWEB_SAMPLE_TOKENS = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}
-MIN_PREP_TOKENS = 10_000_000
 
 
-def ensure_data(args, train_tokens, val_tokens, master_process, world_size, device, print0):
-    """Make sure data_root has shards: if it has none, the master prepares them while the others wait.
+# =============================================================================
+# Command line: the training flags, main, and the sample / export / eval commands
+# =============================================================================
 
-    With several nodes, data_root must be on a shared filesystem for this (or prepared on each node first).
+def build_parser():
+    p = argparse.ArgumentParser(
+        description="Pretrain GPT-2 on FineWeb-Edu shards. One process: python train_gpt2.py; "
+                    "several: torchrun --standalone --nproc_per_node=8 train_gpt2.py.",
+        epilog="Other commands: `train_gpt2.py sample --help` (text from a checkpoint or GPT-2), "
+               "`train_gpt2.py export --help` (a checkpoint as a transformers model directory), "
+               "`train_gpt2.py eval --help` (HellaSwag accuracy of a checkpoint).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_flags(p.add_argument_group("model"))
+    add_optimisation_flags(p.add_argument_group("optimisation"))
+    add_evaluation_flags(p.add_argument_group("evaluation, sampling, checkpoints (0 turns a block off)"))
+    add_run_flags(p.add_argument_group("run"))
+    return p
+
+
+def add_model_flags(g):
+    g.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS),
+                   help="model shape and matching run settings; explicit flags override it")
+    g.add_argument("--n_layer", type=int, default=None, help="override the preset's number of blocks")
+    g.add_argument("--n_head", type=int, default=None, help="override the preset's attention heads")
+    g.add_argument("--n_embd", type=int, default=None, help="override the preset's embedding width")
+    g.add_argument("--block_size", type=int, default=None, help="override the preset's context length (default 1024)")
+    g.add_argument("--n_kv_head", type=int, default=None,
+                   help="key/value heads for grouped-query attention (must divide n_head; 1 = MQA; default n_head)")
+    g.add_argument("--dropout", type=float, default=0.0, help="attention, residual and embedding dropout while training")
+    g.add_argument("--bias", default=True, action=argparse.BooleanOptionalAction,
+                   help="biases in Linear and LayerNorm layers (GPT-2 has them)")
+    g.add_argument("--init_from", default=None, metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
+                   help="start from OpenAI's GPT-2 weights (hub name, or a save_pretrained directory) instead of "
+                        "a random init; the shape comes from those weights, so the shape flags above are refused")
+
+
+def add_optimisation_flags(g):
+    g.add_argument("--max_lr", type=float, default=6e-4, help="peak learning rate")
+    g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate as a fraction of max_lr")
+    g.add_argument("--warmup_steps", type=int, default=715, help="linear warmup steps")
+    g.add_argument("--max_steps", type=int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
+    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matmul weights and embeddings")
+    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    g.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, all processes together")
+    g.add_argument("--batch_ramp_tokens", type=int, default=0,
+                   help="GPT-3's batch-size ramp: grow the batch linearly from --batch_ramp_start tokens to "
+                        "--total_batch_size over the first N train tokens, by changing gradient accumulation; "
+                        "the LR schedule is unchanged (0: off)")
+    g.add_argument("--batch_ramp_start", type=int, default=32768, help="first batch of the ramp, in tokens")
+    g.add_argument("-B", "--micro_batch_size", type=int, default=64, help="sequences per forward pass per process")
+    g.add_argument("-T", "--sequence_length", type=int, default=1024, help="tokens per sequence")
+
+
+def add_evaluation_flags(g):
+    g.add_argument("--eval_every", type=int, default=250, help="val loss every N steps and of the final model")
+    g.add_argument("--val_tokens", type=int, default=10_485_760,
+                   help="val loss over the first N val tokens, split across processes: the same number for any "
+                        "world size and micro batch (the default is build-nanogpt's 20 x 64 x 1024 x 8)")
+    g.add_argument("--val_steps", type=int, default=None,
+                   help="instead of --val_tokens (give one of the two): N batches of B*T tokens per process "
+                        "(build-nanogpt's 20); the number of tokens then depends on B and the process count")
+    g.add_argument("--sample_every", type=int, default=250, help="print samples every N steps (not at step 0) and from the final model")
+    g.add_argument("--sample_prompt", default="Hello, I'm a language model,", help="prompt for the samples")
+    g.add_argument("--num_samples", type=int, default=4, help="samples per sampling block")
+    g.add_argument("--sample_tokens", type=int, default=32, help="new tokens per sample")
+    g.add_argument("--hellaswag_every", type=int, default=250, help="HellaSwag acc_norm every N steps and of the final model")
+    g.add_argument("--hellaswag_limit", type=int, default=None, help="evaluate only the first N HellaSwag val examples")
+    g.add_argument("--save_every", type=int, default=5000, help="checkpoint every N steps; the last step is always saved")
+    g.add_argument("--keep_last", type=int, default=0,
+                   help="after each checkpoint, delete all but the newest N model_*.pt in log_dir (0 keeps all)")
+
+
+def add_run_flags(g):
+    g.add_argument("--seed", type=int, default=1337, help="seed for init, data order and sampling")
+    g.add_argument("--data_root", default=fineweb.DEFAULT_DATA_ROOT,
+                   help="folder of *_train_*.npy / *_val_*.npy shards; when it has none, rank 0 prepares them "
+                        "with fineweb.py (just the tokens the run needs, at least 10M)")
+    g.add_argument("--fineweb_name", default="sample-10BT", choices=["sample-10BT", "sample-100BT", "sample-350BT"],
+                   help="FineWeb-Edu sample to prepare when data_root is empty")
+    g.add_argument("--input", nargs="+", default=None, metavar="PATH",
+                   help="prepare data_root from these local .txt/.jsonl/.parquet files (or globs) instead of "
+                        "downloading FineWeb-Edu")
+    g.add_argument("--text_column", default="text", help="text field of --input .jsonl/.parquet files")
+    g.add_argument("--log_dir", default="log", help="where log.txt and model_*.pt go")
+    g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
+    g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                   help="torch.compile the model (default: on for CUDA, off elsewhere)")
+    g.add_argument("--peak_flops", type=float, default=None,
+                   help="peak bf16 FLOP/s of one accelerator for the MFU figure (default: looked up for A100/H100/H200; no MFU elsewhere)")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state across processes with FSDP2 "
+                        "(under torchrun; for models that do not fit one GPU with DDP, e.g. gpt2-xl)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in log_dir, deleting its log.txt and model_*.pt")
+    g.add_argument("--resume", default=None, metavar="latest|PATH",
+                   help="continue from the newest readable checkpoint in log_dir, or from PATH: the model shape and "
+                        "every flag not given now come from the checkpoint")
+    g.add_argument("--profile", default=None, choices=["continue", "exit"],
+                   help="run torch.profiler over a few training steps (--profile_schedule), write a trace to "
+                        "<log_dir>/profile/ (Perfetto / TensorBoard) and print the top ops, then continue or exit")
+    g.add_argument("--profile_schedule", default="1,1,3", metavar="WAIT,WARMUP,ACTIVE",
+                   help="profiler schedule in steps: skipped, warmed up (not recorded), recorded")
+    g.add_argument("--wandb_project", default=None,
+                   help="also log metrics to this Weights & Biases project (needs `pip install wandb`)")
+    g.add_argument("--wandb_run_name", default=None, help="W&B run name (default: W&B picks one)")
+    g.add_argument("--stop_step", type=int, default=None,
+                   help="leave after this many steps with a checkpoint, keeping the schedule of --max_steps "
+                        "(for jobs with a time limit; continue with --resume latest)")
+
+
+
+def parse_args(argv=None):
+    """Parse flags, applying the preset's run settings as defaults so that explicit flags still win.
+
+    args.given names the flags that are on the command line (not defaults): flag pairs are checked on it,
+    and a resumed run takes every other flag from its checkpoint.
     """
-    have = torch.tensor(float(bool(list_shards(args.data_root, "train")) and bool(list_shards(args.data_root, "val"))),
-                        device=device)
-    if world_size > 1:
-        import torch.distributed as dist
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank takes the same branch below
-    if have.item() == 1.0:
-        manifest = os.path.join(args.data_root, "manifest.json")
-        if master_process and os.path.exists(manifest):
-            import json
-            with open(manifest) as f:
-                info = json.load(f)
-            if info.get("complete") and info.get("total_tokens", float("inf")) < train_tokens:
-                print0(f"note: {args.data_root} holds {info['total_tokens']:,} tokens and the run reads {train_tokens:,}: "
-                       f"it will go over the data more than once")
-        return
-    message = None
-    if master_process:
-
-        needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
-        full = args.input is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS[args.fineweb_name]
-        max_tokens = None if full else needed
-        what = " ".join(args.input) if args.input else f"FineWeb-Edu {args.fineweb_name}"
-        print0(f"no shards in {args.data_root}: preparing them from {what}"
-               + (f" ({max_tokens:,} tokens)" if max_tokens else ""))
-        try:
-            fineweb.prepare(args.data_root, name=args.fineweb_name, inputs=args.input, text_column=args.text_column,
-                            max_tokens=max_tokens, val_tokens=None if full else min(max(val_tokens, 1), max_tokens // 2))
-        except fineweb.DataPrepError as e:
-            message = f"preparing {args.data_root} failed: {e}"
-    ok = torch.tensor(0.0 if message else 1.0)
-    if world_size > 1:
-        import datetime
-        import torch.distributed as dist
-        # preparing 10B tokens takes hours, far past NCCL's collective timeout: wait on a gloo group of our own
-        waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=waiting)
-    if ok.item() != 1.0:
-        raise UsageError(message or "data preparation failed on rank 0 (see its message)")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    parser.set_defaults(**RUN_PRESETS[args.preset])
+    args = parser.parse_args(argv)
+    probe = build_parser()
+    for action in probe._actions:  # a parser without defaults: its namespace holds only what argv sets
+        action.default = argparse.SUPPRESS
+    args.given = set(vars(probe.parse_args(argv)))
+    return args
 
 
-def hellaswag_module(every, master_process, world_size, device):
-    """hellaswag.py when its val data can be had on every rank, else None after one warning."""
-    if every <= 0:
-        return None
-    import hellaswag
-
-    ok = torch.ones((), device=device)
-    for turn in ("master", "others"):  # the master downloads first, the other ranks then find the file
-        if master_process == (turn == "master"):
-            try:
-                hellaswag.download("val")
-            except hellaswag.HellaSwagUnavailable as e:
-                print(f"warning: HellaSwag evaluation turned off: {e}", flush=True)
-                ok.zero_()
-        if world_size > 1:
-            import torch.distributed as dist
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # also the barrier between the turns
-    return hellaswag if ok.item() == 1 else None
-
-
-def find_resume_path(args):
-    if args.resume is None:
-        return None
-    if args.resume == "latest":
-        found = find_checkpoints(args.log_dir)
-        if not found:
-            raise UsageError(f"--resume latest: no model_*.pt checkpoint in {args.log_dir}")
-        return found[-1]
-    if os.path.isfile(args.resume):
-        return args.resume
-    raise UsageError(f"--resume {args.resume}: no such checkpoint")
-
-
-def setup_distributed(device_arg):
-    """(ddp, rank, local_rank, world_size, device) from torchrun's environment; one process without it."""
-    import torch.distributed as dist
-
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = resolve_device(device_arg)
-    if ddp and device.startswith("cuda"):
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) on this node: "
-                             f"ask torchrun for at most that many processes per node", rank_specific=True)
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
-    if ddp:
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return ddp, rank, local_rank, world_size, device
-
-
-def train(args):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    # ---- processes and devices: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
-    if args.fsdp and "WORLD_SIZE" not in os.environ:
-        raise UsageError("--fsdp shards the model across processes: launch with torchrun")
-    ddp, rank, local_rank, world_size, device = setup_distributed(args.device)
-    master_process = rank == 0
-    device_type = device.split(":")[0]  # autocast, fused AdamW and synchronize want 'cuda', never 'cuda:3'
-
-    def print0(*a, **kw):
-        if master_process:
-            print(*a, **kw, flush=True)
-
-    # ---- the model's shape: a checkpoint's when resuming, OpenAI's with --init_from, else the flags'
-    ckpt, pretrained = None, None
-    resume_path = find_resume_path(args)
-    if resume_path is not None:
-        ckpt = read_checkpoint(resume_path, keys=("model", "config", "optimizer", "step", "loader", "rng", "val_loss", "args"))
-        config = GPTConfig(**ckpt["config"])
-        if args.init_from is None and asdict(model_config_from_args(args)) != asdict(config):
-            raise UsageError(f"{resume_path} holds a model of config {asdict(config)}, "
-                             f"the flags ask for {asdict(model_config_from_args(args))}")
-    elif args.init_from is not None:
-        if args.n_kv_head is not None or not args.bias:
-            raise UsageError("--init_from loads GPT-2's architecture: drop --n_kv_head / --no-bias")
-        pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
-        config = pretrained.config
-    else:
-        config = model_config_from_args(args)
-    unit = args.micro_batch_size * args.sequence_length * world_size  # tokens of one micro-step, all ranks
-    check_batch(args, world_size, config.block_size)
-    autocast_ctx, use_bf16 = autocast_for(args.dtype, device_type)
-    use_compile = args.compile if args.compile is not None else device_type == "cuda"
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls that remain
-    val_tokens = args.val_steps * unit if args.val_steps is not None else args.val_tokens
-
-    # ---- log dir: never clobber an earlier run by accident
-    log_file = os.path.join(args.log_dir, "log.txt")
-    if resume_path is None and not args.overwrite and ((os.path.exists(log_file) and os.path.getsize(log_file) > 0)
-                                 or find_checkpoints(args.log_dir)):
-        raise UsageError(f"{args.log_dir} holds an earlier run (log.txt or model_*.pt): pass --resume latest "
-                         f"to continue it, --overwrite to start afresh, or another --log_dir")
-
-    print0("run config:", {**vars(args), "device": device, "world_size": world_size,
-                           "grad_accum_steps": args.total_batch_size // unit, "bf16": use_bf16,
-                           "compile": use_compile, "val_tokens": val_tokens, "model": asdict(config)})
-
-    # ---- data: prepared here on first use
-    ensure_data(args, args.max_steps * args.total_batch_size, val_tokens, master_process, world_size, device, print0)
-    train_loader = DataLoaderLite(args.micro_batch_size, args.sequence_length, rank, world_size, "train", args.data_root, args.seed)
-    val_loader = DataLoaderLite(args.micro_batch_size, args.sequence_length, rank, world_size, "val", args.data_root, args.seed)
-
-    # ---- model and optimizer
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    random.seed(args.seed)
-    # unwrapped, uncompiled: saved, evaluated on HellaSwag, sampled
-    raw_model = (pretrained if pretrained is not None else GPT(config)).to(device)
-    print0(f"model: {raw_model.get_num_params():,} parameters")
-    if args.fsdp:
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError:  # torch 2.5 kept FSDP2 under _composable
-            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # bf16 compute and all-gathers, fp32 gradient reduction and master weights
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
-        for block in raw_model.transformer.h:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(raw_model, mp_policy=mp)  # the root: embeddings, tied lm_head, ln_f
-    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type, verbose=master_process)
-
-    start_step, val_loss, tokens_seen = 0, None, 0
-    if ckpt is not None:
-        load_full_state_dicts(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])
-        train_loader.load_state_dict(ckpt["loader"])
-        set_rng_state(ckpt["rng"])
-        start_step, val_loss = ckpt["step"] + 1, ckpt["val_loss"]
-        tokens_seen = ckpt.get("tokens_seen", start_step * args.total_batch_size)
-        for key in ("max_steps", "max_lr", "warmup_steps", "total_batch_size", "batch_ramp_tokens", "batch_ramp_start", "seed"):
-            if ckpt["args"].get(key) != getattr(args, key):
-                print0(f"warning: --{key} is {getattr(args, key)} now but was {ckpt['args'].get(key)} in {resume_path}")
-        print0(f"resumed from {resume_path} at step {start_step}")
-        del ckpt
-
-    model = raw_model
-    if use_compile:
-        model = torch.compile(model)
-    if ddp and not args.fsdp:
-        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
-    sync_once = ddp and not args.fsdp  # FSDP reduce-scatters every micro-step to keep gradients sharded
-
-    if master_process:
-        os.makedirs(args.log_dir, exist_ok=True)
-        if resume_path is not None:
-            truncate_log(log_file, start_step - 1)
-        else:
-            for path in find_checkpoints(args.log_dir):  # only non-empty with --overwrite
-                os.remove(path)
-            open(log_file, "w").close()
-
-    run_config = {**vars(args), "world_size": world_size, "model": asdict(config)}
-    metrics = Metrics(log_file, master_process, init_wandb(args, run_config) if args.wandb_project and master_process else None)
-    if args.profile:
-        parse_profile_schedule(args.profile_schedule)  # a bad schedule fails now, not after the first evals
-
-    hella = hellaswag_module(args.hellaswag_every, master_process, world_size, device)
-
-    enc = None
-    if args.sample_every > 0:
-        import tiktoken
-        enc = tiktoken.get_encoding("gpt2")
-
-    flops_tok = flops_per_token(config, raw_model.get_num_params(non_embedding=True), args.sequence_length)
-    peak = args.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None)
-
-    def due(every, step):
-        return every > 0 and (step % every == 0 or step == args.max_steps - 1)
-
-    min_lr = args.max_lr * args.min_lr_ratio
-    end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
-    prof, prof_steps_left = start_profiler(args, device_type, rank) if args.profile else (None, 0)
-    dt_avg = None  # smoothed step time, for the ETA
-    for step in range(start_step, end_step):
-        last_step = step == args.max_steps - 1
-
-        # ---- val loss: the model after `step` updates
-        if due(args.eval_every, step):
-            val_loss = evaluate_loss(model, val_loader, val_tokens, device, autocast_ctx, world_size)
-            print0(f"validation loss: {val_loss:.4f}")
-            metrics.log(step, "val", val_loss)
-
-        # ---- HellaSwag acc_norm of the raw model: any shape works, compiled or not
-        if hella is not None and due(args.hellaswag_every, step):
-            try:
-                res = hella.evaluate(raw_model, device, limit=args.hellaswag_limit, rank=rank, world_size=world_size,
-                                     autocast_dtype=torch.bfloat16 if use_bf16 else None, device_type=device_type)
-            except hella.HellaSwagUnavailable as e:  # e.g. the file went away mid-run
-                print0(f"warning: HellaSwag evaluation turned off: {e}")
-                hella = None
-            else:
-                print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
-                metrics.log(step, "hella", res["acc_norm"])
-
-        # ---- samples from the raw model (any prompt length works, compiled or not)
-        if args.sample_every > 0 and ((step > 0 and step % args.sample_every == 0) or last_step):
-            raw_model.eval()
-            gen = torch.Generator(device=device).manual_seed(args.seed + rank)
-            prompt = torch.tensor(enc.encode(args.sample_prompt), dtype=torch.long, device=device)
-            prompt = prompt.unsqueeze(0).repeat(args.num_samples, 1)
-            with autocast_ctx:
-                out = raw_model.generate(prompt, args.sample_tokens, top_k=50, generator=gen)
-            for i in range(args.num_samples):
-                print(f"rank {rank} sample {i}: {enc.decode(out[i].tolist())}", flush=True)
-            raw_model.train()
-
-        # ==================== training step ====================
-        t0 = time.time()
-        batch_size = batch_size_at(tokens_seen, args.batch_ramp_tokens, args.total_batch_size, unit, args.batch_ramp_start)
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(model, train_loader, batch_size // unit, device, autocast_ctx, sync_once)
-        loss = all_reduce_mean(loss, world_size)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
-            norm = norm.full_tensor()
-        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        if device_type == "cuda":
-            torch.cuda.synchronize()  # so dt measures the GPU work, not just the launches
-        tokens_seen += batch_size
-        dt = time.time() - t0
-        tokens_per_sec = batch_size / dt
-        if step > start_step:  # the first step compiles and warms up: keep it out of the ETA
-            dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-        loss, norm = loss.item(), norm.item()
-        extra = {"lr": lr, "norm": norm, "tok_per_sec": tokens_per_sec}
-        line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
-                f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}")
-        if args.batch_ramp_tokens > 0:
-            line += f" | batch {batch_size}"
-        if peak:
-            extra["mfu"] = flops_tok * tokens_per_sec / (peak * world_size)
-            line += f" | mfu {100 * extra['mfu']:.1f}%"
-        if device_type == "cuda":
-            extra["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            line += f" | mem {extra['mem_gib']:.1f}GiB"
-        if dt_avg is not None:
-            line += f" | eta {format_eta((end_step - step - 1) * dt_avg)}"
-        print0(line)
-        metrics.log(step, "train", loss, **extra)
-
-        if prof is not None:
-            prof.step()
-            prof_steps_left -= 1
-            if prof_steps_left == 0:
-                prof.stop()  # the trace handler has written <log_dir>/profile/rank{r}.*.pt.trace.json
-                sort = "self_cuda_time_total" if device_type == "cuda" else "self_cpu_time_total"
-                print0(prof.key_averages().table(sort_by=sort, row_limit=20))
-                print0(f"profiler trace in {os.path.join(args.log_dir, 'profile')} (open in ui.perfetto.dev or TensorBoard)")
-                prof = None
-                if args.profile == "exit":
-                    break
-
-        # ---- checkpoint after the update, so model_{step}.pt includes step `step`
-        stopping = step == end_step - 1
-        if last_step or stopping or (args.save_every > 0 and step > 0 and step % args.save_every == 0):
-            path = os.path.join(args.log_dir, f"model_{step:05d}.pt")
-            save_checkpoint(path, raw_model, optimizer, step, train_loader, val_loss, args, tokens_seen, master_process)
-            print0(f"saved {path}")
-
-    metrics.finish()
-    if ddp:
-        dist.destroy_process_group()
-
-
-# -----------------------------------------------------------------------------
-# Subcommands: sample, export
-
-def build_sample_parser():
-    p = argparse.ArgumentParser(prog="train_gpt2.py sample", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="Sample text from one of our checkpoints or from OpenAI's GPT-2.")
+def add_model_source(p):
+    """--checkpoint | --init_from, --device and --dtype, shared by the sample and eval commands."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a model_*.pt written by training")
     src.add_argument("--init_from", metavar="gpt2|...|DIR", help="OpenAI GPT-2 weights (hub name or save_pretrained dir)")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="bf16 on CUDA for auto")
+
+
+def load_model(args):
+    """(raw GPT in eval mode on its device, device, autocast context, uses bf16) for add_model_source's flags."""
+    device = resolve_device(args.device)
+    model = load_checkpoint_model(args.checkpoint) if args.checkpoint else GPT.from_pretrained(args.init_from)
+    ctx, use_bf16 = autocast_for(args.dtype, device.split(":")[0])
+    return model.to(device).eval(), device, ctx, use_bf16
+
+
+def sample_main(argv):
+    import tiktoken
+
+    p = argparse.ArgumentParser(prog="train_gpt2.py sample", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="Sample text from one of our checkpoints or from OpenAI's GPT-2.")
+    add_model_source(p)
     p.add_argument("--prompt", default="Hello, I'm a language model,", help="text to continue")
     p.add_argument("--num_samples", type=int, default=4, help="independent samples")
     p.add_argument("--max_new_tokens", type=int, default=64, help="tokens to generate per sample")
     p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens (1 = greedy, 0 = all)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0 = greedy)")
     p.add_argument("--seed", type=int, default=1337, help="sampling seed")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="bf16 on CUDA for auto")
     p.add_argument("--no_kv_cache", action="store_true", help="recompute the whole sequence every token (slow; for comparison)")
-    return p
-
-
-def load_model(checkpoint=None, init_from=None, device="cpu"):
-    """A raw GPT in eval mode from our checkpoint or from OpenAI's weights."""
-    model = load_checkpoint_model(checkpoint) if checkpoint else GPT.from_pretrained(init_from)
-    return model.to(device).eval()
-
-
-def sample_main(argv):
-    import tiktoken
-
-    args = build_sample_parser().parse_args(argv)
+    args = p.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature < 0:
         raise UsageError("--num_samples and --max_new_tokens must be positive, --temperature non-negative")
-    device = resolve_device(args.device)
-    device_type = device.split(":")[0]
-    model = load_model(args.checkpoint, args.init_from, device)
+    model, device, ctx, _ = load_model(args)
     enc = tiktoken.get_encoding("gpt2")
-    tokens = enc.encode(args.prompt, allowed_special={"<|endoftext|>"}) or [EOT]
+    tokens = encode_prompt(enc, args.prompt)
     if len(tokens) + args.max_new_tokens > model.config.block_size:
         raise UsageError(f"prompt ({len(tokens)} tokens) + --max_new_tokens ({args.max_new_tokens}) exceeds the "
                          f"model's block_size {model.config.block_size}")
     idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    ctx, _ = autocast_for(args.dtype, device_type)
     with ctx:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              generator=gen, use_cache=not args.no_kv_cache)
@@ -1315,9 +1737,36 @@ def export_main(argv):
     return 0
 
 
+def eval_main(argv):
+    p = argparse.ArgumentParser(prog="train_gpt2.py eval", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="HellaSwag val accuracy (acc: lowest summed loss of the ending, acc_norm: "
+                                            "lowest mean loss) of one of our checkpoints, or of OpenAI's GPT-2 run "
+                                            "through our GPT. `python hellaswag.py -m gpt2` scores GPT-2 through "
+                                            "transformers instead.")
+    add_model_source(p)
+    p.add_argument("--limit", type=int, default=None, help="only the first N examples")
+    p.add_argument("--batch_tokens", type=int, default=8192, help="tokens per forward pass (0: one example each)")
+    p.add_argument("--data_dir", default=None, help="folder of hellaswag_val.jsonl (default: hellaswag.py's)")
+    args = p.parse_args(argv)
+    if (args.limit is not None and args.limit < 1) or args.batch_tokens < 0:
+        raise UsageError("--limit must be positive and --batch_tokens >= 0")
+    try:
+        hellaswag.download("val", args.data_dir)  # before loading a model: a missing file fails in seconds
+        model, device, _, use_bf16 = load_model(args)
+        t0 = time.perf_counter()
+        res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens, data_dir=args.data_dir,
+                                 autocast_dtype=torch.bfloat16 if use_bf16 else None, progress=True)
+    except hellaswag.HellaSwagUnavailable as e:
+        raise UsageError(str(e)) from None
+    print(f"{args.checkpoint or args.init_from} on {device} ({'bf16' if use_bf16 else 'fp32'}), hellaswag val: "
+          f"{res['n']} examples, acc {res['acc']:.4f} ({res['correct']}/{res['n']}), "
+          f"acc_norm {res['acc_norm']:.4f} ({res['correct_norm']}/{res['n']}) [{time.perf_counter() - t0:.1f} s]")
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"sample": sample_main, "export": export_main}
+    commands = {"sample": sample_main, "export": export_main, "eval": eval_main}
     try:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])

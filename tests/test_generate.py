@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from test_train_gpt2 import run_cli, tiny_model, tiny_run_args
+from test_train_gpt2 import run_cli, tiny_model, tiny_run_args, without_shape_flags
 
 
 def save_tiny_checkpoint(path, model):
@@ -209,8 +209,8 @@ def test_init_from_pretrained_trains(shard_dir, tmp_path):
     import numpy as np
     hf, path = hf_dir(tmp_path)
     log = str(tmp_path / "log")
-    r = run_cli(*tiny_run_args(shard_dir, log, "--init_from", path, "--max_steps", "2", "--eval_every", "1",
-                               "--sample_every", "0", "--val_tokens", "256"))
+    r = run_cli(*without_shape_flags(tiny_run_args(shard_dir, log, "--init_from", path, "--max_steps", "2",
+                                                   "--eval_every", "1", "--sample_every", "0", "--val_tokens", "256")))
     assert r.returncode == 0, r.stderr
     ckpt = torch.load(os.path.join(log, "model_00001.pt"), weights_only=False)
     assert ckpt["config"]["vocab_size"] == 50304 and ckpt["config"]["real_vocab_size"] == 50257
@@ -223,4 +223,5 @@ def test_init_from_pretrained_trains(shard_dir, tmp_path):
     want = torch.nn.functional.cross_entropy(logits.view(-1, 50257), y.reshape(-1)).item()
     assert tg.read_log(os.path.join(log, "log.txt"))["val"][1][0] == pytest.approx(want, abs=1e-4)
     r = run_cli(*tiny_run_args(shard_dir, str(tmp_path / "log2"), "--init_from", path, "--n_kv_head", "1"))
-    assert r.returncode == 1 and "--init_from" in r.stderr
+    assert r.returncode == 1 and "--init_from takes the model's shape from the weights: drop" in r.stderr
+    assert "--n_kv_head" in r.stderr and not os.path.exists(str(tmp_path / "log2"))

@@ -60,7 +60,7 @@ def test_wandb_gets_the_same_metrics_as_log_txt(shard_dir, tmp_path, monkeypatch
     series = tg.read_log(os.path.join(log, "log.txt"))
     train = [(s, d["train"]) for s, d in logged[:-1] if "train" in d]
     val = [(s, d["val"]) for s, d in logged[:-1] if "val" in d]
-    assert [s for s, _ in train] == series["train"][0] and [s for s, _ in val] == series["val"][0] == [0, 2]
+    assert [s for s, _ in train] == series["train"][0] and [s for s, _ in val] == series["val"][0] == [0, 2, 3]
     assert [round(v, 6) for _, v in train] == series["train"][1]
     assert all("train/lr" in d for s, d in logged[:-1] if "train" in d) and logged[-1] == "finished"
 
