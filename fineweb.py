@@ -63,11 +63,6 @@ class DataPrepError(Exception):
     prints it as a one-line `error: ...` instead of a traceback."""
 
 
-def shard_name(index):
-    split = "val" if index == 0 else "train"
-    return f"{SHARD_PREFIX}_{split}_{index:06d}.npy"
-
-
 def _one_line(e, limit=300):
     msg = " ".join(str(e).split()) or type(e).__name__
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
@@ -378,8 +373,22 @@ def _load_manifest(local_dir):
         raise DataPrepError(f"{path} is damaged ({_one_line(e, 100)}); delete {local_dir} to start over") from None
 
 
+# Shard naming: shard_name() writes the names and list_shards() finds them; both follow the
+# one layout `{prefix}_{split}_{index:06d}.npy`, kept here side by side so they cannot drift.
+
+def shard_split(index):
+    """The split of the shard at `index` in a prep: shard 0 is val, every other one train."""
+    return "val" if index == 0 else "train"
+
+
+def shard_name(index, split=None, prefix=SHARD_PREFIX):
+    """File name of shard `index` of `split` (default: shard_split(index)), e.g. edufineweb_train_000001.npy."""
+    return f"{prefix}_{split or shard_split(index)}_{index:06d}.npy"
+
+
 def list_shards(data_root, split):
-    """The `*_{split}_NNNNNN.npy` shard files in data_root, in order (none if it does not exist)."""
+    """The shard files of `split` in data_root (any prefix), in index order; none if it does not exist."""
+    # six zero-padded digits sort by name in index order; [0-9] keeps .tmp files and other names out
     return sorted(glob.glob(os.path.join(data_root, f"*_{split}_[0-9]*.npy")))
 
 
@@ -414,33 +423,94 @@ def _args_diff(old, new):
     return "; ".join(diffs)
 
 
+class _ShardWriter:
+    """The shard being filled, and the manifest that records the finished ones.
+
+    Each finished shard is recorded with the stream position just after it (document index,
+    token offset inside that document) so that a later run can restart from there."""
+
+    def __init__(self, local_dir, manifest, shard_size, val_tokens):
+        self.local_dir, self.manifest, self.shards = local_dir, manifest, manifest["shards"]
+        self.index = len(self.shards)  # of the shard being filled
+        self.shard_size = shard_size
+        self.cap = val_tokens if self.index == 0 else shard_size  # its capacity
+        self.buf = np.empty(shard_size, dtype=np.uint16)  # the only shard-sized allocation
+        self.fill = 0
+        self.cut = None  # stream position where the buffer content ends, once it is full
+
+    def _record(self, index, n_tokens, position):
+        self.shards.append({"file": shard_name(index), "split": shard_split(index), "tokens": int(n_tokens),
+                            "next_doc": position[0], "next_offset": position[1]})
+        self.manifest["total_tokens"] = sum(s["tokens"] for s in self.shards)
+
+    def _write(self, index, tokens):
+        atomic_write(os.path.join(self.local_dir, shard_name(index)), lambda f: np.save(f, tokens))
+
+    def _flush(self):
+        if not os.path.exists(os.path.join(self.local_dir, MANIFEST)):
+            _save_manifest(self.local_dir, self.manifest)  # claim the directory before the first shard
+        self._write(self.index, self.buf[:self.fill])
+        self._record(self.index, self.fill, self.cut)
+        _save_manifest(self.local_dir, self.manifest)  # the shard exists before the manifest names it
+        self.index += 1
+        self.fill, self.cap = 0, self.shard_size
+
+    def add(self, tokens, ends, i, remaining, doc):
+        """Copy tokens[i:] into shards, at most `remaining` of them (None: no limit). `ends` are the
+        cumulative document lengths of the batch, whose first document is `doc` of the stream.
+        Returns the position in `tokens` reached and what remains."""
+        while i < len(tokens) and remaining != 0:
+            if self.fill == self.cap:  # full and more tokens coming: write it (lazily, see finish)
+                self._flush()
+            n = min(self.cap - self.fill, len(tokens) - i)
+            if remaining is not None:
+                n = min(n, remaining)
+                remaining -= n
+            self.buf[self.fill:self.fill + n] = tokens[i:i + n]  # one slice copy per shard boundary, not per document
+            self.fill += n
+            i += n
+            if self.fill == self.cap or remaining == 0:
+                d = int(np.searchsorted(ends, i, side="right"))
+                self.cut = (doc + d, i - (int(ends[d - 1]) if d else 0))
+        return i, remaining
+
+    def finish(self):
+        """Write the last shard(s), mark the prep complete; returns every shard path, val first."""
+        # The buffer is written only once more tokens arrive (add) or here, so that the
+        # small-corpus case can still be handled: if the data ended before the first train
+        # token, split what was collected so that both a val and a train shard exist.
+        if self.index == 0:
+            self._split_small_corpus()
+        elif self.fill > 0:
+            self._flush()  # the last, usually partial, shard
+        self.manifest["complete"] = True
+        _save_manifest(self.local_dir, self.manifest)
+        return [os.path.join(self.local_dir, s["file"]) for s in self.shards]
+
+    def _split_small_corpus(self):
+        if self.fill == 0:
+            raise DataPrepError("the input contains no text")
+        if self.fill < 2:
+            raise DataPrepError(f"the input has only {self.fill} token; need at least 2 for a val and a train shard")
+        n_val = max(1, self.fill // 10)
+        # both shards are recorded in one manifest update, so no resume point is needed
+        # after the val shard: an interruption here simply redoes this (small) dataset
+        _save_manifest(self.local_dir, self.manifest)
+        self._write(0, self.buf[:n_val])
+        self._write(1, self.buf[n_val:self.fill])
+        self._record(0, n_val, (None, None))
+        self._record(1, self.fill - n_val, self.cut)
+        self.index = 2
+
+
 def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tokens, num_proc, progress):
-    """Tokenize `texts` (an iterator positioned at the resume point) into shards, after
-    the ones manifest["shards"] already lists. Each finished shard is recorded with the
-    stream position just after it (document index, token offset inside that document)
-    so that a later run can restart from there."""
+    """Tokenize `texts` (an iterator positioned at the resume point) into shards, after the
+    ones manifest["shards"] already lists; returns every shard path, val first."""
+    writer = _ShardWriter(local_dir, manifest, shard_size, val_tokens)
     shards = manifest["shards"]
-    index = len(shards)
     done = sum(s["tokens"] for s in shards)
     doc, skip = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     remaining = None if max_tokens is None else max_tokens - done
-    cap = val_tokens if index == 0 else shard_size  # capacity of the shard being filled
-    buf = np.empty(shard_size, dtype=np.uint16)  # the only shard-sized allocation
-    fill = 0
-    cut = None  # stream position where the buffer content ends, once it is full
-
-    def flush(tokens, position):
-        nonlocal index
-        if not os.path.exists(os.path.join(local_dir, MANIFEST)):
-            _save_manifest(local_dir, manifest)  # claim the directory before the first shard
-        name = shard_name(index)
-        atomic_write(os.path.join(local_dir, name), lambda f: np.save(f, tokens))
-        shards.append({"file": name, "split": "val" if index == 0 else "train", "tokens": int(len(tokens)),
-                       "next_doc": position[0], "next_offset": position[1]})
-        manifest["total_tokens"] = sum(s["tokens"] for s in shards)
-        _save_manifest(local_dir, manifest)
-        index += 1
-
     pbar = None  # made at the first batch, so an input error is not preceded by an empty bar
     # (remaining == 0: a resumed run that had written everything but the "complete" flag)
     batches = _tokenized(_batched(texts), num_proc) if remaining != 0 else (b for b in ())
@@ -449,62 +519,23 @@ def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tok
             if pbar is None and len(tokens):
                 # disable=None: no bar when stderr is not a terminal (a log file would fill with redraws)
                 pbar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, disable=None if progress else True,
-                            desc=f"shard {index}", dynamic_ncols=True)
-            ends = np.cumsum(lengths)
-            i, skip = skip, 0  # after a resume, drop what the previous shard already holds
-            start = i
-            while i < len(tokens) and remaining != 0:
-                if fill == cap:  # full and more tokens coming: write it (lazily, see below)
-                    flush(buf[:fill], cut)
-                    fill, cap = 0, shard_size
-                    pbar.set_description_str(f"shard {index}")
-                n = min(cap - fill, len(tokens) - i)
-                if remaining is not None:
-                    n = min(n, remaining)
-                    remaining -= n
-                buf[fill:fill + n] = tokens[i:i + n]  # one slice copy per shard boundary, not per document
-                fill += n
-                i += n
-                if fill == cap or remaining == 0:
-                    d = int(np.searchsorted(ends, i, side="right"))
-                    cut = (doc + d, i - (int(ends[d - 1]) if d else 0))
+                            desc=f"shard {writer.index}", dynamic_ncols=True)
+            # after a resume, the first batch drops what the previous shard already holds
+            end, remaining = writer.add(tokens, np.cumsum(lengths), skip, remaining, doc)
             if pbar is not None:
-                pbar.update(i - start)
+                pbar.update(end - skip)
+                pbar.set_description_str(f"shard {writer.index}")
+            skip = 0
             if remaining == 0:
                 break
             doc += len(lengths)
         else:
-            cut = (doc, 0)  # the source is exhausted
+            writer.cut = (doc, 0)  # the source is exhausted
     finally:
         batches.close()  # stops the pool (and a stream) right away when max_tokens is reached
         if pbar is not None:
             pbar.close()
-
-    # The buffer is written only once more tokens arrive (above) or here, so that the
-    # small-corpus case can still be handled: if the data ended before the first train
-    # token, split what was collected so that both a val and a train shard exist.
-    if index == 0:
-        if fill == 0:
-            raise DataPrepError("the input contains no text")
-        if fill < 2:
-            raise DataPrepError(f"the input has only {fill} token; need at least 2 for a val and a train shard")
-        n_val = max(1, fill // 10)
-        val, train = buf[:n_val].copy(), buf[n_val:fill]
-        # both shards are recorded in one manifest update, so no resume point is needed
-        # after the val shard: an interruption here simply redoes this (small) dataset
-        _save_manifest(local_dir, manifest)
-        for i, part in enumerate((val, train)):
-            atomic_write(os.path.join(local_dir, shard_name(i)), lambda f, part=part: np.save(f, part))
-        shards.append({"file": shard_name(0), "split": "val", "tokens": n_val, "next_doc": None, "next_offset": None})
-        shards.append({"file": shard_name(1), "split": "train", "tokens": fill - n_val,
-                       "next_doc": cut[0], "next_offset": cut[1]})
-        index = 2
-    elif fill > 0:
-        flush(buf[:fill], cut)  # the last, usually partial, shard
-    manifest["complete"] = True
-    manifest["total_tokens"] = sum(s["tokens"] for s in shards)
-    _save_manifest(local_dir, manifest)
-    return [os.path.join(local_dir, s["file"]) for s in shards]
+    return writer.finish()
 
 # -----------------------------------------------------------------------------
 # the public entry point
