@@ -28,16 +28,19 @@ From Python: `import fineweb; fineweb.prepare(local_dir, max_tokens=...)`.
 
 import argparse
 import collections
+import dataclasses
 import glob
 import itertools
 import json
 import multiprocessing as mp
 import os
+import shlex
 import signal
 import socket
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -373,8 +376,8 @@ def _load_manifest(local_dir):
         raise DataPrepError(f"{path} is damaged ({_one_line(e, 100)}); delete {local_dir} to start over") from None
 
 
-# Shard naming: shard_name() writes the names and list_shards() finds them; both follow the
-# one layout `{prefix}_{split}_{index:06d}.npy`, kept here side by side so they cannot drift.
+# Shard naming, in one place: shard_name() makes the names, shard_glob() is the pattern that
+# matches them, list_shards() finds them with it (train_gpt2.py reads shards only through it).
 
 def shard_split(index):
     """The split of the shard at `index` in a prep: shard 0 is val, every other one train."""
@@ -386,10 +389,16 @@ def shard_name(index, split=None, prefix=SHARD_PREFIX):
     return f"{prefix}_{split or shard_split(index)}_{index:06d}.npy"
 
 
+def shard_glob(split):
+    """The glob pattern that matches the names shard_name() gives to `split` shards (any prefix)."""
+    return f"*_{split}_[0-9]*.npy"
+
+
 def list_shards(data_root, split):
     """The shard files of `split` in data_root (any prefix), in index order; none if it does not exist."""
-    # six zero-padded digits sort by name in index order; [0-9] keeps .tmp files and other names out
-    return sorted(glob.glob(os.path.join(data_root, f"*_{split}_[0-9]*.npy")))
+    # six zero-padded digits sort by name in index order; the pattern's .npy end keeps .tmp files out
+    return sorted(glob.glob(os.path.join(data_root, shard_glob(split))))
+
 
 
 def _existing_shards(local_dir):
@@ -401,8 +410,8 @@ def _check_shards(local_dir, manifest):
     for shard in manifest["shards"]:
         path = os.path.join(local_dir, shard["file"])
         try:
-            n = np.load(path, mmap_mode="r").shape[0]
-        except (OSError, ValueError):
+            n = _open_checked(path, lambda f: _read_shard_header(path, f))  # header and size, not every token
+        except ShardError:
             n = None
         if n != shard["tokens"]:
             raise DataPrepError(f"{path} is missing or does not hold the {shard['tokens']} tokens recorded in "
@@ -537,17 +546,93 @@ def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tok
             pbar.close()
     return writer.finish()
 
+
+# -----------------------------------------------------------------------------
+# opening a shard for training: checked, then memory-mapped
+
+class ShardError(ValueError):
+    """A token shard that cannot be trained on; the one-line message names the file and what is wrong."""
+
+
+CHECK_CHUNK = 1 << 22  # tokens (8 MB) read at a time by the token-id check: a fixed buffer, whatever the shard size
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _read_shard_header(path, f):
+    """Check the .npy header of the open file f; returns the token count, f positioned at the data."""
+    try:
+        version = np.lib.format.read_magic(f)
+    except ValueError:
+        # np.load would say "allow_pickle=False": misleading, nothing here is a pickle
+        raise ShardError(f"{path}: not a .npy file (no NumPy header)") from None
+    if version not in _HEADER_READERS:
+        raise ShardError(f"{path}: unsupported .npy format version {version[0]}.{version[1]}")
+    try:
+        shape, _, dtype = _HEADER_READERS[version](f)
+    except ValueError as e:
+        raise ShardError(f"{path}: damaged .npy header ({_one_line(e, 100)})") from None
+    if dtype != np.uint16:
+        raise ShardError(f"{path}: holds {dtype} values, expected uint16 token ids")
+    if len(shape) != 1:
+        raise ShardError(f"{path}: holds a {len(shape)}-D array of shape {shape}, expected a 1-D token stream")
+    n, header_bytes = shape[0], f.tell()
+    size = os.fstat(f.fileno()).st_size
+    # np.load(mmap_mode="r") would only say "mmap length is greater than file size"
+    if size != header_bytes + 2 * n:
+        what = "truncated" if size < header_bytes + 2 * n else "longer than its header says"
+        raise ShardError(f"{path}: {what}: {size:,} bytes, but its header promises {n:,} tokens "
+                         f"({header_bytes + 2 * n:,} bytes)")
+    if n == 0:
+        raise ShardError(f"{path}: holds no tokens")
+    return n
+
+
+def _check_token_ids(path, f, n, vocab_size):
+    """One pass over the n tokens after f's position, CHECK_CHUNK at a time into one reused
+    buffer (a 100M-token shard is 200 MB; it is never in memory at once)."""
+    buf = np.empty(min(CHECK_CHUNK, n), dtype=np.uint16)
+    raw = memoryview(buf).cast("B")
+    for start in range(0, n, len(buf)):
+        count = min(len(buf), n - start)
+        if f.readinto(raw[:2 * count]) != 2 * count:
+            raise ShardError(f"{path}: changed while it was being read")
+        chunk = buf[:count]
+        if int(chunk.max()) >= vocab_size:
+            i = int(np.argmax(chunk >= vocab_size))
+            raise ShardError(f"{path}: token id {int(chunk[i])} at offset {start + i} is >= the vocabulary size "
+                             f"{vocab_size}")
+
+
+def _open_checked(path, check):
+    """Open path, let check(f) read it; an unreadable file is a ShardError too."""
+    try:
+        with open(path, "rb") as f:
+            return check(f)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read it ({e.strerror or _one_line(e, 100)})") from None
+
+
+def open_shard(path, vocab_size):
+    """A token shard as a read-only memory-mapped 1-D uint16 array, after checking it: a .npy file
+    of uint16, 1-D, as long as its header says, every token id < vocab_size (one chunked pass).
+    Raises ShardError naming the file and the problem."""
+    path = os.fspath(path)
+
+    def check(f):
+        n = _read_shard_header(path, f)
+        _check_token_ids(path, f, n, vocab_size)
+        return n, f.tell() - 2 * n
+
+    n, offset = _open_checked(path, check)
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(n,))
+
+
 # -----------------------------------------------------------------------------
 # the public entry point
 
-def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", shard_size=SHARD_SIZE,
-            max_tokens=None, val_tokens=None, num_proc=None, progress=True, dataset=HF_DATASET):
-    """Download (inputs=None) or read local files, tokenize, and write the shards to
-    local_dir. Returns the shard paths, val first. Safe to call again: a complete
-    directory with the same arguments is returned as is, an incomplete one is resumed,
-    one made with other arguments raises DataPrepError."""
-    local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
-    num_proc = num_proc or os.cpu_count() or 1
+def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset):
+    """Check prepare's arguments; returns everything that determines the content of the shards,
+    as manifest.json records it (a resume must match it exactly)."""
     if int(shard_size) < 1:
         raise DataPrepError(f"--shard_size must be positive, got {shard_size}")
     if max_tokens is not None and int(max_tokens) < 2:
@@ -559,8 +644,6 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
         raise DataPrepError(f"--val_tokens must be between 1 and --shard_size ({shard_size}), got {val_tokens}")
     if inputs is None and dataset == HF_DATASET and name not in NAMES:
         raise DataPrepError(f"unknown --name {name!r}; choose one of {', '.join(NAMES)}")
-
-    # everything that determines the content of the shards; a resume must match it exactly
     args = {"tokenizer": TOKENIZER, "shard_size": int(shard_size), "val_tokens": int(val_tokens),
             "max_tokens": None if max_tokens is None else int(max_tokens), "text_column": text_column}
     if inputs is None:
@@ -568,13 +651,36 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
     else:
         files = _expand_inputs(inputs)
         args["inputs"] = [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))} for p in files]
+    return args
 
+
+def _new_manifest(args):
+    return {"version": 1, "args": args, "shards": [], "complete": False, "total_tokens": 0}
+
+
+def _remove_stale_temps(local_dir):
+    # what atomic_write leaves when its process is killed (kill -9, power loss): a half-written
+    # shard or manifest under a unique temp name (NAME.XXXXXXXX.tmp); NAME.tmp from older versions
+    for pattern in (shard_glob("*") + "*.tmp", MANIFEST + ".*tmp"):
+        for stale in glob.glob(os.path.join(local_dir, pattern)):
+            os.remove(stale)
+
+
+def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", shard_size=SHARD_SIZE,
+            max_tokens=None, val_tokens=None, num_proc=None, progress=True, dataset=HF_DATASET):
+    """Download (inputs=None) or read local files, tokenize, and write the shards to
+    local_dir. Returns the shard paths, val first. Safe to call again: a complete
+    directory with the same arguments is returned as is, an incomplete one is resumed,
+    one made with other arguments raises DataPrepError."""
+    local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
+    num_proc = num_proc or os.cpu_count() or 1
+    args = _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset)
     manifest = _load_manifest(local_dir)
     if manifest is None:
         if _existing_shards(local_dir):
             raise DataPrepError(f"{local_dir} already holds .npy shards but no {MANIFEST} (made by another tool?); "
                                 f"refusing to mix or overwrite them: use another --local_dir or delete them")
-        manifest = {"version": 1, "args": args, "shards": [], "complete": False, "total_tokens": 0}
+        manifest = _new_manifest(args)
     elif manifest["args"] != args:
         raise DataPrepError(f"{local_dir} was prepared with different arguments ({_args_diff(manifest['args'], args)}); "
                             f"refusing to mix: use another --local_dir, or delete it to start over")
@@ -587,13 +693,63 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
     if inputs is None:
         texts = _iter_hub(dataset, name, text_column, args["streaming"], skip, num_proc)
     else:
+        files = [i["path"] for i in args["inputs"]]
         _check_inputs(files, text_column)
         texts = itertools.islice(_iter_files(files, text_column), skip, None)
     os.makedirs(local_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(local_dir, f"{SHARD_PREFIX}_*.npy.tmp")):
-        os.remove(stale)  # half-written shard of an interrupted run
-    return _write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=int(val_tokens),
+    _remove_stale_temps(local_dir)
+    return _write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=args["val_tokens"],
                          max_tokens=args["max_tokens"], num_proc=num_proc, progress=progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepStatus:
+    """What prep_status() found in a data root."""
+    data_root: str  # absolute path
+    has_manifest: bool  # False: nothing prepared there by fineweb.py (maybe foreign shards, maybe nothing)
+    complete: bool  # every shard written and the manifest marked complete
+    args: Optional[dict]  # the arguments manifest.json records (shard_size, val_tokens, max_tokens, text_column, tokenizer,
+    #                       and inputs [{path, size, mtime}] or dataset / name / streaming); None without a manifest
+    shards: int  # finished shards recorded in the manifest
+    tokens: int  # tokens in them
+    prepare_kwargs: Optional[dict]  # prepare(data_root, **prepare_kwargs) writes this very prep; None without a manifest
+    resume_command: Optional[str]  # the same as a `python fineweb.py ...` command line; None unless incomplete
+
+
+def _prepare_kwargs(args):
+    """prepare()'s keyword arguments that reproduce the recorded args exactly (val_tokens explicit)."""
+    kwargs = {key: args[key] for key in ("shard_size", "val_tokens", "max_tokens", "text_column")}
+    if "inputs" in args:
+        kwargs["inputs"] = [i["path"] for i in args["inputs"]]
+    else:
+        kwargs.update(dataset=args["dataset"], name=args["name"])
+    return kwargs
+
+
+def _command_line(data_root, kwargs):
+    """The fineweb.py command line that calls prepare(data_root, **kwargs)."""
+    defaults = build_parser().parse_args([])
+    words = ["python", "fineweb.py", "--local_dir", data_root]
+    if "inputs" in kwargs:
+        words += ["--input", *kwargs["inputs"]]
+    for key in ("dataset", "name", "shard_size", "max_tokens", "val_tokens", "text_column"):
+        if key in kwargs and kwargs[key] != getattr(defaults, key):
+            words += [f"--{key}", str(kwargs[key])]
+    return shlex.join(words)
+
+
+def prep_status(data_root):
+    """Whether data_root holds a prep by fineweb.py, complete or not, and how to finish it.
+    Reads only manifest.json; raises DataPrepError when it is damaged."""
+    data_root = os.path.abspath(os.path.expanduser(str(data_root)))
+    manifest = _load_manifest(data_root)
+    if manifest is None:
+        return PrepStatus(data_root, False, False, None, 0, 0, None, None)
+    kwargs = _prepare_kwargs(manifest["args"])
+    complete = bool(manifest.get("complete"))
+    return PrepStatus(data_root, True, complete, dict(manifest["args"]), len(manifest["shards"]),
+                      sum(s["tokens"] for s in manifest["shards"]), kwargs,
+                      None if complete else _command_line(data_root, kwargs))
 
 
 def build_parser():
