@@ -727,3 +727,30 @@ def test_resume_command_finishes_the_prep(tmp_path, monkeypatch):
     reference = prepare(tmp_path / "reference", num_proc=1, progress=False, **kwargs)
     assert shard_bytes(out) == shard_bytes(tmp_path / "reference") and len(reference) == 8
     assert not glob.glob(str(out / "*.tmp"))
+
+
+# -----------------------------------------------------------------------------
+# bench.py's fineweb rows (the naive build-nanogpt comparison lives there, not in the library)
+
+def bench(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+
+
+def test_bench_fineweb_naive_row(tmp_path, enc):
+    docs = make_docs(300, seed=17)
+    src = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    r = bench("--only", "fineweb,fineweb_naive", "--fineweb_input", src, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    n_tokens = len(expected_tokens(enc, docs))
+    assert out["fineweb"]["tokens"] == out["fineweb_naive"]["tokens"] == n_tokens
+    naive = out["fineweb_naive"]
+    assert naive["documents"] == len(docs) and naive["same_tokens"] is True  # naive, ours, end to end: one stream
+    assert naive["speedup"] > 0 and naive["naive_tok_s"] > 0 and naive["ours_end_to_end_tok_s"] > 0
+    assert "train" not in out and "loader" not in out  # only the rows asked for
+    assert not hasattr(fineweb, "compare_with_naive")
+
+
+def test_bench_fineweb_bad_input_is_one_line(tmp_path):
+    assert_one_line_error(bench("--only", "fineweb_naive", "--fineweb_input", tmp_path / "missing.jsonl"), "not found")
