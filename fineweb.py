@@ -23,7 +23,9 @@ Local inputs: .txt (one document per file), .jsonl (one JSON object per line, te
 
 Re-running the same command resumes an interrupted run: finished shards are kept and
 skipped. A directory prepared with other arguments is refused rather than mixed.
-From Python: `import fineweb; fineweb.prepare(local_dir, max_tokens=...)`.
+From Python: `fineweb.prepare(local_dir, max_tokens=...)`; `fineweb.prep_status(local_dir)` says
+whether a prep is complete and how to finish it; `fineweb.open_shard(path, vocab_size)` checks a
+shard and memory-maps it (ShardError names the file and the problem).
 """
 
 import argparse
