@@ -7,11 +7,13 @@ Measure the hot paths of this repository for one setting, and print one table (o
 Rows: training (tokens/s, ms/step, MFU, peak memory; median of timed steps after warm-up, GPU
 synchronized), HellaSwag scoring (batched vs one example per forward), generation (KV cache vs
 recompute, 128 new tokens), DataLoaderLite (µs/batch and resident memory over memory-mapped shards),
-fineweb tokenization (tokens/s). All inputs are synthetic, so nothing needs to be downloaded.
+fineweb tokenization (tokens/s; `--only fineweb_naive` compares it with the build-nanogpt loop). All
+inputs are synthetic, so nothing needs to be downloaded (`--fineweb_input` takes a real corpus instead).
 """
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -22,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+import fineweb
 import train_gpt2 as tg
 
 
@@ -149,36 +152,136 @@ def bench_loader(args, tmp):
             "shard_tokens": 10_000_000}
 
 
-def bench_fineweb(tmp, num_proc):
-    """fineweb.prepare on a synthetic ~6 MB English-like .jsonl corpus: tokens/s, files to shards."""
-    import random
-
-    import fineweb
-
-    rng = random.Random(0)
-    words = ("the of and to in is was for on that with as by at from his her an were are which this be or "
-             "river mountain city school teacher student science history water light energy plant animal "
-             "learned built grew studied measured found wrote taught because however during between").split()
-    corpus = os.path.join(tmp, "corpus.jsonl")
-    with open(corpus, "w") as f:
-        for _ in range(3000):
-            doc = " ".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))).capitalize() + "."
-                           for _ in range(rng.randint(10, 30)))
-            f.write(json.dumps({"text": doc}) + "\n")
-    t0 = time.perf_counter()
-    fineweb.prepare(os.path.join(tmp, "shards"), inputs=[corpus], shard_size=1_000_000, num_proc=num_proc, progress=False)
-    dt = time.perf_counter() - t0
-    with open(os.path.join(tmp, "shards", "manifest.json")) as f:
-        tokens = json.load(f)["total_tokens"]
-    return {"tokens_per_sec": tokens / dt, "tokens": tokens, "num_proc": num_proc}
-
-
 def fmt(v, unit=""):
     if v is None:
         return "n/a"
     if isinstance(v, float):
         return f"{v:,.3g}{unit}" if abs(v) < 100 else f"{v:,.0f}{unit}"
     return f"{v}{unit}"
+
+
+def synthetic_corpus(path, n_docs=3000, seed=0):
+    """A ~6 MB English-like .jsonl corpus (a `text` field per line) for the fineweb rows."""
+    import random
+
+    rng = random.Random(seed)
+    words = ("the of and to in is was for on that with as by at from his her an were are which this be or "
+             "river mountain city school teacher student science history water light energy plant animal "
+             "learned built grew studied measured found wrote taught because however during between").split()
+    with open(path, "w") as f:
+        for _ in range(n_docs):
+            doc = " ".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))).capitalize() + "."
+                           for _ in range(rng.randint(10, 30)))
+            f.write(json.dumps({"text": doc}) + "\n")
+    return [path]
+
+
+def bench_fineweb(tmp, num_proc, inputs):
+    """fineweb.prepare on the corpus: tokens/s, files to shards."""
+    t0 = time.perf_counter()
+    fineweb.prepare(os.path.join(tmp, "shards"), inputs=inputs, shard_size=1_000_000, num_proc=num_proc, progress=False)
+    dt = time.perf_counter() - t0
+    tokens = fineweb.prep_status(os.path.join(tmp, "shards")).tokens
+    return {"tokens_per_sec": tokens / dt, "tokens": tokens, "num_proc": num_proc}
+
+
+@functools.lru_cache(maxsize=None)
+def gpt2_encoding():
+    import tiktoken
+    return tiktoken.get_encoding(fineweb.TOKENIZER)
+
+
+def _naive_tokenize(text):
+    # build-nanogpt's worker: one document per task, a Python list, then a NumPy array
+    tokens = [fineweb.EOT]
+    tokens.extend(gpt2_encoding().encode_ordinary(text))
+    tokens_np = np.array(tokens)
+    assert (0 <= tokens_np).all() and (tokens_np < 2**16).all(), "token dictionary too large for uint16"
+    return tokens_np.astype(np.uint16)
+
+
+def _naive_shards(docs, folder, shard_size):
+    """build-nanogpt's loop: a Pool of half the cores, imap one document at a time (chunksize 16),
+    filling shard_size buffers; returns seconds."""
+    import multiprocessing as mp
+
+    t0 = time.perf_counter()
+    with mp.get_context().Pool(max(1, (os.cpu_count() or 1) // 2)) as pool:
+        buf, count, index = np.empty(shard_size, dtype=np.uint16), 0, 0
+        for tokens in pool.imap(_naive_tokenize, docs, chunksize=16):
+            if count + len(tokens) < shard_size:
+                buf[count:count + len(tokens)] = tokens
+                count += len(tokens)
+            else:
+                room = shard_size - count
+                buf[count:count + room] = tokens[:room]
+                np.save(os.path.join(folder, fineweb.shard_name(index, "train", "naive")), buf)
+                index += 1
+                buf[:len(tokens) - room] = tokens[room:]
+                count = len(tokens) - room
+        if count:
+            np.save(os.path.join(folder, fineweb.shard_name(index, "train", "naive")), buf[:count])
+    return time.perf_counter() - t0
+
+
+def bench_fineweb_naive(tmp, num_proc, inputs, shard_size=10_000_000):
+    """Tokens/s of fineweb.py vs. the naive build-nanogpt loop on the same corpus, both writing shards.
+    The documents are read into memory first (not timed) for both; "end to end" is fineweb.prepare
+    on the files, reading included; "limit" is single-thread encode_ordinary x the cores."""
+    # fineweb's own reader, so the documents are exactly the ones prepare() tokenizes
+    docs = [t for t in fineweb._iter_files(fineweb._expand_inputs(inputs), "text") if t]
+    enc = gpt2_encoding()
+    enc.encode_ordinary("warm up")
+    t0 = time.perf_counter()
+    n_tokens = sum(len(enc.encode_ordinary(t)) + 1 for t in docs)
+    single = n_tokens / (time.perf_counter() - t0)
+    naive, ours, end_to_end = (os.path.join(tmp, name) for name in ("naive", "ours", "end_to_end"))
+    os.makedirs(naive)
+    naive_s = _naive_shards(docs, naive, shard_size)
+    os.makedirs(ours)
+    manifest = fineweb._new_manifest({})
+    t0 = time.perf_counter()
+    fineweb._write_shards(ours, iter(docs), manifest, shard_size=shard_size, val_tokens=shard_size, max_tokens=None,
+                          num_proc=num_proc, progress=False)
+    ours_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fineweb.prepare(end_to_end, inputs=inputs, shard_size=shard_size, num_proc=num_proc, progress=False)
+    end_to_end_s = time.perf_counter() - t0
+    # the three wrote the same token stream (checked after the timing)
+    stream = lambda folder: np.concatenate([np.load(p) for split in ("val", "train") for p in fineweb.list_shards(folder, split)])
+    same = np.array_equal(stream(naive), stream(ours)) and np.array_equal(stream(end_to_end), stream(ours))
+    return {"documents": len(docs), "tokens": n_tokens, "cores": os.cpu_count(), "num_proc": num_proc,
+            "naive_processes": max(1, (os.cpu_count() or 1) // 2), "single_thread_tok_s": single,
+            "limit_tok_s": single * (os.cpu_count() or 1), "naive_tok_s": n_tokens / naive_s,
+            "ours_tok_s": n_tokens / ours_s, "ours_end_to_end_tok_s": n_tokens / end_to_end_s,
+            "speedup": naive_s / ours_s, "same_tokens": same}
+
+
+def fineweb_results(args, only):
+    """The fineweb rows asked for in `only`, on --fineweb_input or a synthetic corpus."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = args.fineweb_input or synthetic_corpus(os.path.join(tmp, "corpus.jsonl"))
+        for row, bench in (("fineweb", bench_fineweb), ("fineweb_naive", bench_fineweb_naive)):
+            if row in only:
+                os.makedirs(os.path.join(tmp, row))
+                results[row] = bench(os.path.join(tmp, row), os.cpu_count() or 1, inputs)
+    return results
+
+
+def fineweb_rows(results):
+    rows = []
+    if "fineweb" in results:
+        w = results["fineweb"]
+        rows += [(f"fineweb tokens/s ({w['num_proc']} processes)", fmt(w["tokens_per_sec"]))]
+    if "fineweb_naive" in results:
+        n = results["fineweb_naive"]
+        rows += [("encode_ordinary tok/s, 1 thread", fmt(n["single_thread_tok_s"])),
+                 (f"naive tok/s (Pool({n['naive_processes']}), per doc)", fmt(n["naive_tok_s"])),
+                 (f"fineweb tok/s from memory ({n['num_proc']} proc)", fmt(n["ours_tok_s"])),
+                 ("fineweb tok/s end to end", fmt(n["ours_end_to_end_tok_s"])),
+                 ("fineweb vs naive speedup", fmt(n["speedup"], "x"))]
+    return rows
 
 
 def build_parser():
@@ -197,7 +300,10 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=None, help="untimed training steps first (default: 3, 10 with compile)")
     p.add_argument("--steps", type=int, default=5, help="timed training steps (the median is reported)")
     p.add_argument("--only", default="train,hellaswag,generate,loader,fineweb",
-                   help="comma-separated subset of rows to measure")
+                   help="comma-separated subset of rows to measure (also: fineweb_naive, fineweb.py vs the "
+                        "build-nanogpt loop)")
+    p.add_argument("--fineweb_input", nargs="+", metavar="PATH", default=None,
+                   help="corpus (.txt/.jsonl/.parquet) for the fineweb rows (default: a synthetic ~6 MB one)")
     p.add_argument("--gen_tokens", type=int, default=128, help="new tokens per generation (after a 16-token prompt)")
     p.add_argument("--hellaswag_examples", type=int, default=40, help="synthetic HellaSwag examples to score")
     p.add_argument("--hellaswag_batch_tokens", type=int, default=None,
@@ -242,9 +348,11 @@ def main(argv=None):
     if "loader" in only:
         with tempfile.TemporaryDirectory() as tmp:
             results["loader"] = bench_loader(args, tmp)
-    if "fineweb" in only:
-        with tempfile.TemporaryDirectory() as tmp:
-            results["fineweb"] = bench_fineweb(tmp, os.cpu_count() or 1)
+    try:
+        results.update(fineweb_results(args, only))
+    except fineweb.DataPrepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
     if args.json:
         print(json.dumps(results, indent=2))
@@ -271,9 +379,7 @@ def main(argv=None):
         d = results["loader"]
         rows += [("DataLoaderLite µs/batch", fmt(d["us_per_batch"])),
                  ("DataLoaderLite RSS added", fmt(d["rss_added_mib"], " MiB"))]
-    if "fineweb" in results:
-        w = results["fineweb"]
-        rows += [(f"fineweb tokens/s ({w['num_proc']} processes)", fmt(w["tokens_per_sec"]))]
+    rows += fineweb_rows(results)
     for name, value in rows:
         print(f"{name:<34} {value:>16}")
     return 0

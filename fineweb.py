@@ -23,21 +23,26 @@ Local inputs: .txt (one document per file), .jsonl (one JSON object per line, te
 
 Re-running the same command resumes an interrupted run: finished shards are kept and
 skipped. A directory prepared with other arguments is refused rather than mixed.
-From Python: `import fineweb; fineweb.prepare(local_dir, max_tokens=...)`.
+From Python: `fineweb.prepare(local_dir, max_tokens=...)`; `fineweb.prep_status(local_dir)` says
+whether a prep is complete and how to finish it; `fineweb.open_shard(path, vocab_size)` checks a
+shard and memory-maps it (ShardError names the file and the problem).
 """
 
 import argparse
 import collections
+import dataclasses
 import glob
 import itertools
 import json
 import multiprocessing as mp
 import os
+import shlex
 import signal
 import socket
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -61,11 +66,6 @@ HUB_BATCH = 1000  # documents per read from a HF dataset
 class DataPrepError(Exception):
     """A problem the user can fix (bad input, mismatched directory, no network): main()
     prints it as a one-line `error: ...` instead of a traceback."""
-
-
-def shard_name(index):
-    split = "val" if index == 0 else "train"
-    return f"{SHARD_PREFIX}_{split}_{index:06d}.npy"
 
 
 def _one_line(e, limit=300):
@@ -378,9 +378,29 @@ def _load_manifest(local_dir):
         raise DataPrepError(f"{path} is damaged ({_one_line(e, 100)}); delete {local_dir} to start over") from None
 
 
+# Shard naming, in one place: shard_name() makes the names, shard_glob() is the pattern that
+# matches them, list_shards() finds them with it (train_gpt2.py reads shards only through it).
+
+def shard_split(index):
+    """The split of the shard at `index` in a prep: shard 0 is val, every other one train."""
+    return "val" if index == 0 else "train"
+
+
+def shard_name(index, split=None, prefix=SHARD_PREFIX):
+    """File name of shard `index` of `split` (default: shard_split(index)), e.g. edufineweb_train_000001.npy."""
+    return f"{prefix}_{split or shard_split(index)}_{index:06d}.npy"
+
+
+def shard_glob(split):
+    """The glob pattern that matches the names shard_name() gives to `split` shards (any prefix)."""
+    return f"*_{split}_[0-9]*.npy"
+
+
 def list_shards(data_root, split):
-    """The `*_{split}_NNNNNN.npy` shard files in data_root, in order (none if it does not exist)."""
-    return sorted(glob.glob(os.path.join(data_root, f"*_{split}_[0-9]*.npy")))
+    """The shard files of `split` in data_root (any prefix), in index order; none if it does not exist."""
+    # six zero-padded digits sort by name in index order; the pattern's .npy end keeps .tmp files out
+    return sorted(glob.glob(os.path.join(data_root, shard_glob(split))))
+
 
 
 def _existing_shards(local_dir):
@@ -392,8 +412,8 @@ def _check_shards(local_dir, manifest):
     for shard in manifest["shards"]:
         path = os.path.join(local_dir, shard["file"])
         try:
-            n = np.load(path, mmap_mode="r").shape[0]
-        except (OSError, ValueError):
+            n = _open_checked(path, lambda f: _read_shard_header(path, f))  # header and size, not every token
+        except ShardError:
             n = None
         if n != shard["tokens"]:
             raise DataPrepError(f"{path} is missing or does not hold the {shard['tokens']} tokens recorded in "
@@ -414,33 +434,94 @@ def _args_diff(old, new):
     return "; ".join(diffs)
 
 
+class _ShardWriter:
+    """The shard being filled, and the manifest that records the finished ones.
+
+    Each finished shard is recorded with the stream position just after it (document index,
+    token offset inside that document) so that a later run can restart from there."""
+
+    def __init__(self, local_dir, manifest, shard_size, val_tokens):
+        self.local_dir, self.manifest, self.shards = local_dir, manifest, manifest["shards"]
+        self.index = len(self.shards)  # of the shard being filled
+        self.shard_size = shard_size
+        self.cap = val_tokens if self.index == 0 else shard_size  # its capacity
+        self.buf = np.empty(shard_size, dtype=np.uint16)  # the only shard-sized allocation
+        self.fill = 0
+        self.cut = None  # stream position where the buffer content ends, once it is full
+
+    def _record(self, index, n_tokens, position):
+        self.shards.append({"file": shard_name(index), "split": shard_split(index), "tokens": int(n_tokens),
+                            "next_doc": position[0], "next_offset": position[1]})
+        self.manifest["total_tokens"] = sum(s["tokens"] for s in self.shards)
+
+    def _write(self, index, tokens):
+        atomic_write(os.path.join(self.local_dir, shard_name(index)), lambda f: np.save(f, tokens))
+
+    def _flush(self):
+        if not os.path.exists(os.path.join(self.local_dir, MANIFEST)):
+            _save_manifest(self.local_dir, self.manifest)  # claim the directory before the first shard
+        self._write(self.index, self.buf[:self.fill])
+        self._record(self.index, self.fill, self.cut)
+        _save_manifest(self.local_dir, self.manifest)  # the shard exists before the manifest names it
+        self.index += 1
+        self.fill, self.cap = 0, self.shard_size
+
+    def add(self, tokens, ends, i, remaining, doc):
+        """Copy tokens[i:] into shards, at most `remaining` of them (None: no limit). `ends` are the
+        cumulative document lengths of the batch, whose first document is `doc` of the stream.
+        Returns the position in `tokens` reached and what remains."""
+        while i < len(tokens) and remaining != 0:
+            if self.fill == self.cap:  # full and more tokens coming: write it (lazily, see finish)
+                self._flush()
+            n = min(self.cap - self.fill, len(tokens) - i)
+            if remaining is not None:
+                n = min(n, remaining)
+                remaining -= n
+            self.buf[self.fill:self.fill + n] = tokens[i:i + n]  # one slice copy per shard boundary, not per document
+            self.fill += n
+            i += n
+            if self.fill == self.cap or remaining == 0:
+                d = int(np.searchsorted(ends, i, side="right"))
+                self.cut = (doc + d, i - (int(ends[d - 1]) if d else 0))
+        return i, remaining
+
+    def finish(self):
+        """Write the last shard(s), mark the prep complete; returns every shard path, val first."""
+        # The buffer is written only once more tokens arrive (add) or here, so that the
+        # small-corpus case can still be handled: if the data ended before the first train
+        # token, split what was collected so that both a val and a train shard exist.
+        if self.index == 0:
+            self._split_small_corpus()
+        elif self.fill > 0:
+            self._flush()  # the last, usually partial, shard
+        self.manifest["complete"] = True
+        _save_manifest(self.local_dir, self.manifest)
+        return [os.path.join(self.local_dir, s["file"]) for s in self.shards]
+
+    def _split_small_corpus(self):
+        if self.fill == 0:
+            raise DataPrepError("the input contains no text")
+        if self.fill < 2:
+            raise DataPrepError(f"the input has only {self.fill} token; need at least 2 for a val and a train shard")
+        n_val = max(1, self.fill // 10)
+        # both shards are recorded in one manifest update, so no resume point is needed
+        # after the val shard: an interruption here simply redoes this (small) dataset
+        _save_manifest(self.local_dir, self.manifest)
+        self._write(0, self.buf[:n_val])
+        self._write(1, self.buf[n_val:self.fill])
+        self._record(0, n_val, (None, None))
+        self._record(1, self.fill - n_val, self.cut)
+        self.index = 2
+
+
 def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tokens, num_proc, progress):
-    """Tokenize `texts` (an iterator positioned at the resume point) into shards, after
-    the ones manifest["shards"] already lists. Each finished shard is recorded with the
-    stream position just after it (document index, token offset inside that document)
-    so that a later run can restart from there."""
+    """Tokenize `texts` (an iterator positioned at the resume point) into shards, after the
+    ones manifest["shards"] already lists; returns every shard path, val first."""
+    writer = _ShardWriter(local_dir, manifest, shard_size, val_tokens)
     shards = manifest["shards"]
-    index = len(shards)
     done = sum(s["tokens"] for s in shards)
     doc, skip = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     remaining = None if max_tokens is None else max_tokens - done
-    cap = val_tokens if index == 0 else shard_size  # capacity of the shard being filled
-    buf = np.empty(shard_size, dtype=np.uint16)  # the only shard-sized allocation
-    fill = 0
-    cut = None  # stream position where the buffer content ends, once it is full
-
-    def flush(tokens, position):
-        nonlocal index
-        if not os.path.exists(os.path.join(local_dir, MANIFEST)):
-            _save_manifest(local_dir, manifest)  # claim the directory before the first shard
-        name = shard_name(index)
-        atomic_write(os.path.join(local_dir, name), lambda f: np.save(f, tokens))
-        shards.append({"file": name, "split": "val" if index == 0 else "train", "tokens": int(len(tokens)),
-                       "next_doc": position[0], "next_offset": position[1]})
-        manifest["total_tokens"] = sum(s["tokens"] for s in shards)
-        _save_manifest(local_dir, manifest)
-        index += 1
-
     pbar = None  # made at the first batch, so an input error is not preceded by an empty bar
     # (remaining == 0: a resumed run that had written everything but the "complete" flag)
     batches = _tokenized(_batched(texts), num_proc) if remaining != 0 else (b for b in ())
@@ -449,74 +530,111 @@ def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tok
             if pbar is None and len(tokens):
                 # disable=None: no bar when stderr is not a terminal (a log file would fill with redraws)
                 pbar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, disable=None if progress else True,
-                            desc=f"shard {index}", dynamic_ncols=True)
-            ends = np.cumsum(lengths)
-            i, skip = skip, 0  # after a resume, drop what the previous shard already holds
-            start = i
-            while i < len(tokens) and remaining != 0:
-                if fill == cap:  # full and more tokens coming: write it (lazily, see below)
-                    flush(buf[:fill], cut)
-                    fill, cap = 0, shard_size
-                    pbar.set_description_str(f"shard {index}")
-                n = min(cap - fill, len(tokens) - i)
-                if remaining is not None:
-                    n = min(n, remaining)
-                    remaining -= n
-                buf[fill:fill + n] = tokens[i:i + n]  # one slice copy per shard boundary, not per document
-                fill += n
-                i += n
-                if fill == cap or remaining == 0:
-                    d = int(np.searchsorted(ends, i, side="right"))
-                    cut = (doc + d, i - (int(ends[d - 1]) if d else 0))
+                            desc=f"shard {writer.index}", dynamic_ncols=True)
+            # after a resume, the first batch drops what the previous shard already holds
+            end, remaining = writer.add(tokens, np.cumsum(lengths), skip, remaining, doc)
             if pbar is not None:
-                pbar.update(i - start)
+                pbar.update(end - skip)
+                pbar.set_description_str(f"shard {writer.index}")
+            skip = 0
             if remaining == 0:
                 break
             doc += len(lengths)
         else:
-            cut = (doc, 0)  # the source is exhausted
+            writer.cut = (doc, 0)  # the source is exhausted
     finally:
         batches.close()  # stops the pool (and a stream) right away when max_tokens is reached
         if pbar is not None:
             pbar.close()
+    return writer.finish()
 
-    # The buffer is written only once more tokens arrive (above) or here, so that the
-    # small-corpus case can still be handled: if the data ended before the first train
-    # token, split what was collected so that both a val and a train shard exist.
-    if index == 0:
-        if fill == 0:
-            raise DataPrepError("the input contains no text")
-        if fill < 2:
-            raise DataPrepError(f"the input has only {fill} token; need at least 2 for a val and a train shard")
-        n_val = max(1, fill // 10)
-        val, train = buf[:n_val].copy(), buf[n_val:fill]
-        # both shards are recorded in one manifest update, so no resume point is needed
-        # after the val shard: an interruption here simply redoes this (small) dataset
-        _save_manifest(local_dir, manifest)
-        for i, part in enumerate((val, train)):
-            atomic_write(os.path.join(local_dir, shard_name(i)), lambda f, part=part: np.save(f, part))
-        shards.append({"file": shard_name(0), "split": "val", "tokens": n_val, "next_doc": None, "next_offset": None})
-        shards.append({"file": shard_name(1), "split": "train", "tokens": fill - n_val,
-                       "next_doc": cut[0], "next_offset": cut[1]})
-        index = 2
-    elif fill > 0:
-        flush(buf[:fill], cut)  # the last, usually partial, shard
-    manifest["complete"] = True
-    manifest["total_tokens"] = sum(s["tokens"] for s in shards)
-    _save_manifest(local_dir, manifest)
-    return [os.path.join(local_dir, s["file"]) for s in shards]
+
+# -----------------------------------------------------------------------------
+# opening a shard for training: checked, then memory-mapped
+
+class ShardError(ValueError):
+    """A token shard that cannot be trained on; the one-line message names the file and what is wrong."""
+
+
+CHECK_CHUNK = 1 << 22  # tokens (8 MB) read at a time by the token-id check: a fixed buffer, whatever the shard size
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _read_shard_header(path, f):
+    """Check the .npy header of the open file f; returns the token count, f positioned at the data."""
+    try:
+        version = np.lib.format.read_magic(f)
+    except ValueError:
+        # np.load would say "allow_pickle=False": misleading, nothing here is a pickle
+        raise ShardError(f"{path}: not a .npy file (no NumPy header)") from None
+    if version not in _HEADER_READERS:
+        raise ShardError(f"{path}: unsupported .npy format version {version[0]}.{version[1]}")
+    try:
+        shape, _, dtype = _HEADER_READERS[version](f)
+    except ValueError as e:
+        raise ShardError(f"{path}: damaged .npy header ({_one_line(e, 100)})") from None
+    if dtype != np.uint16:
+        raise ShardError(f"{path}: holds {dtype} values, expected uint16 token ids")
+    if len(shape) != 1:
+        raise ShardError(f"{path}: holds a {len(shape)}-D array of shape {shape}, expected a 1-D token stream")
+    n, header_bytes = shape[0], f.tell()
+    size = os.fstat(f.fileno()).st_size
+    # np.load(mmap_mode="r") would only say "mmap length is greater than file size"
+    if size != header_bytes + 2 * n:
+        what = "truncated" if size < header_bytes + 2 * n else "longer than its header says"
+        raise ShardError(f"{path}: {what}: {size:,} bytes, but its header promises {n:,} tokens "
+                         f"({header_bytes + 2 * n:,} bytes)")
+    if n == 0:
+        raise ShardError(f"{path}: holds no tokens")
+    return n
+
+
+def _check_token_ids(path, f, n, vocab_size):
+    """One pass over the n tokens after f's position, CHECK_CHUNK at a time into one reused
+    buffer (a 100M-token shard is 200 MB; it is never in memory at once)."""
+    buf = np.empty(min(CHECK_CHUNK, n), dtype=np.uint16)
+    raw = memoryview(buf).cast("B")
+    for start in range(0, n, len(buf)):
+        count = min(len(buf), n - start)
+        if f.readinto(raw[:2 * count]) != 2 * count:
+            raise ShardError(f"{path}: changed while it was being read")
+        chunk = buf[:count]
+        if int(chunk.max()) >= vocab_size:
+            i = int(np.argmax(chunk >= vocab_size))
+            raise ShardError(f"{path}: token id {int(chunk[i])} at offset {start + i} is >= the vocabulary size "
+                             f"{vocab_size}")
+
+
+def _open_checked(path, check):
+    """Open path, let check(f) read it; an unreadable file is a ShardError too."""
+    try:
+        with open(path, "rb") as f:
+            return check(f)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read it ({e.strerror or _one_line(e, 100)})") from None
+
+
+def open_shard(path, vocab_size):
+    """A token shard as a read-only memory-mapped 1-D uint16 array, after checking it: a .npy file
+    of uint16, 1-D, as long as its header says, every token id < vocab_size (one chunked pass).
+    Raises ShardError naming the file and the problem."""
+    path = os.fspath(path)
+
+    def check(f):
+        n = _read_shard_header(path, f)
+        _check_token_ids(path, f, n, vocab_size)
+        return n, f.tell() - 2 * n
+
+    n, offset = _open_checked(path, check)
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(n,))
+
 
 # -----------------------------------------------------------------------------
 # the public entry point
 
-def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", shard_size=SHARD_SIZE,
-            max_tokens=None, val_tokens=None, num_proc=None, progress=True, dataset=HF_DATASET):
-    """Download (inputs=None) or read local files, tokenize, and write the shards to
-    local_dir. Returns the shard paths, val first. Safe to call again: a complete
-    directory with the same arguments is returned as is, an incomplete one is resumed,
-    one made with other arguments raises DataPrepError."""
-    local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
-    num_proc = num_proc or os.cpu_count() or 1
+def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset):
+    """Check prepare's arguments; returns everything that determines the content of the shards,
+    as manifest.json records it (a resume must match it exactly)."""
     if int(shard_size) < 1:
         raise DataPrepError(f"--shard_size must be positive, got {shard_size}")
     if max_tokens is not None and int(max_tokens) < 2:
@@ -528,8 +646,6 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
         raise DataPrepError(f"--val_tokens must be between 1 and --shard_size ({shard_size}), got {val_tokens}")
     if inputs is None and dataset == HF_DATASET and name not in NAMES:
         raise DataPrepError(f"unknown --name {name!r}; choose one of {', '.join(NAMES)}")
-
-    # everything that determines the content of the shards; a resume must match it exactly
     args = {"tokenizer": TOKENIZER, "shard_size": int(shard_size), "val_tokens": int(val_tokens),
             "max_tokens": None if max_tokens is None else int(max_tokens), "text_column": text_column}
     if inputs is None:
@@ -537,13 +653,36 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
     else:
         files = _expand_inputs(inputs)
         args["inputs"] = [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))} for p in files]
+    return args
 
+
+def _new_manifest(args):
+    return {"version": 1, "args": args, "shards": [], "complete": False, "total_tokens": 0}
+
+
+def _remove_stale_temps(local_dir):
+    # what atomic_write leaves when its process is killed (kill -9, power loss): a half-written
+    # shard or manifest under a unique temp name (NAME.XXXXXXXX.tmp); NAME.tmp from older versions
+    for pattern in (shard_glob("*") + "*.tmp", MANIFEST + ".*tmp"):
+        for stale in glob.glob(os.path.join(local_dir, pattern)):
+            os.remove(stale)
+
+
+def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", shard_size=SHARD_SIZE,
+            max_tokens=None, val_tokens=None, num_proc=None, progress=True, dataset=HF_DATASET):
+    """Download (inputs=None) or read local files, tokenize, and write the shards to
+    local_dir. Returns the shard paths, val first. Safe to call again: a complete
+    directory with the same arguments is returned as is, an incomplete one is resumed,
+    one made with other arguments raises DataPrepError."""
+    local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
+    num_proc = num_proc or os.cpu_count() or 1
+    args = _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset)
     manifest = _load_manifest(local_dir)
     if manifest is None:
         if _existing_shards(local_dir):
             raise DataPrepError(f"{local_dir} already holds .npy shards but no {MANIFEST} (made by another tool?); "
                                 f"refusing to mix or overwrite them: use another --local_dir or delete them")
-        manifest = {"version": 1, "args": args, "shards": [], "complete": False, "total_tokens": 0}
+        manifest = _new_manifest(args)
     elif manifest["args"] != args:
         raise DataPrepError(f"{local_dir} was prepared with different arguments ({_args_diff(manifest['args'], args)}); "
                             f"refusing to mix: use another --local_dir, or delete it to start over")
@@ -556,13 +695,63 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
     if inputs is None:
         texts = _iter_hub(dataset, name, text_column, args["streaming"], skip, num_proc)
     else:
+        files = [i["path"] for i in args["inputs"]]
         _check_inputs(files, text_column)
         texts = itertools.islice(_iter_files(files, text_column), skip, None)
     os.makedirs(local_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(local_dir, f"{SHARD_PREFIX}_*.npy.tmp")):
-        os.remove(stale)  # half-written shard of an interrupted run
-    return _write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=int(val_tokens),
+    _remove_stale_temps(local_dir)
+    return _write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=args["val_tokens"],
                          max_tokens=args["max_tokens"], num_proc=num_proc, progress=progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepStatus:
+    """What prep_status() found in a data root."""
+    data_root: str  # absolute path
+    has_manifest: bool  # False: nothing prepared there by fineweb.py (maybe foreign shards, maybe nothing)
+    complete: bool  # every shard written and the manifest marked complete
+    args: Optional[dict]  # the arguments manifest.json records (shard_size, val_tokens, max_tokens, text_column, tokenizer,
+    #                       and inputs [{path, size, mtime}] or dataset / name / streaming); None without a manifest
+    shards: int  # finished shards recorded in the manifest
+    tokens: int  # tokens in them
+    prepare_kwargs: Optional[dict]  # prepare(data_root, **prepare_kwargs) writes this very prep; None without a manifest
+    resume_command: Optional[str]  # the same as a `python fineweb.py ...` command line; None unless incomplete
+
+
+def _prepare_kwargs(args):
+    """prepare()'s keyword arguments that reproduce the recorded args exactly (val_tokens explicit)."""
+    kwargs = {key: args[key] for key in ("shard_size", "val_tokens", "max_tokens", "text_column")}
+    if "inputs" in args:
+        kwargs["inputs"] = [i["path"] for i in args["inputs"]]
+    else:
+        kwargs.update(dataset=args["dataset"], name=args["name"])
+    return kwargs
+
+
+def _command_line(data_root, kwargs):
+    """The fineweb.py command line that calls prepare(data_root, **kwargs)."""
+    defaults = build_parser().parse_args([])
+    words = ["python", "fineweb.py", "--local_dir", data_root]
+    if "inputs" in kwargs:
+        words += ["--input", *kwargs["inputs"]]
+    for key in ("dataset", "name", "shard_size", "max_tokens", "val_tokens", "text_column"):
+        if key in kwargs and kwargs[key] != getattr(defaults, key):
+            words += [f"--{key}", str(kwargs[key])]
+    return shlex.join(words)
+
+
+def prep_status(data_root):
+    """Whether data_root holds a prep by fineweb.py, complete or not, and how to finish it.
+    Reads only manifest.json; raises DataPrepError when it is damaged."""
+    data_root = os.path.abspath(os.path.expanduser(str(data_root)))
+    manifest = _load_manifest(data_root)
+    if manifest is None:
+        return PrepStatus(data_root, False, False, None, 0, 0, None, None)
+    kwargs = _prepare_kwargs(manifest["args"])
+    complete = bool(manifest.get("complete"))
+    return PrepStatus(data_root, True, complete, dict(manifest["args"]), len(manifest["shards"]),
+                      sum(s["tokens"] for s in manifest["shards"]), kwargs,
+                      None if complete else _command_line(data_root, kwargs))
 
 
 def build_parser():
@@ -608,78 +797,6 @@ def main(argv=None):
     print(f"{manifest['total_tokens']:,} tokens in {len(paths)} shards in {os.path.dirname(paths[0])} "
           f"({time.time() - t0:.1f}s)")
     return 0
-
-# -----------------------------------------------------------------------------
-# throughput comparison with the naive build-nanogpt approach (README figures)
-
-def _naive_tokenize(text):
-    # build-nanogpt's worker: one document per task, a Python list, then a NumPy array
-    tokens = [EOT]
-    tokens.extend(_encoder().encode_ordinary(text))
-    tokens_np = np.array(tokens)
-    assert (0 <= tokens_np).all() and (tokens_np < 2**16).all(), "token dictionary too large for uint16"
-    return tokens_np.astype(np.uint16)
-
-
-def compare_with_naive(inputs, *, text_column="text", num_proc=None, shard_size=10_000_000):
-    """Tokens/s of this pipeline vs. the naive build-nanogpt loop (Pool of half the cores,
-    imap one document at a time, chunksize 16) on the same local corpus, both writing
-    shards to a temp dir. The documents are read into memory first (not timed) for both;
-    "end to end" also includes reading the files. Prints and returns the figures."""
-    num_proc = num_proc or os.cpu_count() or 1
-    files = _expand_inputs(inputs)
-    _check_inputs(files, text_column)
-    docs = [t for t in _iter_files(files, text_column) if t]
-    enc = _encoder()
-    enc.encode_ordinary("warm up")
-    t0 = time.perf_counter()
-    n_tokens = sum(len(enc.encode_ordinary(t)) + 1 for t in docs)
-    single = n_tokens / (time.perf_counter() - t0)
-    results = {"documents": len(docs), "tokens": n_tokens, "cores": os.cpu_count(), "num_proc": num_proc,
-               "single_thread_tok_s": single, "limit_tok_s": single * os.cpu_count()}
-
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        with mp.get_context().Pool(max(1, os.cpu_count() // 2)) as pool:
-            buf, count, index = np.empty(shard_size, dtype=np.uint16), 0, 0
-            for tokens in pool.imap(_naive_tokenize, docs, chunksize=16):
-                if count + len(tokens) < shard_size:
-                    buf[count:count + len(tokens)] = tokens
-                    count += len(tokens)
-                else:
-                    room = shard_size - count
-                    buf[count:count + room] = tokens[:room]
-                    np.save(os.path.join(tmp, f"naive_{index:06d}"), buf)
-                    index += 1
-                    buf[:len(tokens) - room] = tokens[room:]
-                    count = len(tokens) - room
-            if count:
-                np.save(os.path.join(tmp, f"naive_{index:06d}"), buf[:count])
-        results["naive_tok_s"] = n_tokens / (time.perf_counter() - t0)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        manifest = {"version": 1, "args": {}, "shards": [], "complete": False, "total_tokens": 0}
-        t0 = time.perf_counter()
-        _write_shards(tmp, iter(docs), manifest, shard_size=shard_size, val_tokens=shard_size, max_tokens=None,
-                      num_proc=num_proc, progress=False)
-        results["ours_tok_s"] = manifest["total_tokens"] / (time.perf_counter() - t0)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        prepare(tmp, inputs=files, text_column=text_column, shard_size=shard_size, num_proc=num_proc,
-                progress=False)
-        results["ours_end_to_end_tok_s"] = _load_manifest(tmp)["total_tokens"] / (time.perf_counter() - t0)
-
-    r = results
-    print(f"corpus: {r['documents']:,} documents, {r['tokens']:,} tokens; {r['cores']} cores")
-    print(f"single-thread encode_ordinary : {r['single_thread_tok_s'] / 1e6:6.2f} M tok/s "
-          f"(limit x{r['cores']} cores = {r['limit_tok_s'] / 1e6:.2f} M tok/s)")
-    for key, label in (("naive_tok_s", f"naive (Pool({max(1, r['cores'] // 2)}), per doc)"),
-                       ("ours_tok_s", f"fineweb.py (num_proc={num_proc})"),
-                       ("ours_end_to_end_tok_s", "fineweb.py, incl. reading files")):
-        print(f"{label:30s}: {r[key] / 1e6:6.2f} M tok/s = {r[key] / r['naive_tok_s']:.2f}x naive, "
-              f"{100 * r[key] / r['limit_tok_s']:.0f}% of limit")
-    return results
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ import glob
 import json
 import os
 import random
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -276,6 +279,15 @@ def test_streaming_path_on_local_dataset(tmp_path, enc, hf_cache):
     assert manifest["args"]["streaming"] is True and manifest["args"]["name"] == "sample-10BT"
     assert np.array_equal(load(paths), expected_tokens(enc, docs)[:3000])
     assert [len(np.load(p)) for p in paths] == [300, 1000, 1000, 700]
+    # prep_status describes a hub prep too: its resume command names the dataset and the sample
+    manifest["complete"] = False  # as a crash just before the last manifest update leaves it
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    status = fineweb.prep_status(tmp_path / "out")
+    assert status.prepare_kwargs["dataset"] == repo and status.prepare_kwargs["name"] == "sample-10BT"
+    words = shlex.split(status.resume_command)
+    assert words[:2] == ["python", "fineweb.py"] and "--dataset" in words and "--max_tokens" in words
+    assert fineweb.main(words[2:] + ["--num_proc", "1"]) == 0
+    assert fineweb.prep_status(tmp_path / "out").complete
 
 
 def test_download_path_on_local_dataset(tmp_path, enc, hf_cache):
@@ -525,3 +537,224 @@ def test_no_progress_bar_in_non_interactive_logs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tok/s" not in r.stderr and "shard 0" not in r.stderr  # stderr is a pipe: tqdm stays quiet
     assert "tokens in 2 shards" in r.stdout
+
+
+# -----------------------------------------------------------------------------
+# shard naming: the names prepare writes are the ones list_shards finds
+
+def test_shard_names_and_list_shards_agree(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    named = {"val": [fineweb.shard_name(0)], "train": [fineweb.shard_name(i) for i in (2, 10, 100, 1)]}
+    named["train"] += [fineweb.shard_name(3, "train", prefix="other")]  # list_shards takes any prefix
+    for name in named["val"] + named["train"]:
+        np.save(root / name, np.zeros(1, dtype=np.uint16))
+    # things that are not shards: temp files of an interrupted write, another split, other files
+    for junk in (fineweb.shard_name(7) + ".a1b2c3.tmp", fineweb.shard_name(8, "test"), "edufineweb_train_.npy",
+                 "notes_train.txt", "manifest.json"):
+        (root / junk).write_bytes(b"x")
+    found = {split: [os.path.basename(p) for p in fineweb.list_shards(str(root), split)] for split in ("val", "train")}
+    assert found["val"] == ["edufineweb_val_000000.npy"]
+    # in index order (zero-padded), whatever the order they were written in
+    assert found["train"] == ["edufineweb_train_000001.npy", "edufineweb_train_000002.npy", "edufineweb_train_000010.npy",
+                              "edufineweb_train_000100.npy", "other_train_000003.npy"]
+    assert fineweb.list_shards(str(tmp_path / "missing"), "train") == []
+
+
+def test_prepare_writes_what_list_shards_finds(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(30, seed=14))
+    paths = prepare(tmp_path / "out", inputs=[src], shard_size=800, num_proc=1, progress=False)
+    assert fineweb.list_shards(str(tmp_path / "out"), "val") + fineweb.list_shards(str(tmp_path / "out"), "train") == paths
+    assert len(paths) >= 3
+
+
+# -----------------------------------------------------------------------------
+# open_shard: a shard is checked when it is opened
+
+def test_open_shard_returns_a_read_only_memmap(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 50257, 10_000).astype(np.uint16)
+    tokens[-1] = 50256  # the largest id GPT-2 has
+    np.save(tmp_path / "s.npy", tokens)
+    shard = fineweb.open_shard(str(tmp_path / "s.npy"), 50257)
+    assert isinstance(shard, np.memmap) and shard.dtype == np.uint16 and shard.shape == (10_000,)
+    assert np.array_equal(shard, tokens)
+    with pytest.raises(ValueError, match="read-only"):
+        shard[0] = 1
+
+
+def test_open_shard_reads_what_prepare_wrote(tmp_path, enc):
+    docs = make_docs(20, seed=15)
+    paths = prepare(tmp_path / "out", inputs=[write_jsonl(tmp_path / "d.jsonl", docs)], shard_size=700, num_proc=1,
+                    progress=False)
+    tokens = np.concatenate([fineweb.open_shard(p, enc.n_vocab) for p in paths])
+    assert np.array_equal(tokens, expected_tokens(enc, docs))
+
+
+def write_broken_shard(path, kind):
+    if kind == "truncated":  # what a copy cut short leaves: np.load(mmap_mode="r") fails with an mmap message
+        np.save(path, np.arange(1000, dtype=np.uint16))
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[:-100])
+    elif kind == "too long":
+        np.save(path, np.arange(1000, dtype=np.uint16))
+        open(path, "ab").write(b"\0" * 6)
+    elif kind == "not npy":
+        open(path, "w").write("<html>404 Not Found</html>\n")
+    elif kind == "empty file":
+        open(path, "wb").close()
+    elif kind == "int32":
+        np.save(path, np.arange(1000, dtype=np.int32))
+    elif kind == "2-D":
+        np.save(path, np.zeros((10, 100), dtype=np.uint16))
+    elif kind == "big id":
+        tokens = np.zeros(3000, dtype=np.uint16)
+        tokens[1234] = 50300
+        np.save(path, tokens)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("truncated", r"truncated: 2,\d+ bytes, but its header promises 1,000 tokens"),
+    ("too long", "longer than its header says"),
+    ("not npy", r"not a \.npy file"),
+    ("empty file", r"not a \.npy file"),
+    ("int32", "holds int32 values, expected uint16"),
+    ("2-D", r"2-D array of shape \(10, 100\), expected a 1-D"),
+    ("big id", "token id 50300 at offset 1234 is >= the vocabulary size 50257"),
+    ("missing", "cannot read it"),
+])
+def test_open_shard_names_the_file_and_the_problem(tmp_path, kind, message):
+    path = str(tmp_path / "edufineweb_train_000001.npy")
+    write_broken_shard(path, kind)
+    with pytest.raises(fineweb.ShardError) as e:
+        fineweb.open_shard(path, 50257)
+    assert isinstance(e.value, ValueError)
+    text = str(e.value)
+    assert text.startswith(path + ": ") and "\n" not in text
+    assert re.search(message, text), text
+
+
+def test_open_shard_finds_a_bad_id_in_any_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(fineweb, "CHECK_CHUNK", 1000)  # many chunks, a short last one
+    tokens = np.full(10_500, 7, dtype=np.uint16)
+    np.save(tmp_path / "s.npy", tokens)
+    assert len(fineweb.open_shard(str(tmp_path / "s.npy"), 8)) == 10_500
+    for offset in (0, 999, 1000, 7777, 10_499):
+        bad = tokens.copy()
+        bad[offset] = 8
+        bad[-1] = 9 if offset != 10_499 else 8  # the first bad id is the one reported
+        np.save(tmp_path / "s.npy", bad)
+        with pytest.raises(fineweb.ShardError, match=f"token id 8 at offset {offset} is >= the vocabulary size 8"):
+            fineweb.open_shard(str(tmp_path / "s.npy"), 8)
+
+
+def test_padded_vocabulary_accepts_ids_below_it(tmp_path):
+    np.save(tmp_path / "s.npy", np.array([0, 50300, 50303], dtype=np.uint16))
+    assert fineweb.open_shard(str(tmp_path / "s.npy"), 50304).tolist() == [0, 50300, 50303]
+
+
+# -----------------------------------------------------------------------------
+# prep_status, and finishing a prep killed with kill -9
+
+def shard_bytes(folder):
+    return {os.path.basename(p): open(p, "rb").read()
+            for p in fineweb.list_shards(str(folder), "val") + fineweb.list_shards(str(folder), "train")}
+
+
+def test_prep_status_of_empty_and_foreign_dirs(tmp_path):
+    np.save(tmp_path / "edufineweb_val_000000.npy", np.zeros(5, dtype=np.uint16))  # shards from another tool
+    for root in (tmp_path / "missing", tmp_path):
+        status = fineweb.prep_status(root)
+        assert status.data_root == str(root) and not status.has_manifest and not status.complete
+        assert status.args is None and status.resume_command is None and status.prepare_kwargs is None
+
+
+def test_kill_9_then_prepare_finishes_the_same_shards(tmp_path):
+    from conftest import write_corpus_jsonl
+    corpus = str(tmp_path / "c.jsonl")
+    write_corpus_jsonl(corpus, 3000)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus, "--local_dir", str(out),
+                             "--shard_size", "1000", "--num_proc", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while proc.poll() is None and fineweb.prep_status(out).shards < 3:  # the manifest is replaced atomically
+            time.sleep(0.002)
+    finally:
+        proc.kill()  # SIGKILL: no handler, no cleanup
+        _, stderr = proc.communicate()
+    assert proc.returncode == -9, f"the prep ended before it could be killed: {stderr!r}"
+
+    status = fineweb.prep_status(out)
+    assert status.has_manifest and not status.complete and status.shards >= 3
+    # the recorded shards are there; one more if the kill fell between a shard's rename and the manifest
+    # update (the resume writes it again); nothing half-written under a shard name (temp name, then rename)
+    on_disk = shard_bytes(out)
+    assert [s["file"] for s in json.loads((out / "manifest.json").read_text())["shards"]] == list(on_disk)[:status.shards]
+    assert status.shards <= len(on_disk) <= status.shards + 1
+    assert status.args["shard_size"] == 1000 and [i["path"] for i in status.args["inputs"]] == [corpus]
+    assert status.resume_command.startswith("python fineweb.py --local_dir ")
+    assert f"--input {corpus}" in status.resume_command and "--shard_size 1000" in status.resume_command
+
+    paths = prepare(out, inputs=[corpus], shard_size=1000, num_proc=1, progress=False)
+    reference = prepare(tmp_path / "reference", inputs=[corpus], shard_size=1000, num_proc=1, progress=False)
+    assert len(paths) == len(reference) > status.shards
+    assert shard_bytes(out) == shard_bytes(tmp_path / "reference")
+    assert fineweb.prep_status(out).complete and fineweb.prep_status(out).resume_command is None
+    assert not glob.glob(str(out / "*.tmp"))
+
+
+def test_resume_command_finishes_the_prep(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "my corpus.jsonl", make_docs(60, seed=16))  # a space: the command must quote it
+    out = tmp_path / "out dir"
+    kwargs = dict(inputs=[src], shard_size=700, val_tokens=300, max_tokens=5000, text_column="text")
+    real_write = fineweb.atomic_write
+
+    def crash_on_shard_4(path, write):
+        if path.endswith("_000004.npy"):
+            raise KeyboardInterrupt
+        real_write(path, write)
+    monkeypatch.setattr(fineweb, "atomic_write", crash_on_shard_4)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(out, num_proc=1, progress=False, **kwargs)
+    monkeypatch.setattr(fineweb, "atomic_write", real_write)
+    # what a kill -9 in the middle of a write leaves behind
+    (out / (fineweb.shard_name(4) + ".k3x9q2.tmp")).write_bytes(b"half a shard")
+    (out / "manifest.json.7f2a1c.tmp").write_bytes(b"{")
+
+    status = fineweb.prep_status(out)
+    assert not status.complete and status.shards == 4 and status.tokens == 300 + 3 * 700
+    words = shlex.split(status.resume_command)
+    assert words[:2] == ["python", "fineweb.py"]
+    r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), *words[2:], "--num_proc", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert fineweb.prep_status(out).complete
+    reference = prepare(tmp_path / "reference", num_proc=1, progress=False, **kwargs)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "reference") and len(reference) == 8
+    assert not glob.glob(str(out / "*.tmp"))
+
+
+# -----------------------------------------------------------------------------
+# bench.py's fineweb rows (the naive build-nanogpt comparison lives there, not in the library)
+
+def bench(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+
+
+def test_bench_fineweb_naive_row(tmp_path, enc):
+    docs = make_docs(300, seed=17)
+    src = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    r = bench("--only", "fineweb,fineweb_naive", "--fineweb_input", src, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    n_tokens = len(expected_tokens(enc, docs))
+    assert out["fineweb"]["tokens"] == out["fineweb_naive"]["tokens"] == n_tokens
+    naive = out["fineweb_naive"]
+    assert naive["documents"] == len(docs) and naive["same_tokens"] is True  # naive, ours, end to end: one stream
+    assert naive["speedup"] > 0 and naive["naive_tok_s"] > 0 and naive["ours_end_to_end_tok_s"] > 0
+    assert "train" not in out and "loader" not in out  # only the rows asked for
+    assert not hasattr(fineweb, "compare_with_naive")
+
+
+def test_bench_fineweb_bad_input_is_one_line(tmp_path):
+    assert_one_line_error(bench("--only", "fineweb_naive", "--fineweb_input", tmp_path / "missing.jsonl"), "not found")
