@@ -433,7 +433,8 @@ class DataLoaderLite:
     and `state_dict()` resumes exactly. Shards are memory-mapped: each batch copies only its B*T+1 tokens.
     """
 
-    def __init__(self, B, T, process_rank=0, num_processes=1, split="train", data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337):
+    def __init__(self, B, T, process_rank=0, num_processes=1, split="train", data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337,
+                 vocab_size=GPT2_VOCAB_SIZE):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         self.B, self.T = B, T
@@ -443,10 +444,10 @@ class DataLoaderLite:
         if not self.shards:
             raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: "
                              f"prepare them with `python fineweb.py` (see --help there)", rank_specific=True)
-        self.tokens = [np.load(path, mmap_mode="r") for path in self.shards]
-        for path, arr in zip(self.shards, self.tokens):
-            if arr.dtype != np.uint16 or arr.ndim != 1:
-                raise UsageError(f"{path}: expected a 1-D uint16 array of token ids, got {arr.dtype} {arr.shape}")
+        try:  # header, size, dtype and every token id < vocab_size, checked once here: one line naming the file
+            self.tokens = [fineweb.open_shard(path, vocab_size) for path in self.shards]
+        except fineweb.ShardError as e:
+            raise UsageError(str(e), rank_specific=True) from None
         self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
         self.epoch_tokens = int(self.lengths.sum())
         if self.epoch_tokens < B * T + 1:
@@ -517,7 +518,7 @@ def ensure_data(args, train_tokens, val_tokens, dist):
     With several nodes, data_root must be on a shared filesystem for this (or prepared on each node first).
     """
     have = bool(list_shards(args.data_root, "train")) and bool(list_shards(args.data_root, "val"))
-    if dist.agree(have):  # every rank takes the same branch
+    if dist.agree(have and unfinished_prep(args.data_root) is None):  # every rank takes the same branch
         if dist.master:
             warn_if_data_short(args.data_root, train_tokens, dist.print0)
         return
@@ -525,6 +526,15 @@ def ensure_data(args, train_tokens, val_tokens, dist):
     # preparing 10B tokens takes hours, far past NCCL's collective timeout: wait on a long-timeout gloo group
     if not dist.agree(message is None, long_wait=True):
         raise UsageError(message or "data preparation failed on rank 0 (see its message)")
+
+
+def unfinished_prep(data_root):
+    """fineweb.prep_status of data_root when its manifest says the prep stopped before the end, else None."""
+    try:
+        status = fineweb.prep_status(data_root)
+    except fineweb.DataPrepError as e:  # a damaged manifest.json
+        raise UsageError(str(e)) from None
+    return status if status.has_manifest and not status.complete else None
 
 
 def warn_if_data_short(data_root, train_tokens, print0):
@@ -539,7 +549,19 @@ def warn_if_data_short(data_root, train_tokens, print0):
 
 
 def prepare_data(args, train_tokens, val_tokens, print0):
-    """fineweb.prepare just the tokens the run needs (at least 10M), or the whole source; None or an error."""
+    """fineweb.prepare just the tokens the run needs (at least 10M), or the whole source; None or an error.
+
+    A prep that was interrupted (manifest.json says incomplete) is finished with the arguments it recorded.
+    """
+    status = unfinished_prep(args.data_root)
+    if status is not None:
+        print0(f"{args.data_root}: an earlier prep stopped after {status.shards} shards; finishing it")
+        try:
+            fineweb.prepare(args.data_root, **status.prepare_kwargs)
+        except fineweb.DataPrepError as e:
+            return f"{args.data_root} is an unfinished prep and finishing it failed ({e}); finish it with: " \
+                   f"{status.resume_command}"
+        return None
     needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
     full = args.input is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS[args.fineweb_name]
     max_tokens = None if full else needed
@@ -1228,7 +1250,7 @@ def open_data(args, settings, dist):
     """Train and val loaders, the shards prepared first if data_root has none."""
     ensure_data(args, args.max_steps * args.total_batch_size, settings.val_tokens, dist)
     return [DataLoaderLite(args.micro_batch_size, args.sequence_length, dist.rank, dist.world_size, split,
-                           args.data_root, args.seed) for split in ("train", "val")]
+                           args.data_root, args.seed, settings.config.real_vocab_size) for split in ("train", "val")]
 
 
 def build_model(args, settings, dist):
