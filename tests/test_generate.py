@@ -225,3 +225,41 @@ def test_init_from_pretrained_trains(shard_dir, tmp_path):
     r = run_cli(*tiny_run_args(shard_dir, str(tmp_path / "log2"), "--init_from", path, "--n_kv_head", "1"))
     assert r.returncode == 1 and "--init_from takes the model's shape from the weights: drop" in r.stderr
     assert "--n_kv_head" in r.stderr and not os.path.exists(str(tmp_path / "log2"))
+
+
+def test_logits_to_keep_matches_full_logits_and_hf(tmp_path):
+    """transformers' logits_to_keep: an int keeps the last k positions, a 1-D tensor those positions."""
+    hf, path = hf_dir(tmp_path)
+    ours = tg.GPT.from_pretrained(path).eval()
+    idx = torch.randint(0, 50257, (2, 12))
+    positions = torch.tensor([1, 5, 6, 11])
+    with torch.no_grad():
+        full, _ = ours(idx)
+        last, _ = ours(idx, logits_to_keep=3)
+        some, _ = ours(idx, logits_to_keep=positions)
+        hf_some = hf(idx, logits_to_keep=positions).logits
+    assert last.shape == (2, 3, 50304) and some.shape == (2, 4, 50304)
+    torch.testing.assert_close(last, full[:, -3:])
+    torch.testing.assert_close(some, full[:, positions])
+    torch.testing.assert_close(some[..., :50257], hf_some, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        ours(idx, targets=idx, logits_to_keep=1)
+
+
+def test_eval_command_scores_a_checkpoint_like_hellaswag_evaluate(shard_dir, tmp_path):
+    """`train_gpt2.py eval --checkpoint` reports what hellaswag.evaluate gives for the same model and data."""
+    import hellaswag
+    from conftest import write_hellaswag
+
+    log = str(tmp_path / "log")
+    assert run_cli(*tiny_run_args(shard_dir, log, "--max_steps", "1", "--eval_every", "0", "--sample_every", "0")).returncode == 0
+    data = str(tmp_path / "hs")
+    write_hellaswag(data, 12)
+    ckpt = os.path.join(log, "model_00000.pt")
+    r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--data_dir", data, "--batch_tokens", "256")
+    assert r.returncode == 0, r.stderr
+    want = hellaswag.evaluate(tg.load_checkpoint_model(ckpt), "cpu", data_dir=data, batch_tokens=0)
+    assert f"acc_norm {want['acc_norm']:.4f} ({want['correct_norm']}/12)" in r.stdout
+    assert f"acc {want['acc']:.4f} ({want['correct']}/12)" in r.stdout
+    r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--data_dir", str(tmp_path / "none"))
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
