@@ -1080,7 +1080,7 @@ class Settings:
 
 # flags that belong to one invocation: a resumed run takes every other flag it is not given from its checkpoint
 PER_INVOCATION = {"resume", "overwrite", "stop_step", "device", "dtype", "compile", "profile", "profile_schedule",
-                  "wandb_project", "wandb_run_name", "log_dir", "init_from", "keep_last", "peak_flops"}
+                  "wandb_project", "wandb_run_name", "log_dir", "init_from", "keep_last", "peak_flops", "fsdp"}
 SCHEDULE_FLAGS = ("max_steps", "max_lr", "warmup_steps", "total_batch_size", "batch_ramp_tokens",
                   "batch_ramp_start", "seed")
 

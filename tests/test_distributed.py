@@ -138,7 +138,7 @@ def test_hellaswag_in_training_one_and_two_processes(single, tmp_path, monkeypat
     assert r2.returncode == 0, r2.stderr
     assert "HellaSwag accuracy: " in r.stdout and "/13=" in r2.stdout
     a, b = losses(one)["hella"], losses(two)["hella"]
-    assert a[0] == b[0] == [0, 1] and a[1] == pytest.approx(b[1], abs=1e-9)
+    assert a[0] == b[0] == [0, 1, 2] and a[1] == pytest.approx(b[1], abs=1e-9)
     # step 0 scores the freshly initialized model: the same number from hellaswag.evaluate directly
     torch.manual_seed(1337)
     init = tg.GPT(tg.model_config_from_args(tg.parse_args(tiny_run_args(data, one))))
