@@ -8,26 +8,32 @@ cross-entropy of its tokens given everything before them:
 * ``acc_norm`` picks the ending with the lowest *mean* (per-token) loss.
 
 This file is both a library (``train_gpt2.py`` imports :func:`evaluate`,
-which uses :func:`completion_losses`, the one scoring function) and a CLI::
+:func:`resolve_device`, :func:`autocast` and :func:`enable_tf32` from it) and a
+CLI that scores OpenAI's GPT-2 through transformers' own ``GPT2LMHeadModel``,
+an implementation independent of ours::
 
-    python hellaswag.py -m gpt2 -d cuda                  # HF GPT-2 (hub name or local dir)
-    python hellaswag.py --checkpoint log/model_19072.pt  # one of our checkpoints
-    python hellaswag.py -m gpt2 --limit 500              # quick subset
-    python hellaswag.py -m gpt2 --benchmark --limit 200  # one-per-forward vs batched
+    python hellaswag.py -m gpt2 -d cuda          # openai-community/gpt2 (or a save_pretrained dir)
+    python hellaswag.py -m gpt2-xl --limit 500   # a quick subset
 
-Data: ``hellaswag_{train,val,test}.jsonl`` are downloaded into a cache folder
-next to this file (``--data_dir`` / ``$HELLASWAG_DIR`` override it), first from
-the HellaSwag authors' repository, then from the ``Rowan/hellaswag`` dataset
-through HF ``datasets`` (converted to the same record schema).  Nothing is
-downloaded, spawned or opened at import time.
+One of our checkpoints is scored by ``python train_gpt2.py eval --checkpoint
+log/model_19072.pt`` (same :func:`evaluate`); timing lives in ``python bench.py
+--only hellaswag``.
+
+Data: ``hellaswag_{train,val,test}.jsonl`` live in a folder next to this file
+(``--data_dir`` / ``$HELLASWAG_DIR`` override it).  A missing file is fetched
+from the ``Rowan/hellaswag`` dataset's parquet conversion through HF
+``datasets`` and written in the original record schema.  Every record is
+checked before it is scored.  Nothing is downloaded, spawned or opened at
+import time, and neither torch nor datasets is imported then.
 """
 
 import argparse
 import contextlib
+import inspect
+import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 
 # ---------------------------------------------------------------------------
@@ -38,8 +44,10 @@ DEFAULT_DATA_DIR = os.environ.get("HELLASWAG_DIR") or os.path.join(
 )
 
 SPLITS = ("train", "val", "test")
-URL_TEMPLATE = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 HF_DATASET = "Rowan/hellaswag"
+# the repository's loading script no longer runs under recent `datasets`; the hub's
+# automatic parquet conversion of it does, and is the source that works today
+HF_REVISION = "refs/convert/parquet"
 HF_SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}
 # number of examples per split (HellaSwag paper / HF dataset card); a freshly
 # downloaded file with a different count is rejected
@@ -47,15 +55,19 @@ EXPECTED_COUNTS = {"train": 39905, "val": 10042, "test": 10003}
 # key order of the original jsonl records
 RECORD_KEYS = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split",
                "split_type", "label", "endings", "source_id")
+NUM_ENDINGS = 4
 
 
 class HellaSwagUnavailable(Exception):
-    """The HellaSwag data can't be had (offline and no local copy, bad HTTP
-    status, wrong example count).  The message is a single line."""
+    """The HellaSwag data can't be had (offline and no local copy, wrong
+    example count, a file that is not valid HellaSwag data).  The message is a
+    single line."""
 
 
-class _SourceFailed(Exception):
-    """One download source failed; the next one is tried."""
+class HellaSwagBadData(HellaSwagUnavailable):
+    """A HellaSwag file exists but a record in it can't be scored; the message
+    names the file and line.  A subclass so that training, which turns the
+    evaluation off when the data can't be had, does the same here."""
 
 
 def _one_line(text, limit=160):
@@ -75,78 +87,27 @@ def _check_split(split):
 
 def _progress_bar(**kwargs):
     """tqdm bar that is disabled when stderr is not a terminal (``disable=None``)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a requirement
-        return None
+    from tqdm import tqdm
+
     return tqdm(disable=None, **kwargs)
 
 
-def _http_get(url, timeout=30):
-    """GET ``url`` as a streamed response (patched by the tests)."""
-    import requests
-
-    return requests.get(url, stream=True, timeout=timeout)
-
-
-def _fetch_url(url, out_file):
-    """Stream ``url`` into the open binary file ``out_file``; raise _SourceFailed on failure."""
-    try:
-        resp = _http_get(url)
-    except Exception as e:  # connection refused, DNS, timeout, ...
-        raise _SourceFailed(f"GitHub: {type(e).__name__}") from None
-    try:
-        if resp.status_code != 200:
-            raise _SourceFailed(f"GitHub: HTTP {resp.status_code}")
-        total = int(resp.headers.get("content-length", 0) or 0) or None
-        bar = _progress_bar(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                            desc=os.path.basename(url))
-        try:
-            for chunk in resp.iter_content(chunk_size=1 << 20):
-                if chunk:
-                    out_file.write(chunk)
-                    if bar is not None:
-                        bar.update(len(chunk))
-        except _SourceFailed:
-            raise
-        except Exception as e:
-            raise _SourceFailed(f"GitHub: {type(e).__name__} while reading") from None
-        finally:
-            if bar is not None:
-                bar.close()
-    finally:
-        close = getattr(resp, "close", None)
-        if close is not None:
-            close()
-
-
 def _load_hf_rows(split):
-    """Rows of ``Rowan/hellaswag`` for ``split`` through HF ``datasets`` (patched by the tests)."""
+    """Rows of ``Rowan/hellaswag`` (parquet conversion) for ``split`` through HF ``datasets``.
+
+    With ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` datasets only reads
+    its cache: nothing here touches the network before it does."""
     import logging
-
-    import requests
-
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    try:  # fail fast: offline, `datasets` would retry for the best part of a minute
-        requests.head(endpoint, timeout=10)
-    except requests.RequestException as e:
-        raise ConnectionError(f"cannot reach {endpoint} ({type(e).__name__})") from None
 
     import datasets
 
-    hf_split = HF_SPLIT_NAMES[split]
     # keep the hub client's retry warnings out of the one-line error / training log
     loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        try:
-            return datasets.load_dataset(HF_DATASET, split=hf_split)
-        except Exception:
-            # the repository's loading script is not supported by recent `datasets`;
-            # the hub's automatic parquet conversion is
-            return datasets.load_dataset(HF_DATASET, split=hf_split, revision="refs/convert/parquet")
+        return datasets.load_dataset(HF_DATASET, split=HF_SPLIT_NAMES[split], revision=HF_REVISION)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -179,91 +140,128 @@ def hf_to_record(row, split=None):
     return rec
 
 
-def _fetch_hf(split, out_file):
-    try:
-        rows = _load_hf_rows(split)
-    except Exception as e:
-        raise _SourceFailed(f"HF {HF_DATASET}: {_one_line(e, 80) or type(e).__name__}") from None
-    try:
-        for row in rows:
-            line = json.dumps(hf_to_record(row, split)) + "\n"
-            out_file.write(line.encode("utf-8"))
-    except Exception as e:
-        raise _SourceFailed(f"HF {HF_DATASET}: bad row ({type(e).__name__}: {_one_line(e, 60)})") from None
+def manual_step(split, path):
+    """The one command that fetches ``split`` by hand today (on any machine with internet)."""
+    return (f"python -c \"from datasets import load_dataset; load_dataset('{HF_DATASET}', "
+            f"split='{HF_SPLIT_NAMES[split]}', revision='{HF_REVISION}').to_json('{path}')\"")
 
 
-def _count_examples(path):
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
-def _unavailable_message(split, path, reasons):
-    url = URL_TEMPLATE.format(split=split)
-    why = "; ".join(reasons) if reasons else "no source succeeded"
+def _unavailable_message(split, path, why):
     return _one_line(
-        f"HellaSwag data unavailable: {path} is missing and the download failed ({why}); "
-        f"download {url} and save it as {path} (or point --data_dir / HELLASWAG_DIR at a folder "
-        f"holding hellaswag_{split}.jsonl)",
+        f"HellaSwag data unavailable: {path} is missing and fetching it from HF {HF_DATASET} "
+        f"(revision {HF_REVISION}) failed ({why}); fetch it by hand with {manual_step(split, path)} "
+        f"(or place hellaswag_{split}.jsonl in --data_dir / $HELLASWAG_DIR)",
         limit=10_000,
     )
+
+
+def _write_rows(rows, split, path, f):
+    """Write HF rows as jsonl records into ``f``, checking the example count
+    before the file is renamed into place."""
+    bar = _progress_bar(total=len(rows) if hasattr(rows, "__len__") else None, unit="ex",
+                        desc=os.path.basename(path))
+    n = 0
+    try:
+        for row in rows:
+            try:
+                line = json.dumps(hf_to_record(row, split)) + "\n"
+            except (KeyError, TypeError, ValueError) as e:
+                why = f"row {n}: {type(e).__name__}: {_one_line(e, 60)}"
+                raise HellaSwagUnavailable(_unavailable_message(split, path, why)) from None
+            f.write(line.encode("utf-8"))
+            n += 1
+            bar.update(1)
+    finally:
+        bar.close()
+    expected = EXPECTED_COUNTS.get(split)
+    if expected is not None and n != expected:
+        raise HellaSwagUnavailable(_unavailable_message(split, path, f"{n} examples, expected {expected}"))
 
 
 def download(split, data_dir=None):
     """Return the path of ``hellaswag_{split}.jsonl``, downloading it if needed.
 
-    An existing file is used as is.  Otherwise the sources are tried in order
-    (the authors' GitHub jsonl, then HF ``Rowan/hellaswag``); each is written
-    to a temporary file in the data folder, its example count checked, and only
-    then renamed into place, so a partial file is never left behind (several
-    DDP ranks may download at once).  Raises :class:`HellaSwagUnavailable`.
+    An existing file is used as is.  Otherwise ``Rowan/hellaswag`` (revision
+    ``refs/convert/parquet``) is loaded through HF ``datasets``, converted to
+    the original record schema, its example count checked, and written with
+    ``fineweb.atomic_write`` (a unique temp file per writer, renamed into
+    place), so several DDP ranks may download at once and a partial file is
+    never left behind.  Raises :class:`HellaSwagUnavailable`.
     """
     _check_split(split)
     data_dir = _resolve_data_dir(data_dir)
     path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
     if os.path.isfile(path):
         return path
+    if os.environ.get("HELLASWAG_OFFLINE", "") not in ("", "0"):
+        raise HellaSwagUnavailable(_unavailable_message(split, path, "HELLASWAG_OFFLINE is set"))
     try:
         os.makedirs(data_dir, exist_ok=True)
     except OSError as e:
-        raise HellaSwagUnavailable(_unavailable_message(
-            split, path, [f"cannot create {data_dir}: {_one_line(e, 100)}"])) from None
+        raise HellaSwagUnavailable(_unavailable_message(split, path, f"cannot create {data_dir}: {_one_line(e, 100)}")) from None
+    print(f"hellaswag: fetching the {split} split from HF {HF_DATASET} (revision {HF_REVISION}) into {path}",
+          file=sys.stderr)
+    try:
+        rows = _load_hf_rows(split)
+    except Exception as e:  # offline with no cache, hub down, datasets missing, ...
+        why = f"{type(e).__name__}: {_one_line(e, 120)}" if str(e).strip() else type(e).__name__
+        raise HellaSwagUnavailable(_unavailable_message(split, path, why)) from None
+    import fineweb  # the shared atomic writer (fineweb.py sits below this file; imported late: numpy, tqdm)
 
-    sources = [
-        ("GitHub", lambda f: _fetch_url(URL_TEMPLATE.format(split=split), f)),
-        (f"HF {HF_DATASET}", lambda f: _fetch_hf(split, f)),
-    ]
-    reasons = []
-    if os.environ.get("HELLASWAG_OFFLINE", "") not in ("", "0"):
-        sources, reasons = [], ["HELLASWAG_OFFLINE is set"]
-    for _name, fetch in sources:
-        fd, tmp = tempfile.mkstemp(prefix=f".hellaswag_{split}.", suffix=".tmp", dir=data_dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                fetch(f)
-            n = _count_examples(tmp)
-            expected = EXPECTED_COUNTS.get(split)
-            if expected is not None and n != expected:
-                raise _SourceFailed(f"{_name}: {n} examples, expected {expected}")
-            os.replace(tmp, path)
-            return path
-        except _SourceFailed as e:
-            reasons.append(str(e))
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    raise HellaSwagUnavailable(_unavailable_message(split, path, reasons))
+    fineweb.atomic_write(path, lambda f: _write_rows(rows, split, path, f))
+    return path
+
+
+def _label(value, where):
+    """A label as its int 0..3; HF stores it as a string ("3")."""
+    number = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < NUM_ENDINGS:
+        raise HellaSwagBadData(f"{where}: label {_one_line(repr(value), 40)} is not one of 0, 1, 2, 3")
+    return number
+
+
+def _checked_record(rec, where, labelled):
+    """``rec`` with an int label, or HellaSwagBadData naming ``where``."""
+    if not isinstance(rec, dict):
+        raise HellaSwagBadData(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in ("ctx", "endings") + (("label",) if labelled else ()) if k not in rec]
+    if missing:
+        raise HellaSwagBadData(f"{where}: missing field {', '.join(repr(k) for k in missing)}")
+    if not isinstance(rec["ctx"], str) or not rec["ctx"].strip():
+        raise HellaSwagBadData(f"{where}: 'ctx' must be a non-empty string")
+    endings = rec["endings"]
+    if not isinstance(endings, list) or len(endings) != NUM_ENDINGS or not all(isinstance(e, str) for e in endings):
+        got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
+        raise HellaSwagBadData(f"{where}: 'endings' must be a list of exactly {NUM_ENDINGS} strings, got {got}")
+    if "label" in rec:
+        if not labelled and rec["label"] in ("", None):  # HF's unlabelled test split
+            rec = {k: v for k, v in rec.items() if k != "label"}
+        else:
+            rec["label"] = _label(rec["label"], where)
+    return rec
 
 
 def iterate_examples(split, data_dir=None):
-    """Yield the records of ``hellaswag_{split}.jsonl`` (downloading it if needed)."""
+    """Yield the records of ``hellaswag_{split}.jsonl`` (downloading it if needed).
+
+    Every record is checked first: a bad JSON line, a missing field, not
+    exactly four endings or a label outside 0-3 raises HellaSwagBadData naming
+    the file and line; a string label ("3", as HF stores it) becomes its int.
+    """
     path = download(split, data_dir)
+    n = 0
     with open(path, "r", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
                 rec = json.loads(line)
-                if isinstance(rec.get("label"), str):  # tolerate HF-style string labels
-                    rec = hf_to_record(rec, split)
-                yield rec
+            except json.JSONDecodeError as e:
+                raise HellaSwagBadData(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield _checked_record(rec, f"{path}:{lineno}", labelled=split != "test")
+            n += 1
+    if n == 0:
+        raise HellaSwagBadData(f"{path}: the file is empty (no HellaSwag examples)")
 
 
 # ---------------------------------------------------------------------------
@@ -314,122 +312,105 @@ def render_example(example, enc=None):
 
 
 # ---------------------------------------------------------------------------
-# scoring
+# device, dtype, TF32: the one place train_gpt2.py and this CLI take them from
+
+DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
-def completion_losses(logits, tokens, mask):
-    """Per-row summed and mean cross-entropy of the masked (ending) tokens.
-
-    ``logits`` ``(R, N, V)`` are the model outputs for ``tokens`` ``(R, N)``;
-    position ``t`` predicts token ``t + 1`` (the shift is done here).  Only the
-    positions whose *target* is masked are turned into log-probabilities, in
-    fp32 (the logits may be bf16).  ``logits`` may also be ``(K, V)``: the
-    rows for exactly those positions, already gathered in row-major order
-    (what :func:`score_examples` gets when it restricts the model's
-    ``lm_head`` to them).  Returns ``(sum_loss, avg_loss)``, each ``(R,)`` fp32.
-    """
+def resolve_device(name):
+    """A device string for ``name``: "auto" picks cuda > mps > cpu; "cpu",
+    "cuda", "cuda:1", "mps" are checked to exist here.  Raises ValueError with
+    a one-line message for junk or a device this machine does not have."""
     import torch
-    import torch.nn.functional as F
 
-    R, N = tokens.shape
-    sel = mask[:, 1:].to(device=logits.device).bool()      # (R, N-1): targets that are ending tokens
-    targets = tokens[:, 1:].to(device=logits.device)[sel]  # (K,)
-    if logits.dim() == 3 and logits.shape[:2] == (R, N):
-        picked = logits[:, :-1, :][sel]                    # (K, V), only the needed positions
-    elif logits.dim() == 2 and logits.shape[0] == targets.numel():
-        picked = logits
-    else:
-        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tokens shape {tuple(tokens.shape)} "
-                         f"with {targets.numel()} masked targets")
-    if picked.device.type == "cpu" and picked.shape[0] > 256:
-        # in pieces that stay in cache: the fp32 log-softmax over the vocab is most of the CPU cost
-        token_loss = torch.cat([F.cross_entropy(p.float(), t, reduction="none")
-                                for p, t in zip(picked.split(256), targets.split(256))])
-    else:
-        token_loss = F.cross_entropy(picked.float(), targets, reduction="none")  # (K,)
-    rows = sel.nonzero()[:, 0]
-    sum_loss = torch.zeros(R, dtype=torch.float32, device=logits.device).index_add_(0, rows, token_loss)
-    count = sel.sum(dim=1).clamp(min=1).to(torch.float32)
-    return sum_loss, sum_loss / count
+    mps = getattr(torch.backends, "mps", None)
+    mps_ok = mps is not None and mps.is_available()
+    if name in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "mps" if mps_ok else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in DEVICE_TYPES:
+        raise ValueError(f"unknown device {name!r}: expected auto, cpu, cuda, cuda:N or mps")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {name!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    if dev.type == "mps" and not mps_ok:
+        raise ValueError(f"device {name!r}: MPS is not available on this machine")
+    return str(name)
 
 
 def _device_type(device, device_type=None):
+    return str(device_type or device).split(":")[0]
+
+
+def autocast(device_type, dtype):
+    """``torch.autocast(device_type, dtype)``, or a do-nothing context when ``dtype`` is None (fp32)."""
+    if dtype is None:
+        return contextlib.nullcontext()
     import torch
 
-    if device_type:
-        return str(device_type).split(":")[0]
-    return torch.device(device).type
+    return torch.autocast(device_type=_device_type(device_type), dtype=dtype)
 
 
-class _HeadRestriction:
-    """While active, the model's ``lm_head`` (an ``nn.Linear``, as in our GPT and
-    HF GPT2LMHeadModel) is applied only to the hidden states whose next token
-    is an ending token, through a forward pre-hook; the model code is not
-    touched.  The vocab projection of context and padding positions is the
-    bulk of the work for a small model and is never used by the scoring.  If
-    the model has no such head (or is torch.compile'd, or its forward does not
-    tolerate the 2-D head output), every position is computed as usual."""
-
-    def __init__(self, model, enabled=True):
+def enable_tf32(device_type):
+    """TF32 matmuls on CUDA (``set_float32_matmul_precision("high")``); nothing on other devices."""
+    if _device_type(device_type) == "cuda":
         import torch
 
-        head = getattr(model, "lm_head", None)
-        ok = enabled and isinstance(head, torch.nn.Linear) and not hasattr(model, "_orig_mod")
-        self.head = head if ok else None
-        self.sel = None
-        self.applied = False
-        self._handle = None
+        torch.set_float32_matmul_precision("high")
 
-    def __enter__(self):
-        if self.head is not None:
-            self._handle = self.head.register_forward_pre_hook(self._hook)
-        return self
 
-    def __exit__(self, *exc):
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-        return False
+# ---------------------------------------------------------------------------
+# scoring
 
-    def _hook(self, module, args):
-        sel = self.sel
-        if sel is None or not args or args[0].dim() != 3 or args[0].shape[:2] != sel.shape:
-            return None
-        self.applied = True
-        return (args[0][sel],) + tuple(args[1:])
 
-    def logits(self, model, idx, mask):
-        """Logits for ``idx``: ``(K, V)`` at the needed positions when the head
-        restriction applies, else ``(R, N, V)``."""
-        import torch
+def _token_losses(picked, targets):
+    """Cross-entropy (fp32) of each row of ``picked`` (K, V) against ``targets`` (K,)."""
+    import torch
+    import torch.nn.functional as F
 
-        if self.head is not None:
-            sel = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
-            sel[:, :-1] = mask[:, 1:].bool()
-            self.sel, self.applied = sel, False
-            try:
-                logits = _model_logits(model(idx))
-            except Exception:
-                logits = None  # e.g. the forward reshapes the head output: retried below without the hook
-            finally:
-                self.sel = None
-            if logits is not None and self.applied:
-                if logits.dim() == 2 and logits.shape[0] == int(sel.sum()):
-                    return logits
-                logits = None
-            # the model did not go along (or never called its lm_head): full logits from now on
-            self.__exit__()
-            self.head = None
-        else:
-            logits = None
-        if logits is None:
-            logits = _model_logits(model(idx))
-        if logits.dim() != 3 or logits.shape[:2] != idx.shape:
-            raise RuntimeError(
-                f"model returned logits of shape {tuple(logits.shape)} for input {tuple(idx.shape)}; "
-                "HellaSwag scoring needs logits for every position"
-            )
-        return logits
+    if picked.device.type == "cpu" and picked.shape[0] > 256:
+        # in pieces that stay in cache: the fp32 log-softmax over the vocab is most of the CPU cost
+        return torch.cat([F.cross_entropy(p.float(), t, reduction="none")
+                          for p, t in zip(picked.split(256), targets.split(256))])
+    return F.cross_entropy(picked.float(), targets, reduction="none")
+
+
+def completion_losses(logits, tokens, mask, positions=None):
+    """Per-row summed and mean cross-entropy of the masked (ending) tokens.
+
+    ``tokens`` ``(R, N)``; position ``t`` predicts token ``t + 1`` (the shift
+    is done here).  ``logits`` are either ``(R, N, V)`` (every position) or,
+    with ``positions`` (a 1-D LongTensor), ``(R, len(positions), V)``: the
+    logits at those positions only, as ``model(idx, logits_to_keep=positions)``
+    returns them; every scored position must be among them.  Only positions
+    whose *target* is masked are turned into log-probabilities, in fp32 (the
+    logits may be bf16).  Returns ``(sum_loss, avg_loss)``, each ``(R,)`` fp32.
+    """
+    import torch
+
+    dev = logits.device
+    tgt_mask, tgt = mask[:, 1:].to(dev).bool(), tokens[:, 1:].to(dev)  # (R, N-1): the target of each position
+    missed = 0
+    if positions is None:
+        logits = logits[:, :-1]
+    else:
+        pos = positions.to(dev)
+        missed = int(tgt_mask.sum()) - int(tgt_mask[:, pos].sum())  # scored positions the logits lack
+        tgt_mask, tgt = tgt_mask[:, pos], tgt[:, pos]
+    if logits.dim() != 3 or logits.shape[:2] != tgt.shape or missed:
+        where = "" if positions is None else f" at {positions.numel()} positions ({missed} scored ones missing)"
+        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tokens shape {tuple(tokens.shape)}{where}")
+    token_loss = _token_losses(logits[tgt_mask], tgt[tgt_mask])  # (K,)
+    rows = tgt_mask.nonzero()[:, 0]
+    sum_loss = torch.zeros(tokens.shape[0], dtype=torch.float32, device=dev).index_add_(0, rows, token_loss)
+    count = tgt_mask.sum(dim=1).clamp(min=1).to(torch.float32)
+    return sum_loss, sum_loss / count
 
 
 def _model_logits(out):
@@ -437,6 +418,41 @@ def _model_logits(out):
     if isinstance(out, (tuple, list)):
         return out[0]
     return getattr(out, "logits", out)
+
+
+def takes_logits_to_keep(model):
+    """Whether ``model(idx, logits_to_keep=...)`` is a valid call: our GPT, HF
+    GPT2LMHeadModel (which honours it from transformers 4.53 on; before, its
+    ``**kwargs`` swallow it and every position comes back) or any forward
+    with ``**kwargs``."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return any(p.name == "logits_to_keep" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def model_logits(model, idx, positions=None, use_kwarg=True):
+    """``(R, len(positions), V)`` logits of ``model`` for ``idx`` at ``positions``
+    (``(R, N, V)`` for every position when ``positions`` is None).
+
+    The model is asked for those positions only (``logits_to_keep``, the
+    convention of transformers' GPT2LMHeadModel.forward and our GPT.forward).
+    A model that can't be asked (``use_kwarg=False``) or that returns every
+    position anyway (transformers < 4.53) is sliced here instead: same values,
+    only slower."""
+    R, N = idx.shape
+    if positions is None:
+        logits = _model_logits(model(idx))
+    else:
+        logits = _model_logits(model(idx, logits_to_keep=positions) if use_kwarg else model(idx))
+        if logits.dim() == 3 and logits.shape[:2] == (R, N) and positions.numel() != N:
+            logits = logits[:, positions.to(logits.device)]
+    want = N if positions is None else positions.numel()
+    if logits.dim() != 3 or logits.shape[:2] != (R, want):
+        raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)} for input {tuple(idx.shape)}; "
+                           f"HellaSwag scoring needs ({R}, {want}, vocab)")
+    return logits
 
 
 def _max_positions(model):
@@ -462,40 +478,96 @@ def _fit(rendered, max_len):
     return ctx[-keep:], ends, label
 
 
-def _pack(lengths, batch_tokens):
-    """Group example indices into batches of at most ``batch_tokens`` (4 rows x
-    padded length) tokens; longest first so similar lengths share a batch.
-    ``batch_tokens`` <= 0 means one example per batch, in order."""
+# The positions projected for every row of a batch are the union of its examples'
+# scored spans; a batch grows only while that costs at most this fraction more
+# vocab projections than one example per forward pass would.
+SPAN_SLACK = 0.25
+
+
+def _spans(rendered):
+    """Per example: (first scored position, one past the last, row width, rows).
+    Ending token ``t`` is predicted at position ``t - 1``, so an example with a
+    ``c``-token context and endings of at most ``e`` tokens is scored at
+    positions ``c-1 .. c+e-2`` in each of its rows."""
+    out = []
+    for ctx, ends, _ in rendered:
+        c, e = len(ctx), max(len(x) for x in ends)
+        out.append((max(c - 1, 0), c + e - 1, c + e, len(ends)))
+    return out
+
+
+def _pack(spans, batch_tokens, slack=SPAN_SLACK):
+    """Group example indices into forward passes.  ``batch_tokens`` <= 0: one
+    example per pass, in order.  Otherwise examples sorted by where their
+    scored span starts (so neighbours' spans overlap) share a pass while its
+    rows x width stay within ``batch_tokens`` and rows x (union of the spans)
+    within ``1 + slack`` times the sum of rows x own span."""
     if not batch_tokens or batch_tokens <= 0:
-        return [[i] for i in range(len(lengths))]
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, cur, cur_len = [], [], 0
-    for i in order:
-        width = max(cur_len, lengths[i])
-        if cur and 4 * (len(cur) + 1) * width > batch_tokens:
-            batches.append(cur)
-            cur, width = [], lengths[i]
-        cur.append(i)
-        cur_len = width
-    if cur:
-        batches.append(cur)
+        return [[i] for i in range(len(spans))]
+    batches, cur = [], None
+    for i in sorted(range(len(spans)), key=lambda i: (spans[i][0], spans[i][1], i)):
+        lo, hi, width, rows = spans[i]
+        if cur is not None:
+            union = cur["union"] + max(0, hi - max(lo, cur["hi"]))  # spans come sorted by start
+            n_rows, need = cur["rows"] + rows, cur["need"] + rows * (hi - lo)
+            if n_rows * max(cur["width"], width) <= batch_tokens and n_rows * union <= (1 + slack) * need:
+                cur.update(union=union, rows=n_rows, need=need, hi=max(hi, cur["hi"]),
+                           width=max(cur["width"], width))
+                cur["batch"].append(i)
+                continue
+        cur = {"batch": [i], "union": hi - lo, "rows": rows, "need": rows * (hi - lo), "hi": hi, "width": width}
+        batches.append(cur["batch"])
     return batches
 
 
-def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype=None,
-                   device_type=None, progress=False, enc=None, rendered=None, restrict_head=True,
-                   agree_forwards=None):
+def _batch_tensors(rendered, spans, batch, device, full_logits):
+    """(tokens, mask, positions) of one forward pass: rows right-padded with 0,
+    mask 1 on ending tokens, positions the sorted union of the scored spans
+    (None with ``full_logits``)."""
+    import numpy as np
+    import torch
+
+    width = max(spans[i][2] for i in batch)
+    tok = np.zeros((sum(spans[i][3] for i in batch), width), dtype=np.int64)
+    msk = np.zeros_like(tok)
+    r = 0
+    for i in batch:
+        ctx, ends, _ = rendered[i]
+        for end in ends:
+            tok[r, : len(ctx)] = ctx
+            tok[r, len(ctx): len(ctx) + len(end)] = end
+            msk[r, len(ctx): len(ctx) + len(end)] = 1
+            r += 1
+    positions = None
+    if not full_logits:
+        pos = np.unique(np.concatenate([np.arange(spans[i][0], spans[i][1]) for i in batch]))
+        positions = torch.from_numpy(pos).to(device)
+    return torch.from_numpy(tok).to(device), torch.from_numpy(msk).to(device), positions
+
+
+def _collect(results, rendered, batch, sum_loss, avg_loss):
+    r = 0
+    for i in batch:
+        k = len(rendered[i][1])
+        s, a = sum_loss[r: r + k], avg_loss[r: r + k]
+        r += k
+        results[i] = {"pred": min(range(k), key=s.__getitem__), "pred_norm": min(range(k), key=a.__getitem__),
+                      "label": rendered[i][2], "sum_loss": s, "avg_loss": a}
+
+
+def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype=None, device_type=None,
+                   progress=False, enc=None, rendered=None, full_logits=False, agree_forwards=None):
     """Score ``examples``; returns a list of dicts (one per example, in input
     order) with ``pred``, ``pred_norm``, ``label``, ``sum_loss``, ``avg_loss``
     (lists of 4 floats).  Several examples share a forward pass, up to
     ``batch_tokens`` tokens (rows are right-padded to the batch's longest row);
-    ``batch_tokens=0`` scores one example per forward pass.  With
-    ``restrict_head`` the model's ``lm_head`` only projects the positions that
-    are scored (see :class:`_HeadRestriction`); the losses are the same.  The
-    caller is responsible for ``no_grad`` / ``eval`` (see :func:`evaluate`).
-    ``agree_forwards(n_local) -> n`` (see :func:`evaluate`) may ask for extra
-    dummy forward passes so that every rank runs the same number of them."""
-    import numpy as np
+    ``batch_tokens=0`` scores one example per forward pass.  The model projects
+    onto the vocabulary only the positions that are scored
+    (``logits_to_keep``); ``full_logits=True`` asks for every position (the
+    classic loop, the reference).  The caller is responsible for ``no_grad`` /
+    ``eval`` (see :func:`evaluate`).  ``agree_forwards(n_local) -> n`` (see
+    :func:`evaluate`) may ask for extra dummy forward passes so that every rank
+    runs the same number of them."""
     import torch
 
     if rendered is None:
@@ -504,58 +576,28 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
     max_len = _max_positions(model)
     if max_len:
         rendered = [_fit(r, max_len) for r in rendered]
-    lengths = [len(ctx) + max(len(e) for e in ends) for ctx, ends, _ in rendered]
-    dtype_ctx = contextlib.nullcontext()
-    if autocast_dtype is not None:
-        dtype_ctx = torch.autocast(device_type=_device_type(device, device_type), dtype=autocast_dtype)
+    spans = _spans(rendered)
+    batches = _pack(spans, batch_tokens)
+    use_kwarg = takes_logits_to_keep(model)
+    dtype_ctx = autocast(_device_type(device, device_type), autocast_dtype)
     results = [None] * len(rendered)
-    batches = _pack(lengths, batch_tokens)
     bar = _progress_bar(total=len(rendered), unit="ex", desc="hellaswag") if progress else None
-    head = _HeadRestriction(model, enabled=restrict_head)
     try:
-        head.__enter__()
         for batch in batches:
-            width = max(lengths[i] for i in batch)
-            nrows = sum(len(rendered[i][1]) for i in batch)
-            tok = np.zeros((nrows, width), dtype=np.int64)
-            msk = np.zeros((nrows, width), dtype=np.int64)
-            r = 0
-            for i in batch:
-                ctx, ends, _ = rendered[i]
-                for end in ends:
-                    tok[r, : len(ctx)] = ctx
-                    tok[r, len(ctx): len(ctx) + len(end)] = end
-                    msk[r, len(ctx): len(ctx) + len(end)] = 1
-                    r += 1
-            tokens = torch.from_numpy(tok).to(device)
-            mask = torch.from_numpy(msk).to(device)
+            tokens, mask, positions = _batch_tensors(rendered, spans, batch, device, full_logits)
             with dtype_ctx:
-                logits = head.logits(model, tokens, mask)
-            sum_loss, avg_loss = completion_losses(logits, tokens, mask)
-            sum_loss, avg_loss = sum_loss.tolist(), avg_loss.tolist()
-            r = 0
-            for i in batch:
-                k = len(rendered[i][1])
-                s, a = sum_loss[r: r + k], avg_loss[r: r + k]
-                r += k
-                results[i] = {
-                    "pred": min(range(k), key=s.__getitem__),
-                    "pred_norm": min(range(k), key=a.__getitem__),
-                    "label": rendered[i][2],
-                    "sum_loss": s,
-                    "avg_loss": a,
-                }
+                logits = model_logits(model, tokens, positions, use_kwarg)
+            sum_loss, avg_loss = completion_losses(logits, tokens, mask, positions)
+            _collect(results, rendered, batch, sum_loss.tolist(), avg_loss.tolist())
             if bar is not None:
                 bar.update(len(batch))
         extra = (agree_forwards(len(batches)) if agree_forwards is not None else len(batches)) - len(batches)
-        if extra > 0:
-            # sharded models (FSDP) gather parameters in every forward: all ranks must run as many
-            dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
-            for _ in range(extra):
-                with dtype_ctx:
-                    model(dummy)
+        # sharded models (FSDP) gather parameters in every forward: all ranks must run as many
+        dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
+        for _ in range(max(extra, 0)):
+            with dtype_ctx:
+                model(dummy)
     finally:
-        head.__exit__()
         if bar is not None:
             bar.close()
     return results
@@ -602,10 +644,11 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, rank=
     initialized process group the counts are summed over ranks (all_reduce),
     so every rank returns the global figures, and every rank runs the same
     number of forward passes (padding with tiny dummy ones), as a sharded
-    (FSDP) model needs.  ``model(idx)`` may return a
-    tuple ``(logits, ...)`` or an object with ``.logits``.  The model's
-    train/eval mode is restored afterwards.  Raises HellaSwagUnavailable when
-    the data can't be had.
+    (FSDP) model needs.  ``model(idx, logits_to_keep=positions)`` may return a
+    tuple ``(logits, ...)`` (our GPT) or an object with ``.logits`` (HF
+    GPT2LMHeadModel); see :func:`model_logits`.  The model's train/eval mode
+    is restored afterwards.  Raises HellaSwagUnavailable when the data can't
+    be had (HellaSwagBadData when a record is invalid).
 
     Returns ``{"n", "correct", "correct_norm", "acc", "acc_norm"}``.
     """
@@ -641,104 +684,37 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, rank=
         counts = torch.tensor([n, correct, correct_norm], dtype=torch.long, device=device)
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
         n, correct, correct_norm = (int(v) for v in counts.tolist())
-    return {
-        "n": n,
-        "correct": correct,
-        "correct_norm": correct_norm,
-        "acc": correct / n if n else 0.0,
-        "acc_norm": correct_norm / n if n else 0.0,
-    }
-
-
-BENCH_MODES = (
-    # name, batch_tokens (None: the caller's), restrict_head
-    ("naive", 0, False),   # one example per forward, logits for every position (the classic loop)
-    ("single", 0, True),   # one example per forward, vocab projection only where scored
-    ("batched", None, True),
-)
-
-
-def benchmark(model, device, examples, *, batch_tokens=8192, autocast_dtype=None, device_type=None,
-              repeats=3, warmup=1, modes=("naive", "single", "batched")):
-    """Examples/s of one-example-per-forward vs batched scoring on the same
-    model, device and examples (rendering included in every mode).
-
-    Modes: ``naive`` (one example per forward pass, full logits), ``single``
-    (one example per forward pass, head restricted to the scored positions)
-    and ``batched`` (``batch_tokens`` per forward pass, head restricted).
-    ``warmup`` untimed passes over all the examples in every mode come first
-    (a fresh process is much slower at first, above all in a VM); then
-    ``repeats`` timed passes, the modes interleaved pass by pass so that load
-    changes on the machine hit them alike; the best pass counts (the median
-    is reported too).  Returns a dict with ``{mode}_ex_per_s``, ``{mode}_s``,
-    ``{mode}_median_s``, ``{mode}_forwards``, ``speedup`` (batched over naive),
-    ``speedup_vs_single`` and ``same_predictions`` (all modes agree on every
-    prediction)."""
-    import torch
-
-    def sync():
-        if _device_type(device, device_type) == "cuda":
-            torch.cuda.synchronize()
-
-    table = {name: (batch_tokens if bt is None else bt, rh) for name, bt, rh in BENCH_MODES if name in modes}
-    enc = get_encoding()
-    lengths = [len(c) + max(len(e) for e in ends) for c, ends, _ in (_render_lists(ex, enc) for ex in examples)]
-    out = {"n": len(examples), "batch_tokens": batch_tokens, "device": str(device),
-           "autocast_dtype": str(autocast_dtype).replace("torch.", "") if autocast_dtype else "fp32"}
-    times = {name: [] for name in table}
-    preds = {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for it in range(max(warmup, 0) + max(repeats, 1)):
-                for name, (bt, rh) in table.items():
-                    sync()
-                    t0 = time.perf_counter()
-                    res = score_examples(model, examples, device, batch_tokens=bt, autocast_dtype=autocast_dtype,
-                                         device_type=device_type, restrict_head=rh)
-                    sync()
-                    if it >= warmup:
-                        times[name].append(time.perf_counter() - t0)
-                    preds[name] = [(r["pred"], r["pred_norm"]) for r in res]
-    finally:
-        model.train(was_training)
-    for name, (bt, _) in table.items():
-        ts = sorted(times[name])
-        out[f"{name}_s"] = ts[0]
-        out[f"{name}_median_s"] = ts[len(ts) // 2]
-        out[f"{name}_ex_per_s"] = len(examples) / ts[0]
-        out[f"{name}_forwards"] = len(_pack(lengths, bt))
-    if "batched" in table and "naive" in table:
-        out["speedup"] = out["batched_ex_per_s"] / out["naive_ex_per_s"]
-    if "batched" in table and "single" in table:
-        out["speedup_vs_single"] = out["batched_ex_per_s"] / out["single_ex_per_s"]
-    first = next(iter(preds.values()), None)
-    out["same_predictions"] = all(p == first for p in preds.values())
-    return out
-
-
-def format_benchmark(b, name="model"):
-    """Human-readable lines for a :func:`benchmark` result."""
-    labels = {"naive": "one example per forward, full logits",
-              "single": "one example per forward, scored positions only",
-              "batched": f"batched, batch_tokens={b['batch_tokens']}"}
-    lines = [f"{name} on {b['device']} ({b['autocast_dtype']}), {b['n']} examples"]
-    for mode in ("naive", "single", "batched"):
-        if f"{mode}_ex_per_s" in b:
-            lines.append(f"{labels[mode]:<48} {b[f'{mode}_ex_per_s']:8.1f} examples/s "
-                         f"({b[f'{mode}_forwards']} forwards, best {b[f'{mode}_s']:.2f} s, "
-                         f"median {b[f'{mode}_median_s']:.2f} s)")
-    if "speedup" in b:
-        lines.append(f"batched vs one-example-per-forward: {b['speedup']:.2f}x")
-    if "speedup_vs_single" in b:
-        lines.append(f"batched vs one-example-per-forward with scored positions only: {b['speedup_vs_single']:.2f}x")
-    lines.append(f"same predictions in every mode: {b['same_predictions']}")
-    return "\n".join(lines)
+    return {"n": n, "correct": correct, "correct_norm": correct_norm,
+            "acc": correct / n if n else 0.0, "acc_norm": correct_norm / n if n else 0.0}
 
 
 # ---------------------------------------------------------------------------
-# CLI
+# CLI: OpenAI's GPT-2 through transformers
+
+OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+CHECKPOINT_HINT = "our checkpoints: python train_gpt2.py eval --checkpoint log/model_19072.pt"
+
+
+def hub_name(name):
+    """The hub repository for ``name``: OpenAI's short names map to ``openai-community/<name>``."""
+    return f"openai-community/{name}" if name in OPENAI_MODELS else name
+
+
+def load_hf_model(name):
+    """transformers' own ``GPT2LMHeadModel`` (fp32, eval mode) from a hub name or a
+    local save_pretrained directory; ValueError with one line if it can't be loaded."""
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError as e:
+        raise ValueError(f"scoring -m {name} needs transformers ({_one_line(e, 80)}): pip install transformers") from None
+    source = name if os.path.isdir(name) else hub_name(name)
+    try:
+        model = GPT2LMHeadModel.from_pretrained(source)
+    except Exception as e:  # offline and not cached, unknown name, not a model directory
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"could not load GPT-2 model {name!r} from {source} ({_one_line(first, 160)}); offline, "
+                         f"pass a local directory written by GPT2LMHeadModel.save_pretrained") from None
+    return model.float().eval()
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -746,59 +722,13 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(1, f"error: {_one_line(message, 10_000)} (see --help)\n")
 
 
-def _pick_device(name):
-    import torch
-
-    if name in (None, "", "auto"):
-        if torch.cuda.is_available():
-            return "cuda"
-        mps = getattr(torch.backends, "mps", None)
-        if mps is not None and mps.is_available():
-            return "mps"
-        return "cpu"
-    dev = torch.device(name)  # raises RuntimeError on junk
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} requested but CUDA is not available")
-    if dev.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise RuntimeError(f"device {name!r} requested but MPS is not available")
-    return name
-
-
-def _pick_dtype(name, device, is_checkpoint):
-    import torch
-
-    if name == "fp32":
-        return None
-    if name == "bf16":
-        return torch.bfloat16
-    # auto: HF models in fp32 (that is how the reference values were measured);
-    # our checkpoints in bf16 on a GPU that supports it (as evaluated during training)
-    if is_checkpoint and torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
-
-
-def _load_model(args):
-    if args.checkpoint:
-        if not os.path.isfile(args.checkpoint):
-            raise FileNotFoundError(f"checkpoint not found: {args.checkpoint}")
-        import train_gpt2
-
-        return train_gpt2.load_checkpoint_model(args.checkpoint, map_location="cpu")
-    from train_gpt2 import GPT
-
-    return GPT.from_pretrained(args.model)
-
-
 def build_parser():
-    p = _ArgumentParser(description="HellaSwag evaluation (completion style: acc = lowest summed loss, "
-                                    "acc_norm = lowest mean loss of the ending tokens)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("-m", "--model", help="HF GPT-2 hub name (gpt2, gpt2-medium, ...) or a local "
-                                           "save_pretrained directory")
-    src.add_argument("--checkpoint", help="one of our checkpoints, e.g. log/model_19072.pt")
+    p = _ArgumentParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' GPT2LMHeadModel "
+                                    "(completion style: acc = lowest summed loss, acc_norm = lowest mean loss of "
+                                    "the ending tokens)", epilog=f"To score {CHECKPOINT_HINT}.")
+    p.add_argument("-m", "--model", required=True,
+                   help=f"{', '.join(OPENAI_MODELS)} (openai-community/<name> on the hub), another hub name, "
+                        "or a local save_pretrained directory")
     p.add_argument("-d", "--device", default="auto", help="cuda, cuda:1, mps, cpu or auto (cuda > mps > cpu)")
     p.add_argument("--split", default="val", choices=["train", "val"], help="split to evaluate (default val)")
     p.add_argument("--limit", type=int, default=None, help="only the first N examples")
@@ -806,14 +736,16 @@ def build_parser():
                    help="token budget of one forward pass (0 = one example per forward)")
     p.add_argument("--data_dir", default=None, help="folder of hellaswag_*.jsonl (default $HELLASWAG_DIR "
                                                      "or ./hellaswag next to this script)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="autocast dtype (auto: fp32 for -m, bf16 for --checkpoint on a bf16 GPU)")
-    p.add_argument("--benchmark", action="store_true",
-                   help="time one-example-per-forward vs batched scoring instead of a plain evaluation")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="fp32 (default: the reference values were measured in fp32) or bf16 autocast")
     return p
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--checkpoint" or a.startswith("--checkpoint=") for a in argv):
+        print(f"error: --checkpoint moved out of hellaswag.py; to score {CHECKPOINT_HINT}", file=sys.stderr)
+        return 1
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (1, already printed)
@@ -821,40 +753,28 @@ def main(argv=None):
     try:
         if args.limit is not None and args.limit <= 0:
             raise ValueError("--limit must be a positive integer")
-        if args.checkpoint and not os.path.isfile(args.checkpoint):
-            raise FileNotFoundError(f"checkpoint not found: {args.checkpoint}")
-        download(args.split, args.data_dir)  # fail early, before importing torch or loading a model
+        # fail early on missing or bad data, before importing torch or loading a model
+        for _ in itertools.islice(iterate_examples(args.split, args.data_dir), args.limit):
+            pass
         import torch
 
-        device = _pick_device(args.device)
-        autocast_dtype = _pick_dtype(args.dtype, device, bool(args.checkpoint))
-        if torch.device(device).type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        model = _load_model(args).to(device)
-        dtype_name = "bf16" if autocast_dtype is torch.bfloat16 else "fp32"
-        name = args.checkpoint or args.model
-        if args.benchmark:
-            examples = _load_split_subset(args.split, args.limit or 500, 0, 1, args.data_dir)
-            b = benchmark(model, device, examples, batch_tokens=args.batch_tokens or 8192,
-                          autocast_dtype=autocast_dtype)
-            print(format_benchmark(b, name))
-            return 0
+        device = resolve_device(args.device)
+        enable_tf32(device)
+        autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
+        model = load_hf_model(args.model).to(device)
         t0 = time.perf_counter()
         res = evaluate(model, device, split=args.split, limit=args.limit, batch_tokens=args.batch_tokens,
                        autocast_dtype=autocast_dtype, data_dir=args.data_dir, progress=True)
-        dt = time.perf_counter() - t0
-        print(f"{name} on {device} ({dtype_name}), hellaswag {args.split}: {res['n']} examples, "
+        print(f"{args.model} on {device} ({args.dtype}), hellaswag {args.split}: {res['n']} examples, "
               f"acc {res['acc']:.4f} ({res['correct']}/{res['n']}), "
               f"acc_norm {res['acc_norm']:.4f} ({res['correct_norm']}/{res['n']}) "
-              f"[{dt:.1f} s]")
+              f"[{time.perf_counter() - t0:.1f} s]")
         return 0
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one line, no traceback
-        known = (HellaSwagUnavailable, ValueError, FileNotFoundError, RuntimeError)
-        plain = (isinstance(e, known) or type(e).__name__ == "UsageError") and str(e)
+        plain = isinstance(e, (HellaSwagUnavailable, ValueError, FileNotFoundError, RuntimeError)) and str(e)
         msg = str(e) if plain else f"{type(e).__name__}: {e}"
         print(f"error: {_one_line(msg, 10_000)}", file=sys.stderr)
         return 1

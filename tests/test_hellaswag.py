@@ -97,12 +97,17 @@ def data_dir(tmp_path):
 
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
-    """Any attempt to reach the network fails the test loudly."""
+    """Any attempt to reach the network (a socket connection, a requests call) fails the test loudly."""
+    import socket
+
+    import requests
+
     def boom(*a, **k):
         raise AssertionError("network access attempted in a test")
 
-    monkeypatch.setattr(hellaswag, "_http_get", boom)
-    monkeypatch.setattr(hellaswag, "_load_hf_rows", boom)
+    monkeypatch.setattr(socket.socket, "connect", boom)
+    monkeypatch.setattr(socket, "create_connection", boom)
+    monkeypatch.setattr(requests.Session, "request", boom)
 
 
 def tiny_hf_model(seed=0, n_positions=256):
@@ -119,6 +124,39 @@ def tiny_hf_model(seed=0, n_positions=256):
 @pytest.fixture(scope="module")
 def hf_model():
     return tiny_hf_model()
+
+
+@pytest.fixture(scope="module")
+def our_model(hf_model, tmp_path_factory):
+    """Our GPT with the same weights as hf_model (through a save_pretrained directory)."""
+    from train_gpt2 import GPT
+
+    d = str(tmp_path_factory.mktemp("tiny_hf"))
+    hf_model.save_pretrained(d)
+    model = GPT.from_pretrained(d)
+    model.eval()
+    return model
+
+
+def classic_scores(model, recs):
+    """The classic loop, written here independently of hellaswag's scoring: one
+    example per forward, logits at every position, an explicit log-softmax.
+    Returns (pred, pred_norm, summed losses) per example."""
+    out = []
+    for rec in recs:
+        _, tokens, mask, _ = hellaswag.render_example(rec)
+        with torch.no_grad():
+            o = model(tokens)
+        logits = o[0] if isinstance(o, tuple) else o.logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(2, tokens[:, 1:, None])[..., 0]
+        m = mask[:, 1:].float()
+        s = -(logp * m).sum(1)
+        out.append((int(s.argmin()), int((s / m.sum(1)).argmin()), s.tolist()))
+    return out
+
+
+def preds(results):
+    return [(r["pred"], r["pred_norm"]) for r in results]
 
 
 def _enc():
@@ -191,12 +229,12 @@ def test_completion_losses_matches_manual():
         losses = [-torch.log_softmax(logits[r, t - 1], -1)[tokens[r, t]] for t in range(starts[r], ends[r])]
         assert s[r].item() == pytest.approx(sum(losses).item(), rel=1e-5)
         assert a[r].item() == pytest.approx(sum(losses).item() / len(losses), rel=1e-5)
-    # logits already gathered at the scored positions give the same losses
-    picked = logits[:, :-1][mask[:, 1:].bool()]
-    s2, a2 = hellaswag.completion_losses(picked, tokens, mask)
+    # logits at a subset of positions (what logits_to_keep returns) give the same losses
+    positions = torch.arange(2, 8)
+    s2, a2 = hellaswag.completion_losses(logits[:, positions], tokens, mask, positions)
     assert torch.equal(s2, s) and torch.equal(a2, a)
-    with pytest.raises(ValueError):
-        hellaswag.completion_losses(picked[1:], tokens, mask)
+    with pytest.raises(ValueError, match="missing"):  # position 2 predicts a scored token
+        hellaswag.completion_losses(logits[:, 3:8], tokens, mask, torch.arange(3, 8))
     # many scored positions (the CPU path works in pieces)
     big_logits, big_tokens = torch.randn(8, 60, V), torch.randint(0, V, (8, 60))
     big_mask = torch.zeros(8, 60, dtype=torch.long)
@@ -210,29 +248,121 @@ def test_completion_losses_matches_manual():
     assert torch.allclose(s16, s, rtol=2e-2)
 
 
-def test_batched_equals_one_at_a_time(hf_model, data_dir):
+@pytest.mark.parametrize("which", ["hf", "ours"])
+def test_logits_to_keep_is_the_full_logits_slice(which, hf_model, our_model, data_dir):
+    """The positions asked for come back, equal to the same positions of the full logits."""
+    model = hf_model if which == "hf" else our_model
+    rec = next(hellaswag.iterate_examples("val", data_dir=data_dir))
+    _, tokens, _, _ = hellaswag.render_example(rec)
+    positions = torch.tensor([0, 3, 4, 5, tokens.shape[1] - 2])
+    with torch.no_grad():
+        full = hellaswag.model_logits(model, tokens)
+        kept = hellaswag.model_logits(model, tokens, positions)
+    assert full.shape[:2] == tokens.shape and kept.shape[:2] == (4, 5)
+    assert torch.allclose(kept, full[:, positions], atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["hf", "ours"])
+def test_batched_equals_one_at_a_time(which, hf_model, our_model, data_dir):
+    model = hf_model if which == "hf" else our_model
+    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))
+    ref = classic_scores(model, recs)
+    with torch.no_grad():
+        runs = {bt: hellaswag.score_examples(model, recs, "cpu", batch_tokens=bt) for bt in (0, 400, 8192)}
+        runs["full"] = hellaswag.score_examples(model, recs, "cpu", batch_tokens=0, full_logits=True)
+    spans = hellaswag._spans([hellaswag._render_lists(r, _enc()) for r in recs])
+    assert len(hellaswag._pack(spans, 400)) > 1 and len(hellaswag._pack(spans, 8192)) < len(recs)
+    for res in runs.values():
+        assert preds(res) == [(p, pn) for p, pn, _ in ref]
+        for r, rec, (_, _, s) in zip(res, recs, ref):
+            assert r["label"] == rec["label"] and r["sum_loss"] == pytest.approx(s, rel=1e-4)
+    fast = hellaswag.evaluate(model, "cpu", data_dir=data_dir, batch_tokens=8192)
+    assert fast["n"] == N_FIX
+    assert fast["correct"] == sum(p == rec["label"] for (p, _, _), rec in zip(ref, recs))
+    assert fast["correct_norm"] == sum(pn == rec["label"] for (_, pn, _), rec in zip(ref, recs))
+    assert fast["acc"] == fast["correct"] / N_FIX and fast["acc_norm"] == fast["correct_norm"] / N_FIX
+
+
+def test_our_gpt_and_hf_agree(hf_model, our_model, data_dir):
+    assert our_model.config.vocab_size > 50257  # padded vocab, -inf logits there
     recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))
     with torch.no_grad():
-        # the classic loop: one example per forward, logits at every position
-        single = hellaswag.score_examples(hf_model, recs, "cpu", batch_tokens=0, restrict_head=False)
-        batched = hellaswag.score_examples(hf_model, recs, "cpu", batch_tokens=400)  # several batches
-    assert len(hellaswag._pack([30] * N_FIX, 400)) > 1
-    assert [(r["pred"], r["pred_norm"]) for r in single] == [(r["pred"], r["pred_norm"]) for r in batched]
-    for a, b in zip(single, batched):
-        assert a["label"] == b["label"]
-        assert a["sum_loss"] == pytest.approx(b["sum_loss"], rel=1e-4)
-    # against the plain per-example render_example + completion_losses path
-    for rec, r in zip(recs, single):
-        _, tokens, mask, label = hellaswag.render_example(rec)
-        with torch.no_grad():
-            s, a = hellaswag.completion_losses(hf_model(tokens).logits, tokens, mask)
-        assert int(s.argmin()) == r["pred"] and int(a.argmin()) == r["pred_norm"] and label == r["label"]
-    # and through evaluate()
-    fast = hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, batch_tokens=8192)
-    assert fast["n"] == N_FIX
-    assert fast["correct"] == sum(r["pred"] == r["label"] for r in single)
-    assert fast["correct_norm"] == sum(r["pred_norm"] == r["label"] for r in single)
-    assert fast["acc"] == fast["correct"] / N_FIX and fast["acc_norm"] == fast["correct_norm"] / N_FIX
+        a = hellaswag.score_examples(hf_model, recs, "cpu")
+        b = hellaswag.score_examples(our_model, recs, "cpu")
+    assert preds(a) == preds(b)
+    for x, y in zip(a, b):
+        assert x["sum_loss"] == pytest.approx(y["sum_loss"], rel=1e-4)
+
+
+class Recorder(torch.nn.Module):
+    """Passes logits_to_keep through and records how many (row, position) pairs were projected."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config, self.projected = inner, inner.config, []
+
+    def forward(self, idx, logits_to_keep=0):
+        kept = logits_to_keep.numel() if torch.is_tensor(logits_to_keep) else (logits_to_keep or idx.shape[1])
+        self.projected.append(idx.shape[0] * kept)
+        return self.inner(idx, logits_to_keep=logits_to_keep)
+
+
+def test_few_unneeded_positions_projected(hf_model):
+    recs = make_records(40, seed=7)  # realistic lengths: contexts 20-60 words, endings 10-30
+    model = Recorder(hf_model)
+    with torch.no_grad():
+        batched = hellaswag.score_examples(model, recs, "cpu", batch_tokens=8192)
+        n_batched, batched_cost = len(model.projected), sum(model.projected)
+        model.projected.clear()
+        single = hellaswag.score_examples(model, recs, "cpu", batch_tokens=0)
+        single_cost = sum(model.projected)
+        model.projected.clear()
+        hellaswag.score_examples(model, recs, "cpu", batch_tokens=0, full_logits=True)
+        full_cost = sum(model.projected)
+    assert preds(batched) == preds(single) == [(p, pn) for p, pn, _ in classic_scores(hf_model, recs)]
+    assert n_batched < len(recs) // 2  # examples do share forward passes
+    assert batched_cost <= (1 + hellaswag.SPAN_SLACK) * single_cost
+    # one example per forward projects only the scored span: every ending token of every row
+    scored = sum(int(hellaswag.render_example(rec)[2][:, 1:].sum()) for rec in recs)
+    assert scored <= single_cost < full_cost / 2
+
+
+class NoKwarg(torch.nn.Module):
+    """A model whose forward has no logits_to_keep: every position comes back."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, idx):
+        return self.inner(idx)
+
+
+class IgnoresKwarg(NoKwarg):
+    """GPT2LMHeadModel before transformers 4.53: **kwargs swallow logits_to_keep."""
+
+    def forward(self, idx, **kwargs):
+        return self.inner(idx)
+
+
+@pytest.mark.parametrize("wrapper", [NoKwarg, IgnoresKwarg])
+def test_models_returning_every_position(wrapper, hf_model, data_dir):
+    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:6]
+    model = wrapper(hf_model)
+    assert hellaswag.takes_logits_to_keep(model) is (wrapper is IgnoresKwarg)
+    with torch.no_grad():
+        got = hellaswag.score_examples(model, recs, "cpu", batch_tokens=4096)
+    assert preds(got) == [(p, pn) for p, pn, _ in classic_scores(hf_model, recs)]
+
+
+def test_wrong_logits_shape_is_an_error(data_dir):
+    class Broken(torch.nn.Module):
+        def forward(self, idx, logits_to_keep=0):
+            return torch.zeros(idx.shape[0], 1, 50257), None
+
+    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:2]
+    with pytest.raises(RuntimeError, match="logits of shape"):
+        hellaswag.score_examples(Broken(), recs, "cpu")
 
 
 def test_evaluate_restores_train_mode_and_limit(hf_model, data_dir):
@@ -257,60 +387,28 @@ def test_autocast_bf16_cpu_runs(hf_model, data_dir):
     assert res["n"] == 2
 
 
-def test_our_gpt_matches_hf(hf_model, data_dir, tmp_path):
-    from train_gpt2 import GPT
-
-    hf_model.save_pretrained(str(tmp_path / "tiny"))
-    ours = GPT.from_pretrained(str(tmp_path / "tiny"))
-    ours.eval()
-    assert ours.config.vocab_size > 50257  # padded vocab, -inf logits there
-    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))
-    with torch.no_grad():
-        a = hellaswag.score_examples(hf_model, recs, "cpu")
-        b = hellaswag.score_examples(ours, recs, "cpu")
-        c = hellaswag.score_examples(ours, recs, "cpu", batch_tokens=0, restrict_head=False)  # full logits
-    assert [(r["pred"], r["pred_norm"]) for r in a] == [(r["pred"], r["pred_norm"]) for r in b]
-    assert [(r["pred"], r["pred_norm"]) for r in c] == [(r["pred"], r["pred_norm"]) for r in b]
-    for x, y in zip(a, b):
-        assert x["sum_loss"] == pytest.approx(y["sum_loss"], rel=1e-4)
-    # the vocab projection is restricted to the scored positions on our GPT too
-    _, tokens, mask, _ = hellaswag.render_example(recs[0])
-    with torch.no_grad(), hellaswag._HeadRestriction(ours) as head:
-        picked = head.logits(ours, tokens, mask)
-    assert head.applied and picked.shape == (int(mask[:, 1:].sum()), ours.config.vocab_size)
-    assert not ours.lm_head._forward_pre_hooks
-    res = hellaswag.evaluate(ours, "cpu", data_dir=data_dir)  # the (logits, loss) tuple path
-    assert res["correct_norm"] == sum(r["pred_norm"] == r["label"] for r in a) and res["n"] == N_FIX
-
-
-class ReshapingHead(torch.nn.Module):
-    """A model whose forward needs the full (B, T, V) head output: the lm_head
-    restriction must notice and fall back to full logits."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.lm_head = inner.lm_head
-
-    def forward(self, idx):
-        B, T = idx.shape
-        logits = self.inner(idx).logits
-        return (logits.view(B, T, -1),)
-
-
-def test_head_restriction_falls_back(hf_model, data_dir):
-    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:6]
-    with torch.no_grad():
-        ref = hellaswag.score_examples(hf_model, recs, "cpu", restrict_head=False)
-        got = hellaswag.score_examples(ReshapingHead(hf_model), recs, "cpu")
-    assert [(r["pred"], r["pred_norm"]) for r in ref] == [(r["pred"], r["pred_norm"]) for r in got]
-    assert not hf_model.lm_head._forward_pre_hooks  # no hook left behind
-
-
 def test_long_examples_are_fitted_to_model_context(data_dir):
     model = tiny_hf_model(n_positions=16)  # shorter than the fixture rows
     res = hellaswag.evaluate(model, "cpu", data_dir=data_dir, limit=4)
     assert res["n"] == 4
+
+
+def test_no_hooks_and_imports_one_way():
+    """hellaswag.py sits below train_gpt2.py: it never imports it (nor bench.py), and
+    never patches a model (no hooks)."""
+    import ast
+
+    with open(os.path.join(REPO, "hellaswag.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert not imported & {"train_gpt2", "bench"}
+    attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not {a for a in attrs if a.startswith("register_") and "hook" in a}
 
 
 # --------------------------------------------------------------------------
@@ -386,30 +484,115 @@ def test_ddp_all_reduce_gloo(data_dir, tmp_path):
 
 
 # --------------------------------------------------------------------------
-# download
+# bad data is refused, one line naming the file and line
 
 
-class FakeResponse:
-    def __init__(self, status, body=b""):
-        self.status_code = status
-        self.headers = {"content-length": str(len(body))}
-        self._body = body
-        self.closed = False
-
-    def iter_content(self, chunk_size=1):
-        for i in range(0, len(self._body), 1000):
-            yield self._body[i: i + 1000]
-
-    def close(self):
-        self.closed = True
+def _write_lines(folder, lines):
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "hellaswag_val.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return path
 
 
-def _jsonl_bytes(records):
-    return "".join(json.dumps(r) + "\n" for r in records).encode()
+def _edited(recs, line, **change):
+    """JSON lines of recs with record ``line`` (1-based) changed; a None value removes the key."""
+    out = []
+    for i, rec in enumerate(recs, start=1):
+        rec = dict(rec)
+        if i == line:
+            for k, v in change.items():
+                if v is None:
+                    rec.pop(k, None)
+                else:
+                    rec[k] = v
+        out.append(json.dumps(rec))
+    return out
+
+
+def _bad_files():
+    recs = make_records(4, seed=3, **SHORT)
+    return {
+        "empty": ([], "is empty", None),
+        "blank lines only": (["", "  "], "is empty", None),
+        "missing ctx": (_edited(recs, 2, ctx=None), "missing field 'ctx'", 2),
+        "missing endings": (_edited(recs, 3, endings=None), "missing field 'endings'", 3),
+        "missing label": (_edited(recs, 1, label=None), "missing field 'label'", 1),
+        "label 4": (_edited(recs, 4, label=4), "label 4 is not one of", 4),
+        "label -1": (_edited(recs, 2, label=-1), "label -1 is not one of", 2),
+        "label '7'": (_edited(recs, 2, label="7"), "label '7' is not one of", 2),
+        "label true": (_edited(recs, 2, label=True), "label True is not one of", 2),
+        "three endings": (_edited(recs, 3, endings=recs[0]["endings"][:3]), "exactly 4", 3),
+        "five endings": (_edited(recs, 1, endings=recs[0]["endings"] + ["x"]), "got 5 items", 1),
+        "bad json on line 3": (_edited(recs, 0)[:1] + [""] + ['{"ctx": "a", '] + _edited(recs, 0)[1:],
+                               "not valid JSON", 3),
+        "not an object": (_edited(recs, 0)[:1] + ["[1, 2]"], "expected a JSON object", 2),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_files()))
+def test_bad_data_is_refused(case, tmp_path, hf_model):
+    lines, needle, lineno = _bad_files()[case]
+    path = _write_lines(str(tmp_path / "bad"), lines)
+    with pytest.raises(hellaswag.HellaSwagBadData) as ei:
+        list(hellaswag.iterate_examples("val", data_dir=str(tmp_path / "bad")))
+    msg = str(ei.value)
+    assert "\n" not in msg and needle in msg
+    assert msg.startswith(f"{path}:{lineno}:" if lineno else f"{path}:")
+    # evaluate never scores it either (and training sees it as unavailable data)
+    with pytest.raises(hellaswag.HellaSwagUnavailable, match="hellaswag_val.jsonl"):
+        hellaswag.evaluate(hf_model, "cpu", data_dir=str(tmp_path / "bad"))
+
+
+def test_bad_data_cli_one_line(tmp_path):
+    path = _write_lines(str(tmp_path / "bad"), _edited(make_records(3, **SHORT), 2, label=5))
+    proc = _cli(["-m", "gpt2", "--data_dir", str(tmp_path / "bad")])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: {path}:2: label 5 is not one of 0, 1, 2, 3"]
+
+
+def test_string_labels_read_as_numbers(tmp_path, hf_model):
+    recs = make_records(N_FIX, seed=1, **SHORT)
+    as_int = write_jsonl(str(tmp_path / "int" / "hellaswag_val.jsonl"), recs)
+    as_str = write_jsonl(str(tmp_path / "str" / "hellaswag_val.jsonl"), [dict(r, label=str(r["label"])) for r in recs])
+    assert [r["label"] for r in hellaswag.iterate_examples("val", data_dir=os.path.dirname(as_str))] == \
+        [r["label"] for r in recs]
+    a = hellaswag.evaluate(hf_model, "cpu", data_dir=os.path.dirname(as_int))
+    b = hellaswag.evaluate(hf_model, "cpu", data_dir=os.path.dirname(as_str))
+    assert a["correct"] > 0 and a["correct_norm"] > 0  # so equal counts mean the labels were compared as numbers
+    assert a == b
+
+
+def test_test_split_without_labels(tmp_path):
+    recs = make_records(3, seed=2, split="test", **SHORT)
+    rows = [dict(r, label="") for r in recs[:2]] + recs[2:]  # HF's "" and the original's missing key
+    write_jsonl(str(tmp_path / "t" / "hellaswag_test.jsonl"), rows)
+    assert list(hellaswag.iterate_examples("test", data_dir=str(tmp_path / "t"))) == recs
+
+
+# --------------------------------------------------------------------------
+# download: HF Rowan/hellaswag, parquet conversion
 
 
 def _no_tmp_left(d):
     return not [f for f in os.listdir(d) if f.endswith(".tmp")]
+
+
+@pytest.fixture
+def fake_load_dataset(monkeypatch):
+    """datasets.load_dataset replaced by one that records its arguments and serves ``rows``."""
+    import datasets
+
+    state = {"calls": [], "rows": []}
+
+    def load_dataset(path, **kwargs):
+        state["calls"].append((path, kwargs))
+        if isinstance(state["rows"], Exception):
+            raise state["rows"]
+        return state["rows"]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return state
 
 
 def test_hf_to_record_conversion():
@@ -424,99 +607,117 @@ def test_hf_to_record_conversion():
     assert list(hellaswag.hf_to_record(to_hf_row(recs[0]))) == list(hellaswag.RECORD_KEYS)
 
 
-def test_download_from_github(tmp_path, monkeypatch):
+def test_download_from_hf_parquet_offline_first(tmp_path, monkeypatch, fake_load_dataset):
+    """With HF_HUB_OFFLINE=1 the only call is datasets' own (no reachability check before it);
+    the autouse fixture fails any socket or requests call."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     recs = make_records(7, seed=2)
-    calls = []
-
-    def get(url, timeout=30):
-        calls.append(url)
-        return FakeResponse(200, _jsonl_bytes(recs))
-
-    monkeypatch.setattr(hellaswag, "_http_get", get)
+    fake_load_dataset["rows"] = [to_hf_row(r) for r in recs]
     monkeypatch.setattr(hellaswag, "EXPECTED_COUNTS", {"val": 7})
     d = str(tmp_path / "dl")
     path = hellaswag.download("val", data_dir=d)
-    assert calls == ["https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"]
+    assert fake_load_dataset["calls"] == [("Rowan/hellaswag", {"split": "validation",
+                                                               "revision": "refs/convert/parquet"})]
     assert path == os.path.join(d, "hellaswag_val.jsonl")
-    assert list(hellaswag.iterate_examples("val", data_dir=d)) == recs
-    assert _no_tmp_left(d)
-    hellaswag.download("val", data_dir=d)  # cached: no second request
-    assert len(calls) == 1
-
-
-def test_download_bad_status_falls_back_to_hf(tmp_path, monkeypatch):
-    recs = make_records(6, seed=3)
-    monkeypatch.setattr(hellaswag, "_http_get", lambda url, timeout=30: FakeResponse(404))
-    asked = []
-
-    def hf_rows(split):
-        asked.append(split)
-        return [to_hf_row(r) for r in recs]
-
-    monkeypatch.setattr(hellaswag, "_load_hf_rows", hf_rows)
-    monkeypatch.setattr(hellaswag, "EXPECTED_COUNTS", {"val": 6})
-    d = str(tmp_path / "dl")
-    hellaswag.download("val", data_dir=d)
-    assert asked == ["val"]
     assert list(hellaswag.iterate_examples("val", data_dir=d)) == recs  # converted to the jsonl schema
     assert _no_tmp_left(d)
-    # both sources fail: one line naming both reasons
-    def hf_down(split):
-        raise ConnectionError("cannot reach https://huggingface.co")
-
-    monkeypatch.setattr(hellaswag, "_load_hf_rows", hf_down)
-    with pytest.raises(hellaswag.HellaSwagUnavailable, match="GitHub: HTTP 404.*huggingface.co"):
-        hellaswag.download("val", data_dir=str(tmp_path / "dl2"))
+    hellaswag.download("val", data_dir=d)  # cached: no second load
+    assert len(fake_load_dataset["calls"]) == 1
 
 
-def test_download_count_check(tmp_path, monkeypatch):
-    monkeypatch.setattr(hellaswag, "_http_get",
-                        lambda url, timeout=30: FakeResponse(200, _jsonl_bytes(make_records(5))))
-    good = make_records(10042 // 1000, seed=4)
-    monkeypatch.setattr(hellaswag, "_load_hf_rows", lambda split: [to_hf_row(r) for r in good])
-    monkeypatch.setattr(hellaswag, "EXPECTED_COUNTS", {"val": len(good)})
+def test_download_count_check(tmp_path, fake_load_dataset):
+    fake_load_dataset["rows"] = [to_hf_row(r) for r in make_records(5)]
     d = str(tmp_path / "dl")
-    hellaswag.download("val", data_dir=d)  # github had the wrong count -> HF copy used
-    assert list(hellaswag.iterate_examples("val", data_dir=d)) == good
-    # both wrong: nothing is written
-    monkeypatch.setattr(hellaswag, "EXPECTED_COUNTS", {"val": 10042})
-    d2 = str(tmp_path / "dl2")
     with pytest.raises(hellaswag.HellaSwagUnavailable) as ei:
-        hellaswag.download("val", data_dir=d2)
-    assert "expected 10042" in str(ei.value)
-    assert not os.path.exists(os.path.join(d2, "hellaswag_val.jsonl")) and _no_tmp_left(d2)
-    assert hellaswag.EXPECTED_COUNTS["val"] == 10042
+        hellaswag.download("val", data_dir=d)
+    assert "5 examples, expected 10042" in str(ei.value) and "\n" not in str(ei.value)
+    assert not os.path.exists(os.path.join(d, "hellaswag_val.jsonl")) and _no_tmp_left(d)
 
 
-def test_missing_data_one_clear_line(tmp_path, monkeypatch, hf_model):
-    def refuse(*a, **k):
-        raise ConnectionError("Failed to resolve 'raw.githubusercontent.com'\n(more detail)")
-
-    monkeypatch.setattr(hellaswag, "_http_get", refuse)
-    monkeypatch.setattr(hellaswag, "_load_hf_rows", refuse)
+def test_missing_data_one_clear_line(tmp_path, hf_model, fake_load_dataset):
+    fake_load_dataset["rows"] = ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub\n(more detail)")
     d = str(tmp_path / "empty")
+    path = os.path.join(d, "hellaswag_val.jsonl")
     with pytest.raises(hellaswag.HellaSwagUnavailable) as ei:
         hellaswag.download("val", data_dir=d)
     msg = str(ei.value)
-    assert "\n" not in msg
-    assert os.path.join(d, "hellaswag_val.jsonl") in msg and "save it as" in msg
+    assert "\n" not in msg and "Couldn't reach" in msg
+    assert "Rowan/hellaswag" in msg and "refs/convert/parquet" in msg and "HELLASWAG_DIR" in msg
+    assert hellaswag.manual_step("val", path) in msg and f".to_json('{path}')" in msg
     assert _no_tmp_left(d)
     with pytest.raises(hellaswag.HellaSwagUnavailable):
         hellaswag.evaluate(hf_model, "cpu", data_dir=d)
     assert not hf_model.training
 
 
-def test_offline_env_skips_network(tmp_path, monkeypatch):
-    monkeypatch.setenv("HELLASWAG_OFFLINE", "1")  # the autouse fixture would fail on any request
+def test_real_datasets_offline_is_one_line(tmp_path):
+    """The real datasets library, offline with an empty cache: one line, no socket opened."""
+    code = textwrap.dedent(f"""
+        import socket, sys
+        sys.path.insert(0, {REPO!r})
+        def boom(*a, **k):
+            raise AssertionError("network access attempted")
+        socket.socket.connect = boom
+        socket.create_connection = boom
+        import hellaswag
+        try:
+            hellaswag.download("val", data_dir={str(tmp_path / "dl")!r})
+        except hellaswag.HellaSwagUnavailable as e:
+            print(e)
+    """)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    env.pop("HF_DATASETS_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("HellaSwag data unavailable") and "Rowan/hellaswag" in lines[0]
+
+
+def test_offline_env_skips_network(tmp_path, monkeypatch, fake_load_dataset):
+    monkeypatch.setenv("HELLASWAG_OFFLINE", "1")
     with pytest.raises(hellaswag.HellaSwagUnavailable, match="HELLASWAG_OFFLINE"):
         hellaswag.download("val", data_dir=str(tmp_path / "x"))
+    assert fake_load_dataset["calls"] == []
 
 
 def test_no_work_at_import():
     code = ("import sys, threading; sys.path.insert(0, %r); import hellaswag; "
-            "assert 'torch' not in sys.modules and 'requests' not in sys.modules; "
+            "assert not {'torch', 'requests', 'datasets', 'transformers'} & set(sys.modules); "
             "assert threading.active_count() == 1" % REPO)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------
+# device, autocast, TF32
+
+
+def test_resolve_device():
+    assert hellaswag.resolve_device("cpu") == "cpu"
+    expected = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
+    assert hellaswag.resolve_device("auto") == expected
+    bad = ["nosuchdevice", "cuda:x", "meta", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+    for name in bad:
+        with pytest.raises(ValueError) as ei:
+            hellaswag.resolve_device(name)
+        assert "\n" not in str(ei.value) and repr(name) in str(ei.value)
+
+
+def test_autocast_and_tf32():
+    x = torch.randn(4, 4)
+    with hellaswag.autocast("cpu", None):
+        assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+    with hellaswag.autocast("cpu", torch.bfloat16):
+        assert (x @ x).dtype == torch.bfloat16
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        hellaswag.enable_tf32("cpu")
+        hellaswag.enable_tf32("mps")
+        assert torch.get_float32_matmul_precision() == "highest"
+        hellaswag.enable_tf32("cuda:1")
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 # --------------------------------------------------------------------------
@@ -531,7 +732,7 @@ def _cli(args, **kw):
 
 @pytest.mark.parametrize("args, needle", [
     ([], "-m/--model"),
-    (["--checkpoint", "/nonexistent/model_00010.pt", "--data_dir", "{data}"], "checkpoint not found"),
+    (["--checkpoint", "log/model_00010.pt"], "python train_gpt2.py eval --checkpoint"),
     (["-m", "gpt2", "--data_dir", "{empty}"], "hellaswag_val.jsonl"),
 ])
 def test_cli_errors_subprocess(args, needle, data_dir, tmp_path):
@@ -545,12 +746,15 @@ def test_cli_errors_subprocess(args, needle, data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["-m", "gpt2", "--checkpoint", "x.pt"], "not allowed"),
     (["-m", "gpt2", "--limit", "0", "--data_dir", "{data}"], "--limit"),
     (["-m", "gpt2", "--device", "nosuchdevice", "--data_dir", "{data}"], "nosuchdevice"),
     (["-m", "gpt2", "--split", "test", "--data_dir", "{data}"], "invalid choice"),
+    (["-m", "gpt2", "--dtype", "auto", "--data_dir", "{data}"], "invalid choice"),
+    (["-m", "no-such-org/no-such-model", "-d", "cpu", "--data_dir", "{data}"], "could not load GPT-2 model"),
+    (["-m", "{data}", "-d", "cpu", "--data_dir", "{data}"], "could not load GPT-2 model"),  # not a model dir
 ])
-def test_cli_errors_in_process(args, needle, data_dir, capsys):
+def test_cli_errors_in_process(args, needle, data_dir, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rc = hellaswag.main([a.format(data=data_dir) for a in args])
     err = capsys.readouterr().err
     assert rc == 1
@@ -558,42 +762,45 @@ def test_cli_errors_in_process(args, needle, data_dir, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
 
 
-def test_cli_evaluates_hf_dir_and_checkpoint(hf_model, data_dir, tmp_path, capsys):
-    from dataclasses import asdict
+def test_cli_help_points_at_train_gpt2_eval(capsys):
+    assert hellaswag.main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "python train_gpt2.py eval --checkpoint" in out and "gpt2-xl" in out
 
-    from train_gpt2 import GPT
 
+def test_cli_evaluates_hf_dir(hf_model, data_dir, tmp_path, capsys):
     model_dir = str(tmp_path / "tiny")
     hf_model.save_pretrained(model_dir)
-    expected = hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, limit=10)
+    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:10]
+    ref = classic_scores(hf_model, recs)
+    correct = sum(p == r["label"] for (p, _, _), r in zip(ref, recs))
+    correct_norm = sum(pn == r["label"] for (_, pn, _), r in zip(ref, recs))
     rc = hellaswag.main(["-m", model_dir, "-d", "cpu", "--data_dir", data_dir, "--limit", "10"])
     out = capsys.readouterr().out
-    assert rc == 0
-    assert f"acc {expected['acc']:.4f} ({expected['correct']}/10)" in out
-    assert f"acc_norm {expected['acc_norm']:.4f} ({expected['correct_norm']}/10)" in out
-    # our checkpoint format: {"config": ..., "model": state_dict}
-    ours = GPT.from_pretrained(model_dir)
-    ckpt = str(tmp_path / "model_00010.pt")
-    torch.save({"config": asdict(ours.config), "model": ours.state_dict()}, ckpt)
-    rc = hellaswag.main(["--checkpoint", ckpt, "-d", "cpu", "--data_dir", data_dir, "--limit", "10",
-                         "--batch_tokens", "0"])
-    out = capsys.readouterr().out
-    assert rc == 0 and f"acc_norm {expected['acc_norm']:.4f} ({expected['correct_norm']}/10)" in out
+    assert rc == 0 and "(fp32)" in out
+    assert f"acc {correct / 10:.4f} ({correct}/10)" in out
+    assert f"acc_norm {correct_norm / 10:.4f} ({correct_norm}/10)" in out
 
 
-def test_benchmark_function(hf_model, data_dir):
-    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:8]
-    b = hellaswag.benchmark(hf_model, "cpu", recs, batch_tokens=4096, warmup=0, repeats=1)
-    assert b["n"] == 8 and b["same_predictions"]
-    assert b["naive_forwards"] == b["single_forwards"] == 8 and b["batched_forwards"] == 1
-    assert b["speedup"] == b["batched_ex_per_s"] / b["naive_ex_per_s"]
-    assert "examples/s" in hellaswag.format_benchmark(b)
-    assert b["single_ex_per_s"] > 0 and b["batched_ex_per_s"] > 0
+def test_cli_short_names_map_to_openai_community(hf_model, data_dir, monkeypatch, capsys):
+    import transformers
+
+    asked = []
+
+    def from_pretrained(name, *a, **k):
+        asked.append(name)
+        return hf_model
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", from_pretrained)
+    for name in ("gpt2", "gpt2-xl", "someone/custom-gpt2"):
+        assert hellaswag.main(["-m", name, "-d", "cpu", "--data_dir", data_dir, "--limit", "2"]) == 0
+    assert asked == ["openai-community/gpt2", "openai-community/gpt2-xl", "someone/custom-gpt2"]
+    assert "gpt2-xl on cpu (fp32), hellaswag val: 2 examples" in capsys.readouterr().out
 
 
 def test_eval_does_not_recompile_the_training_model(data_dir):
     """Training evaluates the raw model while a torch.compile'd wrapper of the same
-    modules keeps training: the temporary lm_head hook must not force a recompile."""
+    modules keeps training: scoring changes nothing on the modules, so no recompile."""
     import torch._dynamo
 
     from train_gpt2 import GPT, GPTConfig
@@ -609,7 +816,46 @@ def test_eval_does_not_recompile_the_training_model(data_dir):
         assert res["n"] == 4 and raw.training
         with torch._dynamo.config.patch(error_on_recompile=True):
             compiled(x, x)[1].backward()
-        # a compiled model handed to evaluate() is scored with full logits (no hook)
+        # a compiled model handed to evaluate() scores the same
         assert hellaswag.evaluate(compiled, "cpu", data_dir=data_dir, limit=4) == res
     finally:
         torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------
+# an older transformers (the oldest requirements.txt allows), in a subprocess
+
+OLD_TRANSFORMERS = os.environ.get("HELLASWAG_OLD_TRANSFORMERS", "")
+_OLD_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path[:0] = [{old!r}, {repo!r}, {tests!r}]
+    import torch, transformers
+    import hellaswag
+    from test_hellaswag import SHORT, classic_scores, make_records, preds, tiny_hf_model
+
+    model = tiny_hf_model()
+    recs = make_records(12, seed=4, **SHORT)
+    _, tokens, _, _ = hellaswag.render_example(recs[0])
+    positions = torch.tensor([1, 2, tokens.shape[1] - 2])
+    with torch.no_grad():
+        kept = model(tokens, logits_to_keep=positions).logits  # raw: does this version honour it?
+        full = model(tokens).logits
+        batched = hellaswag.score_examples(model, recs, "cpu", batch_tokens=4096)
+    print(json.dumps({{"version": transformers.__version__, "honoured": kept.shape[1] == 3,
+                      "same_values": bool(torch.allclose(kept, full[:, positions], atol=1e-5)) if kept.shape[1] == 3 else None,
+                      "same_predictions": preds(batched) == [(p, pn) for p, pn, _ in classic_scores(model, recs)]}}))
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir(OLD_TRANSFORMERS),
+                    reason="HELLASWAG_OLD_TRANSFORMERS is not set to a folder holding an older transformers: "
+                           "pip install --target DIR --no-deps transformers==4.53.3 'huggingface-hub<1' "
+                           "'tokenizers<0.22'")
+def test_older_transformers(tmp_path):
+    script = tmp_path / "old.py"
+    script.write_text(_OLD_SCRIPT.format(old=OLD_TRANSFORMERS, repo=REPO, tests=os.path.join(REPO, "tests")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert int(out["version"].split(".")[0]) < 5, out  # really the older one, not today's
+    assert out["honoured"] and out["same_values"] and out["same_predictions"], out
