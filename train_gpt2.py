@@ -611,23 +611,17 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
 # =============================================================================
 
 def resolve_device(name):
-    """auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps; a UsageError for anything this machine lacks."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine")
-    return name
+    """hellaswag.resolve_device (auto = cuda > mps > cpu, checked to exist) with our one-line UsageError."""
+    try:
+        return hellaswag.resolve_device(name)
+    except ValueError as e:
+        raise UsageError(f"--device: {e}") from None
 
 
 def autocast_for(dtype, device_type):
     """(autocast context, uses bf16) for --dtype auto|fp32|bf16: auto is bf16 on CUDA and fp32 elsewhere."""
     use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
-    ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    return ctx, use_bf16
+    return hellaswag.autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
 
 
 @dataclass
@@ -1211,8 +1205,7 @@ def resolve_settings(args, dist):
     grad_accum = check_batch(args, dist.world_size, config.block_size)
     unit = args.micro_batch_size * args.sequence_length * dist.world_size
     autocast_ctx, use_bf16 = autocast_for(args.dtype, dist.device_type)
-    if dist.device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls that remain
+    hellaswag.enable_tf32(dist.device_type)  # TF32 for the fp32 matmuls that remain
     return Settings(config=config, grad_accum=grad_accum, unit=unit,
                     val_tokens=args.val_steps * unit if args.val_steps is not None else args.val_tokens,
                     autocast_ctx=autocast_ctx, use_bf16=use_bf16,
