@@ -262,4 +262,5 @@ def test_eval_command_scores_a_checkpoint_like_hellaswag_evaluate(shard_dir, tmp
     assert f"acc_norm {want['acc_norm']:.4f} ({want['correct_norm']}/12)" in r.stdout
     assert f"acc {want['acc']:.4f} ({want['correct']}/12)" in r.stdout
     r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--data_dir", str(tmp_path / "none"))
-    assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "Rowan/hellaswag" in errors[0] and "Traceback" not in r.stderr
