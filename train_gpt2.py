@@ -618,8 +618,16 @@ def resolve_device(name):
         if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
             return "mps"
         return "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    # anything else fails here, in one line, not as a torch traceback once the run has started
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+        raise UsageError(f"--device {name!r}: expected auto, cpu, cuda, cuda:N or mps")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA is not available on this machine")
+        if ":" in name and int(name.split(":")[1]) >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if name == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise UsageError(f"--device {name}: MPS is not available on this machine")
     return name
 
 
