@@ -1430,6 +1430,11 @@ def training_loop(run, state):
     end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
     reporter = StepReporter(run, state.step + 1, end_step)
     profiler = Profiler(args, run.dist) if args.profile else None
+    if state.step == args.max_steps - 1:
+        # resumed from the last step's checkpoint: the final evaluation failed or died after it was saved (and
+        # the resume dropped its log lines), so running it is all that is left to do
+        guarded(run, state, "final evaluation", args.max_steps,
+                lambda: evaluate_due(run, state, args.max_steps, final=True))
     for step in range(state.step + 1, end_step):
         last_step = step == args.max_steps - 1
         guarded(run, state, "evaluation", step, lambda: evaluate_due(run, state, step))  # the model after `step` updates
