@@ -903,25 +903,55 @@ class LogDirLock:
         self.path = os.path.join(log_dir, ".lock")
         self.file = None
 
-    def acquire(self):
+    def acquire(self, wait_for_owner=10.0):
+        """Take the lock, or raise a UsageError naming the live process that holds it.
+
+        The owner writes its line just after it takes the lock, over whatever a killed run left there, so a
+        second run can find the file empty or naming a dead process for a moment: it re-reads (and re-tries
+        the lock, in case the owner has ended) for up to wait_for_owner seconds until the line names a live one.
+        """
         import fcntl
         import socket
 
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         f = open(self.path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            owner = f.read().strip() or "another process"
-            f.close()
-            raise UsageError(f"{os.path.dirname(self.path)} is in use by a live run ({owner}): wait for it to end, "
-                             f"or choose another --log_dir") from None
+        deadline = time.monotonic() + wait_for_owner
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                owner = self._live_owner(f)
+            if owner is not None or time.monotonic() > deadline:
+                f.close()
+                raise UsageError(f"{os.path.dirname(self.path)} is in use by a live run ({owner or 'another process'}): "
+                                 f"wait for it to end, or choose another --log_dir") from None
+            time.sleep(0.02)
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
         self.file = f
+
+    @staticmethod
+    def _live_owner(f):
+        """'pid N on HOST' from the lock file when it is a whole line naming a live process (as far as this
+        host can tell), else None."""
+        import socket
+
+        f.seek(0)
+        text = f.read()
+        m = re.fullmatch(r"pid (\d+) on (.+)\n", text)
+        if m is None:
+            return None
+        if m.group(2) == socket.gethostname():
+            try:
+                os.kill(int(m.group(1)), 0)
+            except (ProcessLookupError, OverflowError):
+                return None  # a killed run's line, not yet replaced by the owner's
+            except PermissionError:
+                pass  # alive, another user's
+        return text.strip()
 
     def release(self):
         if self.file is not None:

@@ -418,3 +418,30 @@ def test_resume_latest_takes_a_non_default_shape_from_the_checkpoint(data, tmp_p
     r = run_cli(*resume_args(log))
     assert r.returncode == 0, r.stderr
     assert torch.load(tg.find_checkpoints(log)[-1], weights_only=False)["config"] == first
+
+
+# ----------------------------------------------------------------------------- the lock file's owner line
+
+@pytest.mark.parametrize("left_in_file", ["", "killed"])
+def test_lock_message_names_the_live_owner_not_a_stale_or_missing_line(tmp_path, monkeypatch, left_in_file):
+    import fcntl
+    import socket
+    log = tmp_path / "log"
+    log.mkdir()
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) + 1  # no process can have it
+    # the instant after a new owner took the lock and before it wrote its line over a killed run's one
+    owner = open(log / ".lock", "a+")
+    fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    owner.write(f"pid {dead} on {socket.gethostname()}\n" if left_in_file else "")
+    owner.flush()
+
+    def owner_writes_its_line(seconds):  # while the second run waits, the owner catches up
+        owner.seek(0)
+        owner.truncate()
+        owner.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        owner.flush()
+    monkeypatch.setattr(tg.time, "sleep", owner_writes_its_line)
+    with pytest.raises(tg.UsageError, match=f"in use by a live run \\(pid {os.getpid()} on "):
+        tg.LogDirLock(str(log)).acquire()
+    owner.close()
