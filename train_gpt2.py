@@ -882,11 +882,19 @@ def load_checkpoint_model(path, map_location="cpu"):
     return model
 
 
-def prune_checkpoints(log_dir, keep_last):
-    """Delete all but the newest keep_last model_*.pt (0 keeps all); returns the deleted paths."""
+def prune_checkpoints(log_dir, keep_last, upto_step=None):
+    """Delete all but the newest keep_last model_*.pt (0 keeps all); returns the deleted paths.
+
+    With upto_step (the step just saved), only checkpoints up to it count: one from later steps (a run resumed
+    from an earlier checkpoint, or past an unreadable newer one) is not newer than what was just saved, and
+    must not push it out; the run replaces it when it gets there.
+    """
     if keep_last <= 0:
         return []
-    old = find_checkpoints(log_dir)[:-keep_last]
+    found = find_checkpoints(log_dir)
+    if upto_step is not None:
+        found = [p for p in found if int(CKPT_RE.search(os.path.basename(p)).group(1)) <= upto_step]
+    old = found[:-keep_last]
     for path in old:
         os.remove(path)
     return old
@@ -1435,7 +1443,7 @@ def save(run, state):
     save_checkpoint(path, run.raw_model, run.optimizer, state, run.train_loader, run.dist.master)
     run.last_saved = state.step
     if run.dist.master:
-        prune_checkpoints(run.args.log_dir, run.args.keep_last)
+        prune_checkpoints(run.args.log_dir, run.args.keep_last, state.step)
     run.dist.print0(f"saved {path}")
     return path
 

@@ -7,6 +7,7 @@ Those go through HOOK below, which is `python train_gpt2.py` (tg.main()) plus te
 the kill points deterministic: a start gate, and pauses at a chosen point that the test then kill -9s.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -445,3 +446,16 @@ def test_lock_message_names_the_live_owner_not_a_stale_or_missing_line(tmp_path,
     with pytest.raises(tg.UsageError, match=f"in use by a live run \\(pid {os.getpid()} on "):
         tg.LogDirLock(str(log)).acquire()
     owner.close()
+
+
+def test_keep_last_never_deletes_the_checkpoint_it_just_saved(reference, tmp_path):
+    # roll back to an earlier checkpoint (say, before a loss spike) in a dir that has later ones
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    back = tg.find_checkpoints(log)[0]
+    r = run_cli("--resume", back, "--log_dir", log, "--device", "cpu", "--keep_last", "1", "--stop_step",
+                str(torch.load(back, weights_only=False)["step"] + 2))
+    assert r.returncode == 0, r.stderr
+    saved = [line.split()[-1] for line in r.stdout.splitlines() if line.startswith("saved ")]
+    assert saved and os.path.exists(saved[-1])
+    assert tg.read_checkpoint(saved[-1])  # and readable
