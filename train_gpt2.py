@@ -1174,8 +1174,11 @@ def check_flags(args):
 
 def adopt_checkpoint_flags(args, saved, print0):
     """Resuming: flags not given now take the checkpoint's values; given schedule flags that differ warn."""
+    # --val_steps and --val_tokens are two ways to give one number: the one given now wins over the other's
+    # saved value (else a --val_tokens given now would be dropped in silence for a saved --val_steps)
+    replaced = {"val_tokens": "val_steps", "val_steps": "val_tokens"}
     for key, value in saved.items():
-        if key in PER_INVOCATION or not hasattr(args, key):
+        if key in PER_INVOCATION or not hasattr(args, key) or replaced.get(key) in args.given:
             continue
         if key not in args.given:
             setattr(args, key, value)
@@ -1242,18 +1245,26 @@ def sample_tokenizer(args, block_size):
 
 def resolve_settings(args, dist):
     """Phase 1: check every flag, find the checkpoint to resume, and work out the run's settings."""
-    for warning in check_flags(args):
-        dist.print0(f"warning: {warning}")
+    warnings = check_flags(args)
     resume_path, ckpt, pretrained = None, None, None
     if args.resume:
         resume_path, ckpt = find_resume_checkpoint(args.resume, args.log_dir, dist.print0)
         adopt_checkpoint_flags(args, ckpt["args"], dist.print0)
+        warnings = check_flags(args)  # again, on the values the run will have (e.g. the checkpoint's max_steps)
+        end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
+        # nothing left but the final evaluation (ckpt at max_steps - 1) is fine; nothing at all is a mistake
+        if ckpt["step"] + 1 >= end_step and ckpt["step"] + 1 != args.max_steps:
+            raise UsageError(f"{resume_path} is at step {ckpt['step']}: --max_steps {args.max_steps}"
+                             + (f" / --stop_step {args.stop_step}" if args.stop_step is not None else "")
+                             + " leave nothing to train")
         config = resumed_config(args, ckpt, resume_path)
     elif args.init_from:
         pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
         config = pretrained.config
     else:
         config = model_config_from_args(args)
+    for warning in warnings:
+        dist.print0(f"warning: {warning}")
     grad_accum = check_batch(args, dist.world_size, config.block_size)
     unit = args.micro_batch_size * args.sequence_length * dist.world_size
     autocast_ctx, use_bf16 = autocast_for(args.dtype, dist.device_type)

@@ -459,3 +459,22 @@ def test_keep_last_never_deletes_the_checkpoint_it_just_saved(reference, tmp_pat
     saved = [line.split()[-1] for line in r.stdout.splitlines() if line.startswith("saved ")]
     assert saved and os.path.exists(saved[-1])
     assert tg.read_checkpoint(saved[-1])  # and readable
+
+
+def test_resume_flags_checked_against_the_checkpoint(data, tmp_path):
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, **{"--val_tokens": None, "--sample_every": "0", "--max_steps": "4"}),
+                "--val_steps", "1", "--stop_step", "2")
+    assert r.returncode == 0, r.stderr
+    at = newest_step(log)
+    before = dir_bytes(log)
+    # a resume that would train nothing (a stop or an end at or before the checkpoint) is a mistake, not a no-op
+    for flags in (["--stop_step", str(at + 1)], ["--max_steps", str(at)]):
+        assert_one_line_error(run_cli(*resume_args(log), *flags), "nothing to train")
+        assert dir_bytes(log) == before
+    # the warmup warning is about the run as it goes on: the checkpoint's --max_steps, not the default's
+    # --val_tokens given now replaces the checkpoint's --val_steps (they set one number), not dropped in silence
+    r = run_cli(*resume_args(log), "--warmup_steps", "6", "--val_tokens", "128")
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("warning:") and "--warmup_steps" in line for line in r.stdout.splitlines()), r.stdout
+    assert "'val_tokens': 128" in r.stdout.split("run config:")[1].splitlines()[0]
