@@ -520,6 +520,9 @@ def ensure_data(args, train_tokens, val_tokens, dist):
     have = bool(list_shards(args.data_root, "train")) and bool(list_shards(args.data_root, "val"))
     if dist.agree(have and unfinished_prep(args.data_root) is None):  # every rank takes the same branch
         if dist.master:
+            if "input" in getattr(args, "given", ()):  # prep reads --input only into an empty data_root
+                dist.print0(f"warning: --input has no effect: {args.data_root} already holds shards (use another "
+                            f"--data_root to prepare one from it)")
             warn_if_data_short(args.data_root, train_tokens, dist.print0)
         return
     message = prepare_data(args, train_tokens, val_tokens, dist.print0) if dist.master else None
@@ -1169,6 +1172,17 @@ def check_flags(args):
         warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: the LR never leaves warmup")
     if args.init_from and "preset" in args.given:
         warnings.append(f"--init_from {args.init_from}: --preset {args.preset} gives only run settings, not the shape")
+    # flags given for a part of the run that is off: stated, not dropped in silence
+    off = {"--eval_every 0": ("val_tokens", "val_steps") if args.eval_every <= 0 else (),
+           "--sample_every 0": ("sample_prompt", "num_samples", "sample_tokens") if args.sample_every <= 0 else (),
+           "--hellaswag_every 0": ("hellaswag_limit",) if args.hellaswag_every <= 0 else (),
+           "no --batch_ramp_tokens": ("batch_ramp_start",) if args.batch_ramp_tokens <= 0 else (),
+           "no --profile": ("profile_schedule",) if not args.profile else (),
+           "no --wandb_project": ("wandb_run_name",) if not args.wandb_project else ()}
+    for why, keys in off.items():
+        unused = [f"--{k}" for k in keys if k in args.given]
+        if unused:
+            warnings.append(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with {why}")
     return warnings
 
 

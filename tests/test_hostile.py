@@ -269,6 +269,20 @@ def test_bad_flags_are_one_line_before_any_work(data, tmp_path, overrides, extra
     assert not os.path.exists(log)  # refused before the log dir was made, let alone locked or written
 
 
+@pytest.mark.parametrize("flags, unused", [
+    (["--eval_every", "0", "--val_tokens", "100"], "--val_tokens"),
+    (["--eval_every", "0", "--val_steps", "3"], "--val_steps"),
+    (["--sample_every", "0", "--sample_tokens", "9"], "--sample_tokens"),
+    (["--hellaswag_every", "0", "--hellaswag_limit", "9"], "--hellaswag_limit"),
+    (["--batch_ramp_start", "4096"], "--batch_ramp_start"),
+    (["--profile_schedule", "0,0,1"], "--profile_schedule"),
+    (["--wandb_run_name", "x"], "--wandb_run_name"),
+])
+def test_flags_for_a_part_that_is_off_are_stated(flags, unused):
+    warnings = tg.check_flags(tg.parse_args(flags))
+    assert [w for w in warnings if unused in w and "no effect" in w], warnings
+
+
 def test_device_strings(monkeypatch):
     assert tg.resolve_device("cpu") == "cpu"
     for bad in ("cdua", "cuda:x", "gpu", ""):
@@ -279,11 +293,17 @@ def test_device_strings(monkeypatch):
         tg.resolve_device("mps")
 
 
+def warnings_naming(r, flag):
+    return [line for line in r.stdout.splitlines() if line.startswith("warning:") and flag in line]
+
+
 def test_warmup_past_max_steps_warns_and_keep_last_prunes(data, reference, tmp_path):
-    log = str(tmp_path / "log")
-    r = run_cli(*run_args(data, log, **{"--warmup_steps": "8"}), "--keep_last", "2")
+    log, corpus = str(tmp_path / "log"), str(tmp_path / "corpus.jsonl")
+    write_corpus_jsonl(corpus, n_docs=5)
+    # --input only prepares an empty data_root: with shards there it is stated, not ignored in silence
+    r = run_cli(*run_args(data, log, **{"--warmup_steps": "8"}), "--keep_last", "2", "--input", corpus)
     assert r.returncode == 0, r.stderr
-    assert any(line.startswith("warning:") and "--warmup_steps" in line for line in r.stdout.splitlines())
+    assert warnings_naming(r, "--warmup_steps") and warnings_naming(r, "--input"), r.stdout
     # the two newest of the checkpoints an unpruned run writes
     names = [os.path.basename(p) for p in tg.find_checkpoints(reference)]
     assert [os.path.basename(p) for p in tg.find_checkpoints(log)] == names[-2:]
