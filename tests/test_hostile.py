@@ -322,15 +322,33 @@ def failing_generate(monkeypatch, fail_on_call):
             raise RuntimeError("sampler exploded")
         return real(self, *a, **k)
     monkeypatch.setattr(tg.GPT, "generate", generate)
+    return []
 
 
-@pytest.mark.parametrize("fail_on_call, where", [(2, "evaluation at step 6"), (3, "final evaluation at step 8")])
-def test_error_in_sampling_keeps_the_last_step_and_resumes(data, reference, tmp_path, monkeypatch, fail_on_call, where):
+def failing_wandb(monkeypatch, fail_at_step):
+    """A W&B run whose log() fails at one step (its server went away, say)."""
+    class Run:
+        def log(self, values, step):
+            if step == fail_at_step:
+                raise ConnectionError("W&B server exploded")
+
+        def finish(self):
+            pass
+    monkeypatch.setattr(tg, "init_wandb", lambda args, config: Run())
+    return ["--wandb_project", "hostile"]
+
+
+@pytest.mark.parametrize("break_it, where", [
+    (lambda m: failing_generate(m, 2), "evaluation at step 6"),
+    (lambda m: failing_generate(m, 3), "final evaluation at step 8"),
+    (lambda m: failing_wandb(m, 5), "logging at step 5"),
+], ids=["samples", "final-samples", "wandb"])
+def test_error_in_an_every_n_action_keeps_the_last_step_and_resumes(data, reference, tmp_path, monkeypatch,
+                                                                     break_it, where):
     log = str(tmp_path / "log")
     with monkeypatch.context() as m:
-        failing_generate(m, fail_on_call)
-        r = run_cli(*run_args(data, log))
-    line = assert_one_line_error(r, where, "sampler exploded", "--resume latest")
+        r = run_cli(*run_args(data, log), *break_it(m))
+    line = assert_one_line_error(r, where, "exploded", "--resume latest")
     last_trained = tg.read_log(os.path.join(log, "log.txt"))["train"][0][-1]
     assert newest_step(log) == last_trained  # nothing trained was lost
     assert os.path.basename(tg.find_checkpoints(log)[-1]) in line
@@ -358,12 +376,18 @@ def damage_token_id(path):
     np.save(path, tokens)
 
 
-@pytest.mark.parametrize("damage", [damage_truncated, damage_not_npy, damage_token_id])
-def test_damaged_shard_is_one_line_naming_the_file(tmp_path, damage):
+def damage_dtype(path):
+    np.save(path, np.load(path).astype(np.int32))  # token ids all below the vocab, but 4 bytes each
+
+
+@pytest.mark.parametrize("damage, split", [(damage_truncated, "train"), (damage_not_npy, "train"),
+                                           (damage_token_id, "train"), (damage_dtype, "train"),
+                                           (damage_truncated, "val")])
+def test_damaged_shard_is_one_line_naming_the_file(tmp_path, damage, split):
     root = str(tmp_path / "data")
     write_shards(root, "val", [3000], seed=1)
     write_shards(root, "train", [2000, 1500], seed=2)
-    bad = tg.list_shards(root, "train")[-1]
+    bad = tg.list_shards(root, split)[-1]
     damage(bad)
     r = run_cli(*run_args(root, str(tmp_path / "log")))
     assert_one_line_error(r, bad)
