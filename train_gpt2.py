@@ -1528,7 +1528,7 @@ def train(args):
         state = restore_state(args, settings, raw_model, optimizer, loaders[0], dist)
         run = start_run(args, settings, dist, raw_model, optimizer, loaders, state)
         training_loop(run, state)
-        run.metrics.finish()
+        guarded(run, state, "finishing W&B", state.step, run.metrics.finish)  # uploads: can fail after all
 
 
 # ---- what a run reports: the step line, log.txt, W&B, the profiler

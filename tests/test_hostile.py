@@ -326,14 +326,15 @@ def failing_generate(monkeypatch, fail_on_call):
 
 
 def failing_wandb(monkeypatch, fail_at_step):
-    """A W&B run whose log() fails at one step (its server went away, say)."""
+    """A W&B run whose log() fails at one step, or (None) whose finish() fails: its server went away, say."""
     class Run:
         def log(self, values, step):
             if step == fail_at_step:
                 raise ConnectionError("W&B server exploded")
 
         def finish(self):
-            pass
+            if fail_at_step is None:
+                raise ConnectionError("W&B server exploded")
     monkeypatch.setattr(tg, "init_wandb", lambda args, config: Run())
     return ["--wandb_project", "hostile"]
 
@@ -342,7 +343,8 @@ def failing_wandb(monkeypatch, fail_at_step):
     (lambda m: failing_generate(m, 2), "evaluation at step 6"),
     (lambda m: failing_generate(m, 3), "final evaluation at step 8"),
     (lambda m: failing_wandb(m, 5), "logging at step 5"),
-], ids=["samples", "final-samples", "wandb"])
+    (lambda m: failing_wandb(m, None), "finishing W&B"),
+], ids=["samples", "final-samples", "wandb", "wandb-finish"])
 def test_error_in_an_every_n_action_keeps_the_last_step_and_resumes(data, reference, tmp_path, monkeypatch,
                                                                      break_it, where):
     log = str(tmp_path / "log")
