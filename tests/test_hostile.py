@@ -203,47 +203,39 @@ def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
     assert series["train"][0] == list(range(3)), line  # one run's lines, once
 
 
-def test_kill_9_mid_save_live_dir_refused_then_resume_is_bit_exact(data, reference, tmp_path):
-    log = str(tmp_path / "log")
-    proc = start_hooked(tmp_path, "victim", run_args(data, log), mode="pause_mid_save", arg="model_00004.pt",
-                        marker=tmp_path / "paused")
+def test_kill_9_mid_save_and_mid_run_then_resume_is_bit_exact(data, reference, tmp_path):
+    # two victims side by side (each pays for its own torch import): one paused inside a checkpoint save, its
+    # temp file written but not renamed; one paused mid-run, its log ahead of its newest checkpoint
+    save_log, run_log = str(tmp_path / "mid_save"), str(tmp_path / "mid_run")
+    mid_save = start_hooked(tmp_path, "mid_save", run_args(data, save_log), mode="pause_mid_save",
+                            arg="model_00004.pt", marker=tmp_path / "paused_mid_save")
+    mid_run = start_hooked(tmp_path, "mid_run", run_args(data, run_log), mode="pause_after_log", arg="5 train",
+                           marker=tmp_path / "paused_mid_run")
     try:
-        wait_until(lambda: (tmp_path / "paused").exists(), [proc], "the pause in the middle of the save")
-        before = dir_bytes(log)
+        wait_until(lambda: (tmp_path / "paused_mid_save").exists() and (tmp_path / "paused_mid_run").exists(),
+                   [mid_save, mid_run], "both pauses")
+        before = dir_bytes(save_log)
         assert any(name.endswith(".tmp") for name in before)  # the half-saved checkpoint, under its temp name
         # a second run into the live dir, as a user retrying too early would: refused, naming the live pid
-        for extra in (resume_args(log), run_args(data, log) + ["--overwrite"]):
-            r = run_cli(*extra)
-            assert_one_line_error(r, "in use by a live run", f"pid {proc.pid} ")
-        assert dir_bytes(log) == before  # byte for byte: not even the stale temp file was touched
+        for extra in (resume_args(save_log), run_args(data, save_log) + ["--overwrite"]):
+            assert_one_line_error(run_cli(*extra), "in use by a live run", f"pid {mid_save.pid} ")
+        assert dir_bytes(save_log) == before  # byte for byte: not even the stale temp file was touched
     finally:
-        proc.kill()  # SIGKILL: no handler, no cleanup, as the OOM killer or a node failure would
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    # the OS released the lock with the process: resuming needs no manual cleanup
-    r = run_cli(*resume_args(log))
-    assert r.returncode == 0, r.stderr
-    assert "resumed from" in r.stdout and "model_00002.pt" in r.stdout
-    assert not [n for n in os.listdir(log) if n.endswith(".tmp")]  # the crash's temp file is gone
-    assert read_text(os.path.join(log, "log.txt")) == reference_log(reference)
+        for proc in (mid_save, mid_run):
+            proc.kill()  # SIGKILL: no handler, no cleanup, as the OOM killer or a node failure would
+            proc.wait()
+    assert mid_save.returncode == mid_run.returncode == -signal.SIGKILL
+    logged = tg.read_log(os.path.join(run_log, "log.txt"))["train"][0]
+    assert logged[-1] > newest_step(run_log)  # the log ran ahead of the newest checkpoint: the resume must cut it
 
-
-def test_kill_9_mid_run_then_resume_is_bit_exact(data, reference, tmp_path):
-    log = str(tmp_path / "log")
-    proc = start_hooked(tmp_path, "victim", run_args(data, log), mode="pause_after_log", arg="5 train",
-                        marker=tmp_path / "paused")
-    try:
-        wait_until(lambda: (tmp_path / "paused").exists(), [proc], "step 5")
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    logged = tg.read_log(os.path.join(log, "log.txt"))["train"][0]
-    assert logged[-1] > newest_step(log)  # the log ran ahead of the newest checkpoint: the resume must cut it
-    r = run_cli(*resume_args(log))
-    assert r.returncode == 0, r.stderr
-    assert read_text(os.path.join(log, "log.txt")) == reference_log(reference)
-    assert sorted(os.listdir(log)) == sorted(os.listdir(reference))
+    # the OS released the locks with the processes: resuming needs no manual cleanup
+    for log in (save_log, run_log):
+        r = run_cli(*resume_args(log))
+        assert r.returncode == 0, r.stderr
+        assert "resumed from" in r.stdout
+        assert not [n for n in os.listdir(log) if n.endswith(".tmp")]  # the crash's temp file is gone
+        assert read_text(os.path.join(log, "log.txt")) == reference_log(reference)
+        assert sorted(os.listdir(log)) == sorted(os.listdir(reference))
 
 
 # ----------------------------------------------------------------------------- flags
