@@ -924,8 +924,11 @@ class LogDirLock:
         import fcntl
         import socket
 
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        f = open(self.path, "a+")
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            f = open(self.path, "a+")
+        except OSError as e:  # a file in the way, no permission, a read-only filesystem
+            raise UsageError(f"--log_dir {os.path.dirname(self.path)}: cannot write there ({e.strerror or e})") from None
         deadline = time.monotonic() + wait_for_owner
         while True:
             try:
@@ -1149,6 +1152,7 @@ def check_flags(args):
         need(getattr(args, key) > 0, f"--{key} must be positive, not {getattr(args, key)}")
     need(args.max_lr > 0 and math.isfinite(args.max_lr), f"--max_lr must be a positive number, not {args.max_lr}")
     need(0 <= args.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], not {args.min_lr_ratio}")
+    need(math.isfinite(args.weight_decay), f"--weight_decay must be a finite number, not {args.weight_decay}")
     for key in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "sample_every", "hellaswag_every",
                 "save_every", "keep_last", "batch_ramp_tokens"):
         need(getattr(args, key) >= 0, f"--{key} must be >= 0, not {getattr(args, key)}")
@@ -1165,6 +1169,9 @@ def check_flags(args):
                                                "weights: give one")
     shape = sorted(f"--{k}" if k != "bias" else "--[no-]bias" for k in SHAPE_FLAGS if k in args.given)
     need(not (args.init_from and shape), f"--init_from takes the model's shape from the weights: drop {', '.join(shape)}")
+    for key in ("log_dir", "data_root"):  # a file where a folder goes: found now, not once the run has started
+        path = getattr(args, key)
+        need(not os.path.exists(path) or os.path.isdir(path), f"--{key} {path} is a file, not a folder")
     if args.profile:
         parse_profile_schedule(args.profile_schedule)
     warnings = []

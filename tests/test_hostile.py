@@ -245,6 +245,8 @@ def test_kill_9_mid_save_and_mid_run_then_resume_is_bit_exact(data, reference, t
     ({"--total_batch_size": "-1"}, [], ["--total_batch_size"]),
     ({"--max_steps": "0"}, [], ["--max_steps"]),
     ({"--max_lr": "-1"}, [], ["--max_lr"]),
+    ({"--max_lr": "nan"}, [], ["--max_lr"]),
+    ({"--weight_decay": "inf"}, [], ["--weight_decay"]),  # trained into NaNs, it failed only at the first sample
     ({"--val_tokens": "0"}, [], ["--val_tokens"]),  # val is on (--eval_every 3)
     ({"--val_tokens": None}, ["--val_steps", "0"], ["--val_steps"]),
     ({"--device": "cdua"}, [], ["--device", "cdua"]),
@@ -273,6 +275,15 @@ def test_bad_flags_are_one_line_before_any_work(data, tmp_path, overrides, extra
 def test_flags_for_a_part_that_is_off_are_stated(flags, unused):
     warnings = tg.check_flags(tg.parse_args(flags))
     assert [w for w in warnings if unused in w and "no effect" in w], warnings
+
+
+@pytest.mark.parametrize("flag", ["--log_dir", "--data_root"])
+def test_a_file_where_a_folder_goes_is_one_line(data, tmp_path, flag):
+    path = tmp_path / "notes.txt"
+    path.write_text("my notes\n")
+    args = run_args(data, str(tmp_path / "log")) + [flag, str(path)]  # the later flag wins
+    assert_one_line_error(run_cli(*args), flag, str(path))
+    assert path.read_text() == "my notes\n" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
 
 
 def test_device_strings(monkeypatch):
