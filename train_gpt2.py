@@ -1100,7 +1100,7 @@ def hellaswag_ready(every, dist):
 def print_samples(raw_model, enc, args, dist, autocast_ctx):
     """num_samples continuations of the sample prompt from each rank (its own seed), printed."""
     gen = torch.Generator(device=dist.device).manual_seed(args.seed + dist.rank)
-    prompt = torch.tensor(enc.encode(args.sample_prompt), dtype=torch.long, device=dist.device)
+    prompt = torch.tensor(encode_prompt(enc, args.sample_prompt), dtype=torch.long, device=dist.device)
     prompt = prompt.unsqueeze(0).repeat(args.num_samples, 1)
     with autocast_ctx:
         out = raw_model.generate(prompt, args.sample_tokens, top_k=50, generator=gen)

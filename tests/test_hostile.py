@@ -286,6 +286,15 @@ def test_a_file_where_a_folder_goes_is_one_line(data, tmp_path, flag):
     assert path.read_text() == "my notes\n" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
 
 
+@pytest.mark.parametrize("prompt", ["", "<|endoftext|>Once upon a time"])
+def test_sample_prompts_the_flag_check_accepts_also_sample(data, tmp_path, prompt):
+    # the check encodes the prompt before any work; the sampler must encode it the same way, not fail at step N
+    r = run_cli(*run_args(data, str(tmp_path / "log"), **{"--max_steps": "4", "--eval_every": "0"}),
+                "--sample_prompt", prompt)
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stdout.splitlines() if line.startswith("rank 0 sample 0:")]
+
+
 def test_device_strings(monkeypatch):
     assert tg.resolve_device("cpu") == "cpu"
     for bad in ("cdua", "cuda:x", "gpu", ""):
