@@ -325,7 +325,7 @@ def resolve_device(name):
 
     mps = getattr(torch.backends, "mps", None)
     mps_ok = mps is not None and mps.is_available()
-    if name in (None, "", "auto"):
+    if name in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "mps" if mps_ok else "cpu"
     try:
         dev = torch.device(name)

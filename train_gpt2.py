@@ -520,6 +520,9 @@ def ensure_data(args, train_tokens, val_tokens, dist):
     have = bool(list_shards(args.data_root, "train")) and bool(list_shards(args.data_root, "val"))
     if dist.agree(have and unfinished_prep(args.data_root) is None):  # every rank takes the same branch
         if dist.master:
+            if "input" in getattr(args, "given", ()):  # prep reads --input only into an empty data_root
+                dist.print0(f"warning: --input has no effect: {args.data_root} already holds shards (use another "
+                            f"--data_root to prepare one from it)")
             warn_if_data_short(args.data_root, train_tokens, dist.print0)
         return
     message = prepare_data(args, train_tokens, val_tokens, dist.print0) if dist.master else None
@@ -868,11 +871,19 @@ def load_checkpoint_model(path, map_location="cpu"):
     return model
 
 
-def prune_checkpoints(log_dir, keep_last):
-    """Delete all but the newest keep_last model_*.pt (0 keeps all); returns the deleted paths."""
+def prune_checkpoints(log_dir, keep_last, upto_step=None):
+    """Delete all but the newest keep_last model_*.pt (0 keeps all); returns the deleted paths.
+
+    With upto_step (the step just saved), only checkpoints up to it count: one from later steps (a run resumed
+    from an earlier checkpoint, or past an unreadable newer one) is not newer than what was just saved, and
+    must not push it out; the run replaces it when it gets there.
+    """
     if keep_last <= 0:
         return []
-    old = find_checkpoints(log_dir)[:-keep_last]
+    found = find_checkpoints(log_dir)
+    if upto_step is not None:
+        found = [p for p in found if int(CKPT_RE.search(os.path.basename(p)).group(1)) <= upto_step]
+    old = found[:-keep_last]
     for path in old:
         os.remove(path)
     return old
@@ -889,25 +900,58 @@ class LogDirLock:
         self.path = os.path.join(log_dir, ".lock")
         self.file = None
 
-    def acquire(self):
+    def acquire(self, wait_for_owner=10.0):
+        """Take the lock, or raise a UsageError naming the live process that holds it.
+
+        The owner writes its line just after it takes the lock, over whatever a killed run left there, so a
+        second run can find the file empty or naming a dead process for a moment: it re-reads (and re-tries
+        the lock, in case the owner has ended) for up to wait_for_owner seconds until the line names a live one.
+        """
         import fcntl
         import socket
 
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        f = open(self.path, "a+")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            owner = f.read().strip() or "another process"
-            f.close()
-            raise UsageError(f"{os.path.dirname(self.path)} is in use by a live run ({owner}): wait for it to end, "
-                             f"or choose another --log_dir") from None
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            f = open(self.path, "a+")
+        except OSError as e:  # a file in the way, no permission, a read-only filesystem
+            raise UsageError(f"--log_dir {os.path.dirname(self.path)}: cannot write there ({e.strerror or e})") from None
+        deadline = time.monotonic() + wait_for_owner
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                owner = self._live_owner(f)
+            if owner is not None or time.monotonic() > deadline:
+                f.close()
+                raise UsageError(f"{os.path.dirname(self.path)} is in use by a live run ({owner or 'another process'}): "
+                                 f"wait for it to end, or choose another --log_dir") from None
+            time.sleep(0.02)
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
         self.file = f
+
+    @staticmethod
+    def _live_owner(f):
+        """'pid N on HOST' from the lock file when it is a whole line naming a live process (as far as this
+        host can tell), else None."""
+        import socket
+
+        f.seek(0)
+        text = f.read()
+        m = re.fullmatch(r"pid (\d+) on (.+)\n", text)
+        if m is None:
+            return None
+        if m.group(2) == socket.gethostname():
+            try:
+                os.kill(int(m.group(1)), 0)
+            except (ProcessLookupError, OverflowError):
+                return None  # a killed run's line, not yet replaced by the owner's
+            except PermissionError:
+                pass  # alive, another user's
+        return text.strip()
 
     def release(self):
         if self.file is not None:
@@ -1042,7 +1086,7 @@ def hellaswag_ready(every, dist):
 def print_samples(raw_model, enc, args, dist, autocast_ctx):
     """num_samples continuations of the sample prompt from each rank (its own seed), printed."""
     gen = torch.Generator(device=dist.device).manual_seed(args.seed + dist.rank)
-    prompt = torch.tensor(enc.encode(args.sample_prompt), dtype=torch.long, device=dist.device)
+    prompt = torch.tensor(encode_prompt(enc, args.sample_prompt), dtype=torch.long, device=dist.device)
     prompt = prompt.unsqueeze(0).repeat(args.num_samples, 1)
     with autocast_ctx:
         out = raw_model.generate(prompt, args.sample_tokens, top_k=50, generator=gen)
@@ -1094,6 +1138,7 @@ def check_flags(args):
         need(getattr(args, key) > 0, f"--{key} must be positive, not {getattr(args, key)}")
     need(args.max_lr > 0 and math.isfinite(args.max_lr), f"--max_lr must be a positive number, not {args.max_lr}")
     need(0 <= args.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], not {args.min_lr_ratio}")
+    need(math.isfinite(args.weight_decay), f"--weight_decay must be a finite number, not {args.weight_decay}")
     for key in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "sample_every", "hellaswag_every",
                 "save_every", "keep_last", "batch_ramp_tokens"):
         need(getattr(args, key) >= 0, f"--{key} must be >= 0, not {getattr(args, key)}")
@@ -1110,6 +1155,9 @@ def check_flags(args):
                                                "weights: give one")
     shape = sorted(f"--{k}" if k != "bias" else "--[no-]bias" for k in SHAPE_FLAGS if k in args.given)
     need(not (args.init_from and shape), f"--init_from takes the model's shape from the weights: drop {', '.join(shape)}")
+    for key in ("log_dir", "data_root"):  # a file where a folder goes: found now, not once the run has started
+        path = getattr(args, key)
+        need(not os.path.exists(path) or os.path.isdir(path), f"--{key} {path} is a file, not a folder")
     if args.profile:
         parse_profile_schedule(args.profile_schedule)
     warnings = []
@@ -1117,13 +1165,27 @@ def check_flags(args):
         warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: the LR never leaves warmup")
     if args.init_from and "preset" in args.given:
         warnings.append(f"--init_from {args.init_from}: --preset {args.preset} gives only run settings, not the shape")
+    # flags given for a part of the run that is off: stated, not dropped in silence
+    off = {"--eval_every 0": ("val_tokens", "val_steps") if args.eval_every <= 0 else (),
+           "--sample_every 0": ("sample_prompt", "num_samples", "sample_tokens") if args.sample_every <= 0 else (),
+           "--hellaswag_every 0": ("hellaswag_limit",) if args.hellaswag_every <= 0 else (),
+           "no --batch_ramp_tokens": ("batch_ramp_start",) if args.batch_ramp_tokens <= 0 else (),
+           "no --profile": ("profile_schedule",) if not args.profile else (),
+           "no --wandb_project": ("wandb_run_name",) if not args.wandb_project else ()}
+    for why, keys in off.items():
+        unused = [f"--{k}" for k in keys if k in args.given]
+        if unused:
+            warnings.append(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with {why}")
     return warnings
 
 
 def adopt_checkpoint_flags(args, saved, print0):
     """Resuming: flags not given now take the checkpoint's values; given schedule flags that differ warn."""
+    # --val_steps and --val_tokens are two ways to give one number: the one given now wins over the other's
+    # saved value (else a --val_tokens given now would be dropped in silence for a saved --val_steps)
+    replaced = {"val_tokens": "val_steps", "val_steps": "val_tokens"}
     for key, value in saved.items():
-        if key in PER_INVOCATION or not hasattr(args, key):
+        if key in PER_INVOCATION or not hasattr(args, key) or replaced.get(key) in args.given:
             continue
         if key not in args.given:
             setattr(args, key, value)
@@ -1190,18 +1252,26 @@ def sample_tokenizer(args, block_size):
 
 def resolve_settings(args, dist):
     """Phase 1: check every flag, find the checkpoint to resume, and work out the run's settings."""
-    for warning in check_flags(args):
-        dist.print0(f"warning: {warning}")
+    warnings = check_flags(args)
     resume_path, ckpt, pretrained = None, None, None
     if args.resume:
         resume_path, ckpt = find_resume_checkpoint(args.resume, args.log_dir, dist.print0)
         adopt_checkpoint_flags(args, ckpt["args"], dist.print0)
+        warnings = check_flags(args)  # again, on the values the run will have (e.g. the checkpoint's max_steps)
+        end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
+        # nothing left but the final evaluation (ckpt at max_steps - 1) is fine; nothing at all is a mistake
+        if ckpt["step"] + 1 >= end_step and ckpt["step"] + 1 != args.max_steps:
+            raise UsageError(f"{resume_path} is at step {ckpt['step']}: --max_steps {args.max_steps}"
+                             + (f" / --stop_step {args.stop_step}" if args.stop_step is not None else "")
+                             + " leave nothing to train")
         config = resumed_config(args, ckpt, resume_path)
     elif args.init_from:
         pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
         config = pretrained.config
     else:
         config = model_config_from_args(args)
+    for warning in warnings:
+        dist.print0(f"warning: {warning}")
     grad_accum = check_batch(args, dist.world_size, config.block_size)
     unit = args.micro_batch_size * args.sequence_length * dist.world_size
     autocast_ctx, use_bf16 = autocast_for(args.dtype, dist.device_type)
@@ -1390,7 +1460,7 @@ def save(run, state):
     save_checkpoint(path, run.raw_model, run.optimizer, state, run.train_loader, run.dist.master)
     run.last_saved = state.step
     if run.dist.master:
-        prune_checkpoints(run.args.log_dir, run.args.keep_last)
+        prune_checkpoints(run.args.log_dir, run.args.keep_last, state.step)
     run.dist.print0(f"saved {path}")
     return path
 
@@ -1415,6 +1485,11 @@ def training_loop(run, state):
     end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
     reporter = StepReporter(run, state.step + 1, end_step)
     profiler = Profiler(args, run.dist) if args.profile else None
+    if state.step == args.max_steps - 1:
+        # resumed from the last step's checkpoint: the final evaluation failed or died after it was saved (and
+        # the resume dropped its log lines), so running it is all that is left to do
+        guarded(run, state, "final evaluation", args.max_steps,
+                lambda: evaluate_due(run, state, args.max_steps, final=True))
     for step in range(state.step + 1, end_step):
         last_step = step == args.max_steps - 1
         guarded(run, state, "evaluation", step, lambda: evaluate_due(run, state, step))  # the model after `step` updates
@@ -1445,7 +1520,7 @@ def train(args):
         state = restore_state(args, settings, raw_model, optimizer, loaders[0], dist)
         run = start_run(args, settings, dist, raw_model, optimizer, loaders, state)
         training_loop(run, state)
-        run.metrics.finish()
+        guarded(run, state, "finishing W&B", state.step, run.metrics.finish)  # uploads: can fail after all
 
 
 # ---- what a run reports: the step line, log.txt, W&B, the profiler
