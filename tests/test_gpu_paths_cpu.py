@@ -107,7 +107,7 @@ def hellaswag_batched_vs_one_per_forward_bf16(device, folder, n=6):
     rights = [enc.encode(" " + ex["endings"][ex["label"]]) for ex in examples]
     model = tiny_gpt(device)
     # only the right endings are targets: the made-up contexts are random words, slow to learn and not needed
-    memorize(model, [c + e for c, e in zip(ctxs, rights)], starts=[len(c) for c in ctxs])
+    memorize(model, [c + e for c, e in zip(ctxs, rights)], starts=[len(c) for c in ctxs], until=0.5)
     return [hellaswag.evaluate(model, device, data_dir=folder, batch_tokens=bt, autocast_dtype=torch.bfloat16)
             for bt in (8192, 0)]
 
