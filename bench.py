@@ -3,6 +3,7 @@ Measure the hot paths of this repository for one setting, and print one table (o
 
     python bench.py --preset tiny                                   # CPU, under a minute
     python bench.py --preset gpt2 -B 64 -T 1024 --device cuda        # GPT-2 124M on a GPU (bf16, compiled)
+    python bench.py --suite gpu --out results/                      # CUDA tests + GPU benchmark, one JSON + one table
 
 Rows: training (tokens/s, ms/step, MFU, peak memory; median of timed steps after warm-up, GPU
 synchronized), HellaSwag scoring (batched vs one example per forward), generation (KV cache vs
@@ -17,6 +18,7 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -179,6 +181,157 @@ def bench_loader(args, tmp):
             "shard_tokens": 10_000_000}
 
 
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+def release(device_type):
+    """Free what the last row left behind, so the next row's peak memory is its own."""
+    import gc
+
+    gc.collect()
+    if device_type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def tokenizer_error():
+    """None if the GPT-2 BPE loads, else why not (a device machine has no network to fetch it)."""
+    cache = os.path.join(REPO, ".cache", "tiktoken")
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(cache):
+        os.environ["TIKTOKEN_CACHE_DIR"] = cache  # the tests run in a subprocess: they inherit it
+    try:
+        import tiktoken
+        tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken raises whatever its download raised
+        return (f"the GPT-2 tokenizer could not be loaded ({type(e).__name__}); without network, copy a "
+                f"tiktoken cache holding it to .cache/tiktoken and export TIKTOKEN_CACHE_DIR=.cache/tiktoken")
+    return None
+
+
+def junit_summary(path):
+    """Counts, per-test outcomes (with skip/failure messages) and recorded properties from pytest's JUnit XML."""
+    import xml.etree.ElementTree as ET
+
+    cases, properties = [], {}
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", None
+        for kind in ("failure", "error", "skipped"):
+            el = tc.find(kind)
+            if el is not None:
+                outcome, message = kind, el.get("message")
+                break
+        cases.append({"name": tc.get("name"), "outcome": outcome, "seconds": float(tc.get("time") or 0),
+                      **({"message": message} if message else {})})
+        for prop in tc.iter("property"):
+            value = prop.get("value")
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                pass
+            properties.setdefault(tc.get("name"), {})[prop.get("name")] = value
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
+    return {"counts": counts, "cases": cases, "properties": properties}
+
+
+def run_cuda_tests(out, timeout):
+    """pytest tests/test_cuda.py in a subprocess (a fresh CUDA context): its output, summary line and outcomes."""
+    xml, log = os.path.join(out, "test_cuda.xml"), os.path.join(out, "test_cuda.txt")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
+           os.path.join("tests", "test_cuda.py"), f"--junitxml={xml}"]
+    if os.path.exists(xml):
+        os.remove(xml)  # never report an earlier run's outcomes as this one's
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        output, code = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:  # its captured output comes back as bytes
+        output, code = b"".join(x for x in (e.stdout, e.stderr) if x).decode(errors="replace"), None
+        output += f"\nstopped after {timeout} s (--tests_timeout)\n"
+    with open(log, "w") as f:
+        f.write(output)
+    lines = [line for line in output.splitlines() if line.strip()]
+    res = {"command": " ".join(cmd[1:]), "returncode": code, "ok": code == 0, "seconds": time.perf_counter() - t0,
+           "summary": lines[-1].strip("= ") if lines else "", "output": log}
+    if code is not None and os.path.exists(xml):
+        res.update(junit_summary(xml))
+    return res
+
+
+def suite_training(args, config, device, device_type, autocast_ctx):
+    """The training row for ours (compiled on CUDA, fused AdamW) and build-nanogpt's configuration (eager,
+    fused AdamW, the same SDPA flash attention and model), one after the other."""
+    rows = {}
+    for name, compiled in (("ours", args.compile), ("build_nanogpt", False)):
+        run = argparse.Namespace(**{**vars(args), "compile": compiled, "foreach_adamw": False})
+        rows[name] = {**bench_training(run, config, device, device_type, autocast_ctx),
+                      "compile": compiled, "fused_adamw": device_type == "cuda"}  # configure_optimizers' rule
+        release(device_type)
+    rows["speedup"] = rows["ours"]["tokens_per_sec"] / rows["build_nanogpt"]["tokens_per_sec"]
+    return rows
+
+
+def suite_markdown(r):
+    """The suite's results as one Markdown page."""
+    s, t, h, g = r["setting"], r["train"], r["hellaswag"], r["generate"]
+    tests = r.get("tests")
+    lines = [f"# GPU suite: {s['gpu'] or s['device']}", "",
+             f"torch {s['torch']} (CUDA {s['cuda']}), {s['date']}; model {s['preset']}, B={s['B']}, T={s['T']}, "
+             f"{s['grad_accum']} micro-steps ({t['ours']['tokens_per_step']:,} tokens per step), {s['dtype']}", "",
+             f"CUDA tests (`{tests['command']}`): {tests['summary']}" if tests else "CUDA tests: not run (--skip_tests)", "",
+             "| training | tokens/s | ms/step | MFU | peak memory |", "|---|---:|---:|---:|---:|"]
+    for key, label in (("ours", "ours"), ("build_nanogpt", "build-nanogpt")):
+        row = t[key]
+        what = f"{label}: {'compiled' if row['compile'] else 'eager'}, {'fused' if row['fused_adamw'] else 'foreach'} AdamW"
+        lines.append(f"| {what} | {fmt(row['tokens_per_sec'])} | {fmt(row['ms_per_step'])} | "
+                     f"{fmt(row['mfu'] * 100 if row['mfu'] else None, '%')} | {fmt(row['peak_mem_gib'], ' GiB')} |")
+    lines += ["", f"ours / build-nanogpt tokens/s: {fmt(t['speedup'], 'x')}", "",
+              "| scoring and generation | value |", "|---|---:|",
+              f"| HellaSwag ex/s, one example per forward ({h['examples']} examples) | {fmt(h['one_per_forward'])} |",
+              f"| HellaSwag ex/s, batched ({h['batch_tokens']} tokens per forward) | {fmt(h['batched'])} |",
+              f"| HellaSwag batched speedup | {fmt(h['speedup'], 'x')} |",
+              f"| HellaSwag same predictions | {'yes' if h['same_predictions'] else 'NO'} |",
+              f"| generate tok/s, KV cache ({g['new_tokens']} new tokens) | {fmt(g['kv_cache'])} |",
+              f"| generate tok/s, recompute ({g['new_tokens']} new tokens) | {fmt(g['no_cache'])} |",
+              f"| generate KV-cache speedup | {fmt(g['speedup'], 'x')} |"]
+    return "\n".join(lines) + "\n"
+
+
+def run_gpu_suite(args, device, config, autocast_ctx, setting):
+    """--suite gpu: the CUDA tests, then every GPU benchmark row; writes gpu_suite.json and gpu_suite.md."""
+    import datetime
+
+    device_type = device.split(":")[0]
+    if device_type != "cuda" and args.device == "auto":
+        print("error: --suite gpu needs CUDA and there is none here (to smoke-test the suite on CPU: "
+              "--device cpu --preset tiny --skip_tests)", file=sys.stderr)
+        return 1
+    problem = tokenizer_error()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    setting = {**setting, "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "warmup": args.warmup, "timed_steps": args.steps}
+    results = {"setting": setting}
+    if not args.skip_tests:
+        results["tests"] = run_cuda_tests(args.out, args.tests_timeout)
+        print(f"CUDA tests: {results['tests']['summary']}", flush=True)
+    results["train"] = suite_training(args, config, device, device_type, autocast_ctx)
+    results["hellaswag"] = bench_hellaswag(args, config, device, autocast_ctx)
+    release(device_type)
+    results["generate"] = bench_generation(args, config, device, device_type, autocast_ctx)
+    with open(os.path.join(args.out, "gpu_suite.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    page = suite_markdown(results)
+    with open(os.path.join(args.out, "gpu_suite.md"), "w") as f:
+        f.write(page)
+    print(page + f"\nwrote {os.path.join(args.out, 'gpu_suite.json')} and gpu_suite.md")
+    if "tests" in results and not results["tests"]["ok"]:
+        print(f"error: the CUDA tests did not pass: {results['tests']['summary']} "
+              f"(see {results['tests']['output']})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def fmt(v, unit=""):
     if v is None:
         return "n/a"
@@ -336,11 +489,37 @@ def build_parser():
     p.add_argument("--hellaswag_batch_tokens", type=int, default=None,
                    help="tokens per batched HellaSwag forward (default: 8192 on CUDA, 512 elsewhere)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--suite", default=None, choices=["gpu"],
+                   help="gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, B=64, bf16 with 8 micro-steps "
+                        "(524,288 tokens) for ours (compiled) and build-nanogpt's configuration (eager), HellaSwag "
+                        "batched vs one example per forward, KV cache vs recompute; writes --out/gpu_suite.json "
+                        "and gpu_suite.md. Synthetic tokens, no network, but the GPT-2 tokenizer must be cached: "
+                        "copy its tiktoken cache to .cache/tiktoken (git-ignored) and export "
+                        "TIKTOKEN_CACHE_DIR=.cache/tiktoken (used by default when that folder exists)")
+    p.add_argument("--out", default="results", help="with --suite: folder for its JSON, Markdown and test output")
+    p.add_argument("--skip_tests", action="store_true",
+                   help="with --suite: leave out the CUDA tests (to smoke-test the suite itself, e.g. on CPU)")
+    p.add_argument("--tests_timeout", type=int, default=420,
+                   help="with --suite: seconds before the CUDA tests are stopped (the benchmark still runs)")
     return p
 
 
+# --suite gpu measures GPT-2 124M with the real 524,288-token batch: B=64 x T=1024 x 8 micro-steps
+SUITE_DEFAULTS = {"gpu": dict(preset="gpt2", micro_batch_size=64, sequence_length=1024, grad_accum=8, warmup=5, steps=10)}
+
+
+def parse_args(argv=None):
+    """Flags, with the suite's settings as defaults under --suite (explicit flags still win)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.suite:
+        parser.set_defaults(**SUITE_DEFAULTS[args.suite])
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         device = tg.resolve_device(args.device)
     except tg.UsageError as e:
@@ -357,8 +536,7 @@ def main(argv=None):
     args.hellaswag_batch_tokens = args.hellaswag_batch_tokens or (8192 if device_type == "cuda" else 512)
     args.warmup = args.warmup if args.warmup is not None else (10 if args.compile else 3)
     autocast_ctx, use_bf16 = tg.autocast_for(args.dtype, device_type)
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")
+    tg.hellaswag.enable_tf32(device_type)
     only = set(args.only.split(","))
 
     results = {"setting": {"preset": args.preset, "B": args.micro_batch_size, "T": args.sequence_length,
@@ -366,6 +544,8 @@ def main(argv=None):
                            "compile": args.compile, "compile_mode": args.compile_mode, "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name(device) if device_type == "cuda" else None,
                            "threads": torch.get_num_threads()}}
+    if args.suite:
+        return run_gpu_suite(args, device, config, autocast_ctx, results["setting"])
     if "train" in only:
         results["train"] = bench_training(args, config, device, device_type, autocast_ctx)
     if "hellaswag" in only:
@@ -383,7 +563,12 @@ def main(argv=None):
 
     if args.json:
         print(json.dumps(results, indent=2))
-        return 0
+    else:
+        print_table(results)
+    return 0
+
+
+def print_table(results):
     print("setting: " + ", ".join(f"{k}={v}" for k, v in results["setting"].items()))
     print(f"{'what':<34} {'value':>16}")
     rows = []
@@ -409,7 +594,6 @@ def main(argv=None):
     rows += fineweb_rows(results)
     for name, value in rows:
         print(f"{name:<34} {value:>16}")
-    return 0
 
 
 if __name__ == "__main__":

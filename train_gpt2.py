@@ -400,18 +400,28 @@ def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
     return 6 * n_params + 12 * L * H * Q * T
 
 
-# Peak dense bf16 tensor-core FLOP/s of the GPUs we know, matched against torch.cuda.get_device_name().
+# Peak dense (no sparsity) bf16 tensor-core FLOP/s per GPU, from NVIDIA's datasheets, which print the
+# with-sparsity figure: half of it is the dense peak. H100 SXM 1,979 -> 989 TF, H100 NVL 1,671 -> 835,
+# H100 PCIe 1,513 -> 756 (H100 datasheet); H200 SXM 1,979 -> 989, H200 NVL 1,671 -> 835 (H200 datasheet);
+# A100 624 -> 312 for all of 40/80GB, SXM4/PCIe (A100 datasheet). Matched as substrings of
+# torch.cuda.get_device_name(), e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 NVL", "NVIDIA H100 PCIe",
+# "NVIDIA H200", "NVIDIA A100-SXM4-80GB"; the first match wins, so the form factors come before the plain
+# name (the SXM parts carry no form factor in their name). Other GPUs get no MFU unless --peak_flops is given.
 PEAK_BF16_FLOPS = [
-    ("H200", 989e12),
+    ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM / HBM3 parts
+    ("H100", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
     ("A100", 312e12),
 ]
 
 
 def peak_flops(device_name: str):
+    """Peak dense bf16 FLOP/s of a GPU named like torch.cuda.get_device_name(), or None if unknown."""
+    name = device_name.casefold()
     for key, flops in PEAK_BF16_FLOPS:
-        if key in device_name:
+        if key.casefold() in name:
             return flops
     return None
 

@@ -8,7 +8,7 @@ from conftest import REPO
 
 
 def test_bench_json_has_every_row():
-    r = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--preset", "tiny", "-B", "2", "-T", "64",
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64",
                         "--steps", "1", "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--json"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
@@ -28,3 +28,55 @@ def test_bench_bad_device_is_one_line():
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--device", "cuda", "--only", "train"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_gpu_suite_defaults_are_gpt2_with_the_real_batch():
+    import bench
+    args = bench.parse_args(["--suite", "gpu"])
+    assert (args.preset, args.micro_batch_size, args.sequence_length, args.grad_accum) == ("gpt2", 64, 1024, 8)
+    assert args.micro_batch_size * args.sequence_length * args.grad_accum == 524_288
+    assert bench.parse_args(["--suite", "gpu", "--preset", "tiny", "-B", "2"]).micro_batch_size == 2  # flags win
+
+
+def test_gpu_suite_plumbing_on_cpu(tmp_path):
+    """The suite's rows, JSON and Markdown on CPU with the tiny preset; its CUDA tests left out (no pytest in pytest)."""
+    import bench
+    out = tmp_path / "results"
+    code = bench.main(["--suite", "gpu", "--out", str(out), "--device", "cpu", "--preset", "tiny", "-B", "2", "-T", "64",
+                       "--grad_accum", "2", "--steps", "1", "--warmup", "0", "--gen_tokens", "4",
+                       "--hellaswag_examples", "4", "--skip_tests"])
+    assert code == 0
+    res = json.loads((out / "gpu_suite.json").read_text())
+    assert res["setting"]["preset"] == "tiny" and res["setting"]["grad_accum"] == 2 and "tests" not in res
+    ours, nano = res["train"]["ours"], res["train"]["build_nanogpt"]
+    assert ours["tokens_per_step"] == nano["tokens_per_step"] == 2 * 64 * 2 and nano["compile"] is False
+    assert res["train"]["speedup"] == ours["tokens_per_sec"] / nano["tokens_per_sec"]
+    assert res["hellaswag"]["examples"] == 4 and res["generate"]["new_tokens"] == 4
+    page = (out / "gpu_suite.md").read_text()
+    assert "| build-nanogpt: eager, foreach AdamW |" in page and "HellaSwag batched speedup" in page
+    assert "CUDA tests: not run" in page
+
+
+def test_gpu_suite_without_cuda_is_one_line(capsys):
+    import pytest
+    import torch
+    import bench
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert bench.main(["--suite", "gpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "CUDA" in err and len(err.strip().splitlines()) == 1
+
+
+def test_junit_summary(tmp_path):
+    import bench
+    xml = tmp_path / "t.xml"
+    xml.write_text('<testsuites><testsuite name="pytest" tests="3">'
+                   '<testcase classname="tests.test_cuda" name="test_a" time="1.5"><properties>'
+                   '<property name="mfu" value="0.51"/></properties></testcase>'
+                   '<testcase name="test_b" time="0.1"><failure message="boom">trace</failure></testcase>'
+                   '<testcase name="test_c" time="0"><skipped message="needs 2 GPUs"/></testcase>'
+                   '</testsuite></testsuites>')
+    s = bench.junit_summary(str(xml))
+    assert s["counts"] == {"passed": 1, "failure": 1, "error": 0, "skipped": 1}
+    assert s["properties"] == {"test_a": {"mfu": 0.51}} and s["cases"][2]["message"] == "needs 2 GPUs"

@@ -178,22 +178,22 @@ def test_export_refuses_non_gpt2_architectures(tmp_path, kw, message):
 def test_sample_command(tmp_path):
     ckpt = str(tmp_path / "model.pt")
     save_tiny_checkpoint(ckpt, tiny_model())
-    r = run_cli("sample", "--checkpoint", ckpt, "--prompt", "The sky is", "--num_samples", "2",
+    r = run_cli("sample", "--device", "cpu", "--checkpoint", ckpt, "--prompt", "The sky is", "--num_samples", "2",
                 "--max_new_tokens", "5", "--seed", "3")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("--- sample") == 2 and r.stdout.count("The sky is") == 2
-    again = run_cli("sample", "--checkpoint", ckpt, "--prompt", "The sky is", "--num_samples", "2",
+    again = run_cli("sample", "--device", "cpu", "--checkpoint", ckpt, "--prompt", "The sky is", "--num_samples", "2",
                     "--max_new_tokens", "5", "--seed", "3", "--no_kv_cache")
     assert again.stdout == r.stdout  # same seed: the cache changes the speed, not the text
-    r = run_cli("sample", "--checkpoint", ckpt, "--max_new_tokens", "100")
+    r = run_cli("sample", "--device", "cpu", "--checkpoint", ckpt, "--max_new_tokens", "100")
     assert r.returncode == 1 and "block_size 64" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("sample", "--checkpoint", str(tmp_path / "missing.pt"))
+    r = run_cli("sample", "--device", "cpu", "--checkpoint", str(tmp_path / "missing.pt"))
     assert r.returncode == 1 and "checkpoint not found" in r.stderr
 
 
 def test_sample_from_pretrained_dir(tmp_path):
     hf, path = hf_dir(tmp_path)
-    r = run_cli("sample", "--init_from", path, "--max_new_tokens", "4", "--num_samples", "1", "--top_k", "1")
+    r = run_cli("sample", "--device", "cpu", "--init_from", path, "--max_new_tokens", "4", "--num_samples", "1", "--top_k", "1")
     assert r.returncode == 0, r.stderr
     import tiktoken
     enc = tiktoken.get_encoding("gpt2")
@@ -201,7 +201,7 @@ def test_sample_from_pretrained_dir(tmp_path):
     with torch.no_grad():
         want = hf.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=50256)
     assert enc.decode(want[0].tolist()) in r.stdout
-    r = run_cli("sample", "--init_from", str(tmp_path / "nowhere"))
+    r = run_cli("sample", "--device", "cpu", "--init_from", str(tmp_path / "nowhere"))
     assert r.returncode == 1 and "could not load GPT-2 weights" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -41,9 +41,10 @@ def run_cli(*args, subprocess_run=False):
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
-# a tiny training run on the shards in `data`, writing to `log`; extra flags override these
+# a tiny training run on the shards in `data`, writing to `log`; extra flags override these. On the CPU in
+# fp32 on any machine (`auto` would pick CUDA, bf16 and compile on a GPU box): tests/test_cuda.py covers CUDA
 def tiny_run_args(data, log, *extra):
-    return ["--preset", "tiny", "--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "64",
+    return ["--preset", "tiny", "--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "64", "--device", "cpu",
             "-B", "2", "-T", "32", "--total_batch_size", "128", "--max_steps", "10", "--warmup_steps", "3",
             "--eval_every", "4", "--val_tokens", "256", "--sample_every", "5", "--sample_tokens", "6",
             "--num_samples", "2", "--save_every", "4", "--hellaswag_every", "0",
