@@ -1242,7 +1242,7 @@ def check_optimizer(args, ckpt, path):
                              f"resume with --optimizer {saved} (or without the flag), or start a new run")
     ignored = sorted(f"--{k}" for k in args.given if k.startswith("muon_"))
     if args.optimizer != "muon" and ignored:
-        return [f"{', '.join(ignored)} only apply with --optimizer muon"]
+        return [f"{', '.join(ignored)}: Muon's flags, ignored without --optimizer muon"]
     return []
 
 

@@ -56,7 +56,7 @@ def test_adamw_stays_the_default_and_muon_flags_are_checked(shard_dir, tmp_path)
     r = run_cli(*tiny_run_args(shard_dir, str(tmp_path / "a"), *MUON, "--muon_momentum", "1.5"))
     assert r.returncode == 1 and r.stderr.strip() == "error: --muon_momentum must be in [0, 1), not 1.5"
     warnings = tg.check_optimizer(tg.parse_args(["--muon_lr", "0.01"]), None, None)
-    assert warnings == ["--muon_lr only apply with --optimizer muon"]
+    assert warnings == ["--muon_lr: Muon's flags, ignored without --optimizer muon"]
 
 
 def test_muon_resume_is_exact_and_checkpoints_hold_both_states(shard_dir, tmp_path):
