@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -332,6 +333,87 @@ def run_gpu_suite(args, device, config, autocast_ctx, setting):
     return 0
 
 
+def bench_optimizers(args, config, device, device_type, autocast_ctx):
+    """ms per optimizer.step() alone, --optimizer adamw vs muon, on the same model and the same gradients."""
+    torch.manual_seed(0)
+    model = tg.GPT(config).to(device)
+    loader = RandomLoader(args.micro_batch_size, args.sequence_length, config.real_vocab_size, device)
+    tg.forward_backward(model, loader, 1, device, autocast_ctx)  # gradients that every timed step reuses
+    row = {}
+    for kind, muon in (("adamw", None), ("muon", {})):
+        opt = model.configure_optimizers(0.1, 6e-4, device_type, verbose=False, muon=muon)
+        # at least one untimed step: the first one allocates the optimizer state
+        row[f"{kind}_ms"] = timed(opt.step, device_type, max(1, args.warmup), args.steps) * 1000
+    row["muon_vs_adamw"] = row["muon_ms"] / row["adamw_ms"]
+    return row
+
+
+def stdlib_docstrings(path):
+    """Every docstring of this Python's standard library (tests and site-packages left out), in path order,
+    as one text file: a few MB of English prose that any machine with Python has."""
+    import ast
+    import sysconfig
+
+    root, docs = sysconfig.get_paths()["stdlib"], []
+    for folder, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in ("test", "tests", "site-packages", "__pycache__"))
+        for name in sorted(f for f in files if f.endswith(".py")):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            docs += [ast.get_docstring(n) for n in ast.walk(tree)
+                     if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    with open(path, "w") as f:
+        f.write("\n\n".join(d for d in docs if d))
+    return path
+
+
+def steps_to_reach(steps, values, target):
+    """The first evaluated step whose val loss is <= target, or None."""
+    return next((s for s, v in zip(steps, values) if v <= target), None)
+
+
+def compare_optimizers(args, device):
+    """Train the tiny preset with AdamW and then with Muon on the same local text; their val loss curves.
+
+    The run's step lines go to stderr, so that the table (or --json) is all that stdout holds."""
+    tiny = tg.RUN_PRESETS["tiny"]
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = args.compare_input or [stdlib_docstrings(os.path.join(tmp, "stdlib_docstrings.txt"))]
+        data = os.path.join(tmp, "data")
+        # the val shard holds just what the tiny preset evaluates on; every other token is for training
+        fineweb.prepare(data, inputs=inputs, shard_size=10_000_000, val_tokens=tiny["val_tokens"], progress=False)
+        runs = {}
+        for kind in ("adamw", "muon"):
+            log_dir = os.path.join(tmp, kind)
+            flags = ["--preset", "tiny", "--optimizer", kind, "--data_root", data, "--log_dir", log_dir,
+                     "--max_steps", str(args.compare_steps), "--eval_every", str(args.compare_eval_every),
+                     "--sample_every", "0", "--device", device, *shlex.split(args.compare_flags)]
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(sys.stderr):
+                if tg.main(flags) != 0:
+                    raise RuntimeError(f"train_gpt2.py {' '.join(flags)} failed")
+            steps, values = tg.read_log(os.path.join(log_dir, "log.txt"))["val"]
+            runs[kind] = {"steps": steps, "val": values, "seconds": time.perf_counter() - t0}
+    target = runs["adamw"]["val"][-1]
+    return {"inputs": args.compare_input or ["stdlib docstrings"], "max_steps": args.compare_steps,
+            "flags": args.compare_flags, **runs,
+            "adamw_final_val": target, "muon_steps_to_adamw_final": steps_to_reach(runs["muon"]["steps"], runs["muon"]["val"], target)}
+
+
+def print_compare(c):
+    print(f"tiny preset {c['flags']}, {c['max_steps']} steps on {' '.join(c['inputs'])}: val loss")
+    print(f"{'step':>6} {'AdamW':>8} {'Muon':>8}")
+    for step, a, m in zip(c["adamw"]["steps"], c["adamw"]["val"], c["muon"]["val"]):
+        print(f"{step:>6} {a:>8.4f} {m:>8.4f}")
+    reach = c["muon_steps_to_adamw_final"]
+    print(f"Muon reaches AdamW's final val loss {c['adamw_final_val']:.4f} at step "
+          f"{reach if reach is not None else 'n/a (never)'} of {c['max_steps']}; "
+          f"wall time AdamW {c['adamw']['seconds']:.0f} s, Muon {c['muon']['seconds']:.0f} s")
+
+
 def fmt(v, unit=""):
     if v is None:
         return "n/a"
@@ -479,15 +561,22 @@ def build_parser():
     p.add_argument("--peak_flops", type=float, default=None, help="peak FLOP/s for MFU (default: known GPUs)")
     p.add_argument("--warmup", type=int, default=None, help="untimed training steps first (default: 3, 10 with compile)")
     p.add_argument("--steps", type=int, default=5, help="timed training steps (the median is reported)")
-    p.add_argument("--only", default="train,hellaswag,generate,loader,fineweb",
+    p.add_argument("--only", default="train,optimizers,hellaswag,generate,loader,fineweb",
                    help="comma-separated subset of rows to measure (also: fineweb_naive, fineweb.py vs the "
-                        "build-nanogpt loop)")
+                        "build-nanogpt loop; optimizers_compare, the tiny preset trained with AdamW and with Muon)")
     p.add_argument("--fineweb_input", nargs="+", metavar="PATH", default=None,
                    help="corpus (.txt/.jsonl/.parquet) for the fineweb rows (default: a synthetic ~6 MB one)")
     p.add_argument("--gen_tokens", type=int, default=128, help="new tokens per generation (after a 16-token prompt)")
     p.add_argument("--hellaswag_examples", type=int, default=40, help="synthetic HellaSwag examples to score")
     p.add_argument("--hellaswag_batch_tokens", type=int, default=None,
                    help="tokens per batched HellaSwag forward (default: 8192 on CUDA, 512 elsewhere)")
+    p.add_argument("--compare_input", nargs="+", metavar="PATH", default=None,
+                   help="text (.txt/.jsonl/.parquet) for --only optimizers_compare (default: this Python's "
+                        "standard-library docstrings)")
+    p.add_argument("--compare_steps", type=int, default=150, help="optimizer steps per run for optimizers_compare")
+    p.add_argument("--compare_eval_every", type=int, default=10, help="val loss every N steps for optimizers_compare")
+    p.add_argument("--compare_flags", default="", metavar="'FLAGS'",
+                   help="more train_gpt2.py flags for both optimizers_compare runs, e.g. '--total_batch_size 512 -B 2'")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--suite", default=None, choices=["gpu"],
                    help="gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, B=64, bf16 with 8 micro-steps "
@@ -548,6 +637,10 @@ def main(argv=None):
         return run_gpu_suite(args, device, config, autocast_ctx, results["setting"])
     if "train" in only:
         results["train"] = bench_training(args, config, device, device_type, autocast_ctx)
+    if "optimizers" in only:
+        results["optimizers"] = bench_optimizers(args, config, device, device_type, autocast_ctx)
+    if "optimizers_compare" in only:
+        results["optimizers_compare"] = compare_optimizers(args, device)
     if "hellaswag" in only:
         results["hellaswag"] = bench_hellaswag(args, config, device, autocast_ctx)
     if "generate" in only:
@@ -577,6 +670,9 @@ def print_table(results):
         rows += [("train tokens/s", fmt(t["tokens_per_sec"])), ("train ms/step", fmt(t["ms_per_step"])),
                  ("train MFU", fmt(t["mfu"] * 100 if t["mfu"] else None, "%")),
                  ("train peak GPU memory", fmt(t["peak_mem_gib"], " GiB"))]
+    if "optimizers" in results:
+        o = results["optimizers"]
+        rows += [("optimizer step ms, AdamW", fmt(o["adamw_ms"])), ("optimizer step ms, Muon + AdamW", fmt(o["muon_ms"]))]
     if "hellaswag" in results:
         h = results["hellaswag"]
         rows += [("HellaSwag ex/s, one per forward", fmt(h["one_per_forward"])),
@@ -594,6 +690,8 @@ def print_table(results):
     rows += fineweb_rows(results)
     for name, value in rows:
         print(f"{name:<34} {value:>16}")
+    if "optimizers_compare" in results:
+        print_compare(results["optimizers_compare"])
 
 
 if __name__ == "__main__":

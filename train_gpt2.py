@@ -305,9 +305,16 @@ class GPT(nn.Module):
                 sd[k].copy_(v)
         return model
 
-    def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True):
-        """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or LayerNorm."""
+    def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True, muon=None):
+        """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or LayerNorm.
+
+        muon: None, or make_muon's keyword arguments (muon_settings(args)): the 2-D weights inside the blocks
+        then go to torch.optim.Muon instead, AdamW keeps the rest, and the two come back as one CombinedOptimizer.
+        """
         params = [p for p in self.parameters() if p.requires_grad]
+        matrices = self.block_matrices() if muon is not None else []
+        taken = {id(p) for p in matrices}
+        params = [p for p in params if id(p) not in taken]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [
@@ -318,7 +325,16 @@ class GPT(nn.Module):
             print(f"decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
             print(f"non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
         fused = device_type == "cuda"  # one kernel for the whole update instead of one per tensor
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+        adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+        if muon is None:
+            return adamw
+        if verbose:
+            print(f"Muon matrices: {len(matrices)}, with {sum(p.numel() for p in matrices):,} parameters")
+        return CombinedOptimizer({"adamw": adamw, "muon": make_muon(matrices, weight_decay, learning_rate, **muon)})
+
+    def block_matrices(self):
+        """The 2-D weights inside the transformer blocks (attention and MLP matmuls): Muon's share."""
+        return [p for p in self.transformer.h.parameters() if p.requires_grad and p.dim() == 2]
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True):
@@ -589,6 +605,76 @@ def prepare_data(args, train_tokens, val_tokens, print0):
 
 
 # =============================================================================
+# Optimizers: AdamW alone (GPT-2's recipe), or Muon for the block matrices and AdamW for the rest
+# =============================================================================
+
+def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5, adjust_lr_fn="match_rms_adamw"):
+    """torch.optim.Muon over `matrices` with decoupled weight decay, as AdamW's.
+
+    match_rms_adamw scales each update to AdamW's RMS, so Muon's lr is on AdamW's scale and the same schedule
+    drives both. The group's lr_scale (lr / max_lr) is what train_step multiplies the scheduled LR by.
+    """
+    lr = max_lr if lr is None else lr
+    return torch.optim.Muon([{"params": matrices, "lr_scale": lr / max_lr}], lr=lr, weight_decay=weight_decay,
+                            momentum=momentum, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+
+
+def muon_settings(args):
+    """configure_optimizers' muon argument for these flags: None for --optimizer adamw."""
+    if args.optimizer != "muon":
+        return None
+    return dict(lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.muon_ns_steps,
+                adjust_lr_fn=args.muon_adjust_lr)
+
+
+class CombinedOptimizer:
+    """Optimizers over disjoint parameters, used as one by the training loop and the checkpoints.
+
+    param_groups lists every part's groups (train_step sets the scheduled LR on each); zero_grad and step
+    go to every part; `parts` names them, and a checkpoint stores each part's state under its name.
+    """
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    @property
+    def param_groups(self):
+        return [group for opt in self.parts.values() for group in opt.param_groups]
+
+    def zero_grad(self, set_to_none=True):
+        for opt in self.parts.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for opt in self.parts.values():
+            opt.step()
+
+    def state_dict(self):
+        return {name: opt.state_dict() for name, opt in self.parts.items()}
+
+    def load_state_dict(self, state):
+        for name, opt in self.parts.items():
+            opt.load_state_dict(state[name])
+
+
+def set_lr(optimizer, lr):
+    """The scheduled LR on every param group, times the group's lr_scale (Muon's: --muon_lr / --max_lr)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def per_part(optimizer, fn, *states):
+    """fn(optimizer, *states) for a lone optimizer; {name: fn(part, *states[name])} for a CombinedOptimizer.
+
+    This is the checkpoint format: "optimizer" holds AdamW's state dict as it always has, or with Muon
+    {"adamw": ..., "muon": ...}, one state dict per part.
+    """
+    if isinstance(optimizer, CombinedOptimizer):
+        return {name: fn(opt, *(s[name] for s in states)) for name, opt in optimizer.parts.items()}
+    return fn(optimizer, *states)
+
+
+# =============================================================================
 # Schedules: learning rate and batch size, both functions of where the run is
 # =============================================================================
 
@@ -804,7 +890,8 @@ def full_state_dicts(raw_model, optimizer):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(raw_model, options=opts), get_optimizer_state_dict(raw_model, optimizer, options=opts)
+    optim_sd = per_part(optimizer, lambda opt: get_optimizer_state_dict(raw_model, opt, options=opts))
+    return get_model_state_dict(raw_model, options=opts), optim_sd
 
 
 def load_full_state_dicts(raw_model, optimizer, model_sd, optim_sd):
@@ -813,12 +900,17 @@ def load_full_state_dicts(raw_model, optimizer, model_sd, optim_sd):
 
     opts = StateDictOptions(full_state_dict=True)
     set_model_state_dict(raw_model, model_sd, options=opts)
+
+    def load(opt, sd):
+        # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags,
+        # not to the run that wrote the checkpoint
+        keep = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g} for g in opt.param_groups]
+        set_optimizer_state_dict(raw_model, opt, sd, options=opts)
+        for group, kept in zip(opt.param_groups, keep):
+            group.update(kept)
+
     if optimizer is not None:
-        # the kernel choice belongs to this machine, not to the one that wrote the checkpoint
-        impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
-        set_optimizer_state_dict(raw_model, optimizer, optim_sd, options=opts)
-        for group, keep in zip(optimizer.param_groups, impl):
-            group.update(keep)
+        per_part(optimizer, load, optim_sd)
 
 
 
@@ -1168,6 +1260,10 @@ def check_flags(args):
     for key in ("log_dir", "data_root"):  # a file where a folder goes: found now, not once the run has started
         path = getattr(args, key)
         need(not os.path.exists(path) or os.path.isdir(path), f"--{key} {path} is a file, not a folder")
+    need(args.muon_lr is None or (args.muon_lr > 0 and math.isfinite(args.muon_lr)),
+         f"--muon_lr must be a positive number, not {args.muon_lr}")
+    need(0 <= args.muon_momentum < 1, f"--muon_momentum must be in [0, 1), not {args.muon_momentum}")
+    need(0 < args.muon_ns_steps < 100, f"--muon_ns_steps must be in 1..99, not {args.muon_ns_steps}")
     if args.profile:
         parse_profile_schedule(args.profile_schedule)
     warnings = []
@@ -1201,6 +1297,19 @@ def adopt_checkpoint_flags(args, saved, print0):
             setattr(args, key, value)
         elif key in SCHEDULE_FLAGS and getattr(args, key) != value:
             print0(f"warning: --{key} is {getattr(args, key)} now but was {value} in the checkpoint")
+
+
+def check_optimizer(args, ckpt, path):
+    """Resuming: the checkpoint's optimizer state must be of the kind --optimizer asks for; returns warnings."""
+    if ckpt is not None:
+        saved = ckpt["args"].get("optimizer", "adamw")  # checkpoints from before --optimizer hold AdamW's state
+        if args.optimizer != saved:
+            raise UsageError(f"{path} holds {saved} optimizer state but --optimizer {args.optimizer} was given: "
+                             f"resume with --optimizer {saved} (or without the flag), or start a new run")
+    ignored = sorted(f"--{k}" for k in args.given if k.startswith("muon_"))
+    if args.optimizer != "muon" and ignored:
+        return [f"{', '.join(ignored)}: Muon's flags, ignored without --optimizer muon"]
+    return []
 
 
 def model_config_from_args(args):
@@ -1280,7 +1389,7 @@ def resolve_settings(args, dist):
         config = pretrained.config
     else:
         config = model_config_from_args(args)
-    for warning in warnings:
+    for warning in warnings + check_optimizer(args, ckpt, resume_path):  # after a resume adopted --optimizer
         dist.print0(f"warning: {warning}")
     grad_accum = check_batch(args, dist.world_size, config.block_size)
     unit = args.micro_batch_size * args.sequence_length * dist.world_size
@@ -1327,7 +1436,7 @@ def open_data(args, settings, dist):
 
 
 def build_model(args, settings, dist):
-    """The raw model (a seeded init or OpenAI's weights) on its device, sharded under --fsdp, and AdamW."""
+    """The raw model (a seeded init or OpenAI's weights) on its device, sharded under --fsdp, and its optimizer."""
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     random.seed(args.seed)
@@ -1337,7 +1446,8 @@ def build_model(args, settings, dist):
     dist.print0(f"model: {raw_model.get_num_params():,} parameters")
     if args.fsdp:
         shard_model(raw_model, settings.use_bf16)
-    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, dist.device_type, verbose=dist.master)
+    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, dist.device_type, verbose=dist.master,
+                                               muon=muon_settings(args))
     return raw_model, optimizer
 
 
@@ -1422,8 +1532,7 @@ def train_step(run, state, step):
     if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
         norm = norm.full_tensor()
     lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps, args.max_steps)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    set_lr(run.optimizer, lr)
     run.optimizer.step()
     if dist.device_type == "cuda":
         torch.cuda.synchronize()  # so dt measures the GPU work, not just the launches
@@ -1680,11 +1789,23 @@ def add_model_flags(g):
 
 
 def add_optimisation_flags(g):
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="adamw: GPT-2's recipe. muon: torch.optim.Muon for the 2-D weights inside the blocks, "
+                        "AdamW for embeddings, lm_head, biases and LayerNorms; same schedule, clipping and decay")
+    g.add_argument("--muon_lr", type=float, default=None,
+                   help="Muon's peak LR (default: --max_lr; with --muon_adjust_lr match_rms_adamw it is on "
+                        "AdamW's scale); the schedule scales it as it scales --max_lr")
+    g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
+    g.add_argument("--muon_ns_steps", type=int, default=5, help="Newton-Schulz iterations per Muon update")
+    g.add_argument("--muon_adjust_lr", default="match_rms_adamw", choices=["match_rms_adamw", "original"],
+                   help="Muon's per-matrix LR scaling: match_rms_adamw (Moonshot: AdamW's LR and decay carry "
+                        "over) or original (Keller Jordan's: needs a ~10-50x larger --muon_lr, e.g. 0.02)")
     g.add_argument("--max_lr", type=float, default=6e-4, help="peak learning rate")
     g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate as a fraction of max_lr")
     g.add_argument("--warmup_steps", type=int, default=715, help="linear warmup steps")
     g.add_argument("--max_steps", type=int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
-    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matmul weights and embeddings")
+    g.add_argument("--weight_decay", type=float, default=0.1,
+                   help="decoupled weight decay on matmul weights and embeddings (AdamW's and Muon's)")
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
     g.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, all processes together")
     g.add_argument("--batch_ramp_tokens", type=int, default=0,
