@@ -370,7 +370,7 @@ def enable_tf32(device_type):
 
 
 def _token_losses(picked, targets):
-    """Cross-entropy (fp32) of each row of ``picked`` (K, V) against ``targets`` (K,)."""
+    """Cross-entropy (fp32) of each row of ``picked`` (K, V) against ``targets`` (K,); 0 where a target is -100."""
     import torch
     import torch.nn.functional as F
 
@@ -406,7 +406,13 @@ def completion_losses(logits, tokens, mask, positions=None):
     if logits.dim() != 3 or logits.shape[:2] != tgt.shape or missed:
         where = "" if positions is None else f" at {positions.numel()} positions ({missed} scored ones missing)"
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match tokens shape {tuple(tokens.shape)}{where}")
-    token_loss = _token_losses(logits[tgt_mask], tgt[tgt_mask])  # (K,)
+    if positions is None:
+        token_loss = _token_losses(logits[tgt_mask], tgt[tgt_mask])  # (K,)
+    else:
+        # nearly every kept position is scored: cross-entropy over all of them in place (-100: not scored)
+        # beats copying the scored rows out of the logits first
+        ignored = torch.where(tgt_mask, tgt, torch.full_like(tgt, -100))
+        token_loss = _token_losses(logits.reshape(-1, logits.shape[-1]), ignored.reshape(-1))[tgt_mask.reshape(-1)]
     rows = tgt_mask.nonzero()[:, 0]
     sum_loss = torch.zeros(tokens.shape[0], dtype=torch.float32, device=dev).index_add_(0, rows, token_loss)
     count = tgt_mask.sum(dim=1).clamp(min=1).to(torch.float32)
@@ -478,81 +484,75 @@ def _fit(rendered, max_len):
     return ctx[-keep:], ends, label
 
 
-# The positions projected for every row of a batch are the union of its examples'
-# scored spans; a batch grows only while that costs at most this fraction more
-# vocab projections than one example per forward pass would.
+# A forward pass projects the same positions of every row (the union of its rows' scored spans); a pass
+# grows only while that costs at most this fraction more vocab projections than the rows' own spans.
 SPAN_SLACK = 0.25
 
 
-def _spans(rendered):
-    """Per example: (first scored position, one past the last, row width, rows).
-    Ending token ``t`` is predicted at position ``t - 1``, so an example with a
-    ``c``-token context and endings of at most ``e`` tokens is scored at
-    positions ``c-1 .. c+e-2`` in each of its rows."""
-    out = []
-    for ctx, ends, _ in rendered:
-        c, e = len(ctx), max(len(x) for x in ends)
-        out.append((max(c - 1, 0), c + e - 1, c + e, len(ends)))
-    return out
+def _rows(rendered):
+    """Every (example, ending) row as (example index, ending index, first scored position, one past the
+    last, width). Ending token t is predicted at position t - 1, so a row with a c-token context and an
+    e-token ending is scored at positions c-1 .. c+e-2."""
+    return [(i, j, max(len(ctx) - 1, 0), len(ctx) + len(end) - 1, len(ctx) + len(end))
+            for i, (ctx, ends, _) in enumerate(rendered) for j, end in enumerate(ends)]
 
 
-def _pack(spans, batch_tokens, slack=SPAN_SLACK):
-    """Group example indices into forward passes.  ``batch_tokens`` <= 0: one
-    example per pass, in order.  Otherwise examples sorted by where their
-    scored span starts (so neighbours' spans overlap) share a pass while its
-    rows x width stay within ``batch_tokens`` and rows x (union of the spans)
-    within ``1 + slack`` times the sum of rows x own span."""
+def _pack(rows, batch_tokens, slack=SPAN_SLACK):
+    """Group rows into forward passes. ``batch_tokens`` <= 0: one example (its four rows) per pass, in
+    order, the classic loop. Otherwise rows sorted by their scored span share a pass while rows x width
+    stays within ``batch_tokens`` and rows x (union of the spans) within ``1 + slack`` times the rows'
+    own spans: rows are the unit, not examples, so rows of different examples with the same span (the
+    common case in a long split) cost nothing extra."""
     if not batch_tokens or batch_tokens <= 0:
-        return [[i] for i in range(len(spans))]
+        by_example = {}
+        for r in rows:
+            by_example.setdefault(r[0], []).append(r)
+        return list(by_example.values())
     batches, cur = [], None
-    for i in sorted(range(len(spans)), key=lambda i: (spans[i][0], spans[i][1], i)):
-        lo, hi, width, rows = spans[i]
+    for row in sorted(rows, key=lambda r: (r[2], r[3], r[0], r[1])):
+        _, _, lo, hi, width = row
         if cur is not None:
             union = cur["union"] + max(0, hi - max(lo, cur["hi"]))  # spans come sorted by start
-            n_rows, need = cur["rows"] + rows, cur["need"] + rows * (hi - lo)
-            if n_rows * max(cur["width"], width) <= batch_tokens and n_rows * union <= (1 + slack) * need:
-                cur.update(union=union, rows=n_rows, need=need, hi=max(hi, cur["hi"]),
-                           width=max(cur["width"], width))
-                cur["batch"].append(i)
+            n, need = len(cur["batch"]) + 1, cur["need"] + hi - lo
+            if n * max(cur["width"], width) <= batch_tokens and n * union <= (1 + slack) * need:
+                cur.update(union=union, need=need, hi=max(hi, cur["hi"]), width=max(cur["width"], width))
+                cur["batch"].append(row)
                 continue
-        cur = {"batch": [i], "union": hi - lo, "rows": rows, "need": rows * (hi - lo), "hi": hi, "width": width}
+        cur = {"batch": [row], "union": hi - lo, "need": hi - lo, "hi": hi, "width": width}
         batches.append(cur["batch"])
     return batches
 
 
-def _batch_tensors(rendered, spans, batch, device, full_logits):
-    """(tokens, mask, positions) of one forward pass: rows right-padded with 0,
-    mask 1 on ending tokens, positions the sorted union of the scored spans
-    (None with ``full_logits``)."""
+def _batch_tensors(rendered, batch, device, full_logits):
+    """(tokens, mask, positions) of one forward pass: rows right-padded with 0, mask 1 on ending tokens,
+    positions the sorted union of the rows' scored spans (None with ``full_logits``)."""
     import numpy as np
     import torch
 
-    width = max(spans[i][2] for i in batch)
-    tok = np.zeros((sum(spans[i][3] for i in batch), width), dtype=np.int64)
+    width = max(r[4] for r in batch)
+    tok = np.zeros((len(batch), width), dtype=np.int64)
     msk = np.zeros_like(tok)
-    r = 0
-    for i in batch:
-        ctx, ends, _ = rendered[i]
-        for end in ends:
-            tok[r, : len(ctx)] = ctx
-            tok[r, len(ctx): len(ctx) + len(end)] = end
-            msk[r, len(ctx): len(ctx) + len(end)] = 1
-            r += 1
+    for k, (i, j, _, _, _) in enumerate(batch):
+        ctx, end = rendered[i][0], rendered[i][1][j]
+        tok[k, : len(ctx)] = ctx
+        tok[k, len(ctx): len(ctx) + len(end)] = end
+        msk[k, len(ctx): len(ctx) + len(end)] = 1
     positions = None
     if not full_logits:
-        pos = np.unique(np.concatenate([np.arange(spans[i][0], spans[i][1]) for i in batch]))
+        pos = np.unique(np.concatenate([np.arange(lo, hi) for _, _, lo, hi, _ in batch]))
         positions = torch.from_numpy(pos).to(device)
     return torch.from_numpy(tok).to(device), torch.from_numpy(msk).to(device), positions
 
 
-def _collect(results, rendered, batch, sum_loss, avg_loss):
-    r = 0
-    for i in batch:
-        k = len(rendered[i][1])
-        s, a = sum_loss[r: r + k], avg_loss[r: r + k]
-        r += k
-        results[i] = {"pred": min(range(k), key=s.__getitem__), "pred_norm": min(range(k), key=a.__getitem__),
-                      "label": rendered[i][2], "sum_loss": s, "avg_loss": a}
+def _results(rendered, losses):
+    """One dict per example from {(example, ending): (sum_loss, avg_loss)}."""
+    out = []
+    for i, (_, ends, label) in enumerate(rendered):
+        s = [losses[i, j][0] for j in range(len(ends))]
+        a = [losses[i, j][1] for j in range(len(ends))]
+        out.append({"pred": min(range(len(s)), key=s.__getitem__), "pred_norm": min(range(len(a)), key=a.__getitem__),
+                    "label": label, "sum_loss": s, "avg_loss": a})
+    return out
 
 
 def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype=None, device_type=None,
@@ -576,19 +576,18 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
     max_len = _max_positions(model)
     if max_len:
         rendered = [_fit(r, max_len) for r in rendered]
-    spans = _spans(rendered)
-    batches = _pack(spans, batch_tokens)
+    batches = _pack(_rows(rendered), batch_tokens)
     use_kwarg = takes_logits_to_keep(model)
     dtype_ctx = autocast(_device_type(device, device_type), autocast_dtype)
-    results = [None] * len(rendered)
-    bar = _progress_bar(total=len(rendered), unit="ex", desc="hellaswag") if progress else None
+    losses = {}  # (example, ending) -> (sum_loss, avg_loss)
+    bar = _progress_bar(total=sum(len(ends) for _, ends, _ in rendered), unit="row", desc="hellaswag") if progress else None
     try:
         for batch in batches:
-            tokens, mask, positions = _batch_tensors(rendered, spans, batch, device, full_logits)
+            tokens, mask, positions = _batch_tensors(rendered, batch, device, full_logits)
             with dtype_ctx:
                 logits = model_logits(model, tokens, positions, use_kwarg)
             sum_loss, avg_loss = completion_losses(logits, tokens, mask, positions)
-            _collect(results, rendered, batch, sum_loss.tolist(), avg_loss.tolist())
+            losses.update(((i, j), sl) for (i, j, *_), sl in zip(batch, zip(sum_loss.tolist(), avg_loss.tolist())))
             if bar is not None:
                 bar.update(len(batch))
         extra = (agree_forwards(len(batches)) if agree_forwards is not None else len(batches)) - len(batches)
@@ -600,7 +599,7 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
     finally:
         if bar is not None:
             bar.close()
-    return results
+    return _results(rendered, losses)
 
 
 _RENDER_CACHE = {}

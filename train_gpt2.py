@@ -207,9 +207,9 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
-        # 0 for real tokens, -inf for the padding ids: added inside the lm_head matmul, so padding gets zero
-        # probability (never sampled, never an argmax, no share of any softmax) at no extra pass over the
-        # logits or their gradient; a buffer, not a parameter, so the state dict stays GPT-2's
+        # 0 for real tokens, -inf for the padding ids, added inside the lm_head matmul while training: padding
+        # gets zero probability (never sampled, never an argmax, no share of any softmax); on GPUs the bias is
+        # the matmul's epilogue, and compile fuses it. A buffer, not a parameter: the state dict stays GPT-2's
         vocab_mask = torch.zeros(config.vocab_size)
         vocab_mask[config.real_vocab_size:] = float("-inf")
         self.register_buffer("vocab_mask", vocab_mask, persistent=False)
@@ -257,7 +257,12 @@ class GPT(nn.Module):
                 raise ValueError("targets need the logits of every position: leave logits_to_keep at 0")
             x = x[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else x[:, logits_to_keep]
         x = self.transformer.ln_f(x)
-        logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
+        if torch.is_grad_enabled():
+            # -inf inside the matmul: no in-place write, whose backward would copy the logits' gradient
+            logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
+        else:  # no autograd: writing the padding columns in place is cheaper than adding a bias everywhere
+            logits = self.lm_head(x)
+            logits[..., self.config.real_vocab_size:] = float("-inf")
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
