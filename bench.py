@@ -170,7 +170,8 @@ def bench_loader(args, tmp):
     """DataLoaderLite over two 10M-token shards: µs per next_batch and the resident memory it adds."""
     rng = np.random.default_rng(0)
     for i, split in enumerate(("val", "train", "train")):
-        np.save(os.path.join(tmp, f"bench_{split}_{i:06d}.npy"), rng.integers(0, 50257, 10_000_000, dtype=np.uint16))
+        np.save(os.path.join(tmp, fineweb.shard_name(i, split, prefix="bench")),
+                rng.integers(0, tg.GPT2_VOCAB_SIZE, 10_000_000, dtype=np.uint16))
     before = rss_bytes()
     loader = tg.DataLoaderLite(args.micro_batch_size, args.sequence_length, split="train", data_root=tmp)
     n = max(1, min(2000, 20_000_000 // (args.micro_batch_size * args.sequence_length)))  # about one pass

@@ -25,7 +25,8 @@ def write_shards(root, split, sizes, seed=0, vocab=50257, prefix="test"):
     arrays = []
     for i, n in enumerate(sizes):
         arr = rng.integers(0, vocab, size=n, dtype=np.int64).astype(np.uint16)
-        np.save(os.path.join(root, f"{prefix}_{split}_{first + i:06d}.npy"), arr)
+        import fineweb
+        np.save(os.path.join(root, fineweb.shard_name(first + i, split, prefix=prefix)), arr)
         arrays.append(arr)
     return arrays
 
