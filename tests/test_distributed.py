@@ -36,18 +36,22 @@ def assert_same_log(a, b, tol):
         assert la[kind][1] == pytest.approx(lb[kind][1], abs=tol), kind
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """One process, 8 steps straight: the reference for every distributed run."""
+def reference_run(tmp_path_factory, name, *flags):
+    """One process, 8 steps straight on fresh shards: the reference a distributed run is compared with."""
     from conftest import write_shards
-    root = tmp_path_factory.mktemp("dist")
+    root = tmp_path_factory.mktemp(name)
     data = str(root / "data")
     write_shards(data, "val", [5000], seed=1)
     write_shards(data, "train", [7000, 6000, 6500], seed=2)
     log = str(root / "single")
-    r = run_cli(*tiny_run_args(data, log, *STEPS))
+    r = run_cli(*tiny_run_args(data, log, *STEPS, *flags))
     assert r.returncode == 0, r.stderr
     return data, log
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return reference_run(tmp_path_factory, "dist")
 
 
 def stop_then_resume(data, log, first, second, *first_flags):

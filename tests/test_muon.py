@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train_gpt2 as tg
-from test_distributed import STEPS, torchrun
+from test_distributed import STEPS, reference_run, torchrun
 from test_train_gpt2 import run_cli, tiny_model, tiny_run_args
 
 MUON = ["--optimizer", "muon"]
@@ -100,15 +100,7 @@ def test_checkpoint_without_optimizer_kind_is_adamw(shard_dir, tmp_path):
 @pytest.fixture(scope="module")
 def muon_single(tmp_path_factory):
     """One process, 8 Muon steps straight: the reference for the distributed runs."""
-    from conftest import write_shards
-    root = tmp_path_factory.mktemp("muon_dist")
-    data = str(root / "data")
-    write_shards(data, "val", [5000], seed=1)
-    write_shards(data, "train", [7000, 6000, 6500], seed=2)
-    log = str(root / "single")
-    r = run_cli(*tiny_run_args(data, log, *STEPS, *MUON))
-    assert r.returncode == 0, r.stderr
-    return data, log
+    return reference_run(tmp_path_factory, "muon_dist", *MUON)
 
 
 def assert_close_runs(log, ref):
