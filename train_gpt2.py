@@ -1645,6 +1645,7 @@ def train(args):
         run = start_run(args, settings, dist, raw_model, optimizer, loaders, state)
         training_loop(run, state)
         guarded(run, state, "finishing W&B", state.step, run.metrics.finish)  # uploads: can fail after all
+        dist.agree(True)  # every rank done with its collectives before the process group goes away
 
 
 # ---- what a run reports: the step line, log.txt, W&B, the profiler
