@@ -1374,26 +1374,31 @@ def sample_tokenizer(args, block_size):
     return enc
 
 
+def open_resumed_run(args, print0):
+    """--resume: (path, checkpoint, model config), the checkpoint's flags taken where none is given now."""
+    path, ckpt = find_resume_checkpoint(args.resume, args.log_dir, print0)
+    adopt_checkpoint_flags(args, ckpt["args"], print0)
+    end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
+    # nothing left but the final evaluation (ckpt at max_steps - 1) is fine; nothing at all is a mistake
+    if ckpt["step"] + 1 >= end_step and ckpt["step"] + 1 != args.max_steps:
+        raise UsageError(f"{path} is at step {ckpt['step']}: --max_steps {args.max_steps}"
+                         + (f" / --stop_step {args.stop_step}" if args.stop_step is not None else "")
+                         + " leave nothing to train")
+    return path, ckpt, resumed_config(args, ckpt, path)
+
+
 def resolve_settings(args, dist):
     """Phase 1: check every flag, find the checkpoint to resume, and work out the run's settings."""
-    warnings = check_flags(args)
+    check_flags(args)  # the flags as given, before anything is read
     resume_path, ckpt, pretrained = None, None, None
     if args.resume:
-        resume_path, ckpt = find_resume_checkpoint(args.resume, args.log_dir, dist.print0)
-        adopt_checkpoint_flags(args, ckpt["args"], dist.print0)
-        warnings = check_flags(args)  # again, on the values the run will have (e.g. the checkpoint's max_steps)
-        end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
-        # nothing left but the final evaluation (ckpt at max_steps - 1) is fine; nothing at all is a mistake
-        if ckpt["step"] + 1 >= end_step and ckpt["step"] + 1 != args.max_steps:
-            raise UsageError(f"{resume_path} is at step {ckpt['step']}: --max_steps {args.max_steps}"
-                             + (f" / --stop_step {args.stop_step}" if args.stop_step is not None else "")
-                             + " leave nothing to train")
-        config = resumed_config(args, ckpt, resume_path)
+        resume_path, ckpt, config = open_resumed_run(args, dist.print0)
     elif args.init_from:
         pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
         config = pretrained.config
     else:
         config = model_config_from_args(args)
+    warnings = check_flags(args)  # on the values the run will have (a resumed run's come from its checkpoint)
     for warning in warnings + check_optimizer(args, ckpt, resume_path):  # after a resume adopted --optimizer
         dist.print0(f"warning: {warning}")
     grad_accum = check_batch(args, dist.world_size, config.block_size)
