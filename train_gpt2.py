@@ -1650,6 +1650,8 @@ def train(args):
         run = start_run(args, settings, dist, raw_model, optimizer, loaders, state)
         training_loop(run, state)
         guarded(run, state, "finishing W&B", state.step, run.metrics.finish)  # uploads: can fail after all
+        if args.fsdp:
+            raw_model.reshard()  # FSDP leaves the root's gathered parameters after an eval forward: free them
         dist.agree(True)  # every rank done with its collectives before the process group goes away
 
 
