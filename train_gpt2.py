@@ -2017,5 +2017,22 @@ def main(argv=None):
     return 0
 
 
+def exit_process(code):
+    """sys.exit(code); under torchrun, leave without Python's interpreter shutdown.
+
+    torch keeps process groups alive past destroy_process_group (torch.distributed.nn's functions hold the
+    default group as a default argument; under FSDP, DTensor's caches hold the device mesh), so their gloo
+    worker threads outlive main(). One that frees a finished collective's tensor while Python shuts down
+    needs the GIL, cannot get it, and aborts the process ("terminate called without an active exception")
+    after a run that went well. By now everything is written and closed (checkpoints and log.txt, W&B) and
+    the groups are destroyed: only the output buffers are left to flush.
+    """
+    if "WORLD_SIZE" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

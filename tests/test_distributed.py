@@ -17,10 +17,9 @@ STEPS = ["--max_steps", "8", "--eval_every", "4", "--sample_every", "0", "--save
          "--total_batch_size", "256", "--val_tokens", "1000"]
 
 
-def torchrun(*args, nproc=2):
+def torchrun(*args, nproc=2, script=os.path.join(REPO, "train_gpt2.py")):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "train_gpt2.py"), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
 
 
@@ -89,6 +88,25 @@ def test_fsdp_matches_ddp_and_resumes_without_fsdp(single, tmp_path):
     plain.load_state_dict(ckpt["model"])  # a non-FSDP model loads it as is
     # fp32: FSDP's reduce-scatter sums in another order than DDP's all-reduce, nothing more
     assert_same_log(log, ref, 1e-5)
+
+
+def test_torchrun_workers_leave_without_interpreter_shutdown(shard_dir, tmp_path):
+    """Under torchrun, train_gpt2.py ends its processes with os._exit once main() is done (exit_process): gloo
+    threads that torch keeps alive can abort a process during Python's shutdown. Output is flushed first, and
+    one process without torchrun still exits the usual way."""
+    driver = tmp_path / "driver.py"  # train_gpt2.py as __main__, with an atexit hook that reports the shutdown
+    driver.write_text(f"import atexit, runpy, sys\nsys.path.insert(0, {REPO!r})\n"
+                      "atexit.register(lambda: print('interpreter shutdown', flush=True))\n"
+                      f"runpy.run_path({os.path.join(REPO, 'train_gpt2.py')!r}, run_name='__main__')\n")
+    flags = ("--max_steps", "2", "--eval_every", "0", "--sample_every", "0")
+    r = torchrun(*tiny_run_args(shard_dir, str(tmp_path / "two"), *flags), script=str(driver))
+    assert r.returncode == 0, r.stderr
+    assert "saved " in r.stdout and "interpreter shutdown" not in r.stdout
+    bad = torchrun(*tiny_run_args(shard_dir, str(tmp_path / "bad"), "--total_batch_size", "192"), script=str(driver))
+    assert bad.returncode != 0 and "error: " in bad.stderr  # a refusal keeps its exit code and its message
+    one = subprocess.run([sys.executable, str(driver), *tiny_run_args(shard_dir, str(tmp_path / "one"), *flags)],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert one.returncode == 0 and "interpreter shutdown" in one.stdout, one.stderr
 
 
 def test_fsdp_needs_torchrun(shard_dir, tmp_path):
