@@ -21,6 +21,7 @@ import math
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -861,6 +862,10 @@ def checkpoint_path(log_dir, step):
     return os.path.join(log_dir, f"model_{step:05d}.pt")
 
 
+def checkpoint_step(path):
+    return int(CKPT_RE.search(os.path.basename(path)).group(1))
+
+
 def find_checkpoints(log_dir):
     """Checkpoint paths in log_dir, oldest step first."""
     found = []
@@ -981,15 +986,14 @@ def load_checkpoint_model(path, map_location="cpu"):
 def prune_checkpoints(log_dir, keep_last, upto_step=None):
     """Delete all but the newest keep_last model_*.pt (0 keeps all); returns the deleted paths.
 
-    With upto_step (the step just saved), only checkpoints up to it count: one from later steps (a run resumed
-    from an earlier checkpoint, or past an unreadable newer one) is not newer than what was just saved, and
-    must not push it out; the run replaces it when it gets there.
+    With upto_step (the step just saved), only checkpoints up to it count, so that nothing of a later step
+    (there is none once set_aside_later_checkpoints has run) can push out what was just saved.
     """
     if keep_last <= 0:
         return []
     found = find_checkpoints(log_dir)
     if upto_step is not None:
-        found = [p for p in found if int(CKPT_RE.search(os.path.basename(p)).group(1)) <= upto_step]
+        found = [p for p in found if checkpoint_step(p) <= upto_step]
     old = found[:-keep_last]
     for path in old:
         os.remove(path)
@@ -1069,14 +1073,17 @@ class LogDirLock:
 def clear_log_dir(log_dir, resume_step, overwrite):
     """Get log_dir ready for this run (the lock is held): never clobber an earlier run by accident.
 
-    Removes temp files a crash left; a resumed run drops the log lines written after its checkpoint;
-    --overwrite deletes an earlier run's log and checkpoints; anything else with an earlier run is refused.
+    Removes temp files a crash left; a resumed run sets later checkpoints aside and drops the log lines
+    written after its checkpoint; --overwrite deletes an earlier run's log and checkpoints; anything else
+    with an earlier run is refused. Returns the warnings to print.
     """
     for tmp in glob.glob(os.path.join(log_dir, "*.tmp")):
         os.remove(tmp)
     log_file = os.path.join(log_dir, "log.txt")
     if resume_step is not None:
-        return truncate_log(log_file, resume_step)
+        moved = set_aside_later_checkpoints(log_dir, resume_step)
+        damaged = truncate_log(log_file, resume_step)
+        return [w for w in (moved, damaged and f"dropped {damaged} damaged line(s) from {log_file}") if w]
     earlier = (os.path.exists(log_file) and os.path.getsize(log_file) > 0) or find_checkpoints(log_dir)
     if earlier and not overwrite:
         raise UsageError(f"{log_dir} holds an earlier run (log.txt or model_*.pt): pass --resume latest "
@@ -1084,7 +1091,32 @@ def clear_log_dir(log_dir, resume_step, overwrite):
     for path in find_checkpoints(log_dir):
         os.remove(path)
     open(log_file, "w").close()
-    return 0
+    return []
+
+
+def set_aside_later_checkpoints(log_dir, resume_step):
+    """Move checkpoints of steps after the resumed one, and a copy of log.txt, into a new folder in log_dir.
+
+    They come from a rollback (--resume PATH to an earlier step) or are newer files too damaged to resume.
+    Left in place, the run would replace them one by one and --resume latest could pick up one of the
+    abandoned steps. Returns a warning naming the folder, or None when there are none.
+    """
+    later = [p for p in find_checkpoints(log_dir) if checkpoint_step(p) > resume_step]
+    if not later:
+        return None
+    base = dest = os.path.join(log_dir, f"after_step_{resume_step:05d}")
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = f"{base}_{n}"
+    os.makedirs(dest)
+    log_file = os.path.join(log_dir, "log.txt")
+    if os.path.exists(log_file):
+        shutil.copy2(log_file, os.path.join(dest, "log.txt"))
+    for path in later:
+        os.replace(path, os.path.join(dest, os.path.basename(path)))
+    return (f"resuming at step {resume_step}: {len(later)} later checkpoint(s) and a copy of log.txt "
+            f"moved to {dest}")
 
 
 # log.txt: one `step kind value` line per number, written and parsed only here
@@ -1422,9 +1454,8 @@ def claim_log_dir(args, settings, dist):
     if dist.master:
         try:
             lock.acquire()
-            damaged = clear_log_dir(args.log_dir, settings.ckpt["step"] if settings.ckpt else None, args.overwrite)
-            if damaged:
-                print(f"warning: dropped {damaged} damaged line(s) from {args.log_dir}/log.txt", flush=True)
+            for warning in clear_log_dir(args.log_dir, settings.ckpt["step"] if settings.ckpt else None, args.overwrite):
+                print(f"warning: {warning}", flush=True)
         except UsageError as e:
             error = e
     if not dist.agree(error is None):
@@ -1875,7 +1906,8 @@ def add_run_flags(g):
                    help="start afresh in log_dir, deleting its log.txt and model_*.pt")
     g.add_argument("--resume", default=None, metavar="latest|PATH",
                    help="continue from the newest readable checkpoint in log_dir, or from PATH: the model shape and "
-                        "every flag not given now come from the checkpoint")
+                        "every flag not given now come from the checkpoint; checkpoints of later steps move to "
+                        "log_dir/after_step_N")
     g.add_argument("--profile", default=None, choices=["continue", "exit"],
                    help="run torch.profiler over a few training steps (--profile_schedule), write a trace to "
                         "<log_dir>/profile/ (Perfetto / TensorBoard) and print the top ops, then continue or exit")

@@ -519,6 +519,27 @@ def test_keep_last_never_deletes_the_checkpoint_it_just_saved(reference, tmp_pat
     assert tg.read_checkpoint(saved[-1])  # and readable
 
 
+def test_rollback_sets_later_checkpoints_aside(reference, tmp_path):
+    # the steps after a rolled-back-to checkpoint are kept, byte for byte, out of the way of the new run
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    found, old_log = tg.find_checkpoints(log), read_text(os.path.join(log, "log.txt"))
+    later = {os.path.basename(p): open(p, "rb").read() for p in found[1:]}
+    back, step = found[0], torch.load(found[0], weights_only=False)["step"]
+    r = run_cli("--resume", back, "--log_dir", log, "--device", "cpu", "--stop_step", str(step + 2))
+    assert r.returncode == 0, r.stderr
+    aside = os.path.join(log, f"after_step_{step:05d}")
+    assert f"{len(later)} later checkpoint(s) and a copy of log.txt moved to {aside}" in r.stdout
+    assert {name: open(os.path.join(aside, name), "rb").read() for name in later} == later
+    assert read_text(os.path.join(aside, "log.txt")) == old_log
+    assert [tg.checkpoint_step(p) for p in tg.find_checkpoints(log)] == [step, step + 1]
+    # --resume latest continues the new line of steps; a second rollback gets a folder of its own
+    assert tg.find_resume_checkpoint("latest", log, print)[1]["step"] == step + 1
+    r = run_cli("--resume", back, "--log_dir", log, "--device", "cpu", "--stop_step", str(step + 2))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(aside + "_2")) == ["log.txt", os.path.basename(tg.checkpoint_path(log, step + 1))]
+
+
 def test_resume_flags_checked_against_the_checkpoint(data, tmp_path):
     log = str(tmp_path / "log")
     r = run_cli(*run_args(data, log, **{"--val_tokens": None, "--sample_every": "0", "--max_steps": "4"}),
