@@ -983,18 +983,15 @@ def load_checkpoint_model(path, map_location="cpu"):
     return model
 
 
-def prune_checkpoints(log_dir, keep_last, upto_step=None):
+def prune_checkpoints(log_dir, keep_last):
     """Delete all but the newest keep_last model_*.pt (0 keeps all); returns the deleted paths.
 
-    With upto_step (the step just saved), only checkpoints up to it count, so that nothing of a later step
-    (there is none once set_aside_later_checkpoints has run) can push out what was just saved.
+    The newest is the one just saved: a resumed run set any of later steps aside when it started
+    (set_aside_later_checkpoints).
     """
     if keep_last <= 0:
         return []
-    found = find_checkpoints(log_dir)
-    if upto_step is not None:
-        found = [p for p in found if checkpoint_step(p) <= upto_step]
-    old = found[:-keep_last]
+    old = find_checkpoints(log_dir)[:-keep_last]
     for path in old:
         os.remove(path)
     return old
@@ -1620,7 +1617,7 @@ def save(run, state):
     save_checkpoint(path, run.raw_model, run.optimizer, state, run.train_loader, run.dist.master)
     run.last_saved = state.step
     if run.dist.master:
-        prune_checkpoints(run.args.log_dir, run.args.keep_last, state.step)
+        prune_checkpoints(run.args.log_dir, run.args.keep_last)
     run.dist.print0(f"saved {path}")
     return path
 
