@@ -73,15 +73,22 @@ def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
         train_gpt2.append_log(str(log_path), step, "val", 3.5 + 7.5 * math.exp(-step / 60) + rng.normal(0, 0.03))
     for step in range(0, 300, 50):
         train_gpt2.append_log(str(log_path), step, "hella", 0.25 + 0.01 * step / 50 + rng.normal(0, 0.003))
+    # what a run that diverged at the end logs: the best val loss must be the lowest finite one, not nan
+    train_gpt2.append_log(str(log_path), 300, "val", float("nan"))
+    train_gpt2.append_log(str(log_path), 301, "val", float("-inf"))
+    train_gpt2.append_log(str(log_path), 300, "hella", float("nan"))
 
     series = train_gpt2.read_log(str(log_path))  # the values as the log holds them (rounded to 4 decimals)
     val_steps, val_values = series["val"]
     hella_steps, hella_values = series["hella"]
-    i, j = int(np.argmin(val_values)), int(np.argmax(hella_values))
+    assert math.isnan(val_values[-2]) and val_values[-1] == -math.inf and math.isnan(hella_values[-1])
+    i, j = int(np.argmin(val_values[:-2])), int(np.argmax(hella_values[:-1]))
 
     _, printed = execute_notebook(kernel_dir, log_path)
     assert f"min val loss: {val_values[i]:.4f} at step {val_steps[i]}" in printed
+    assert "2 non-finite val losses left out" in printed
     assert f"max HellaSwag acc_norm: {hella_values[j]:.4f} at step {hella_steps[j]}" in printed
+    assert "1 non-finite values left out" in printed
     assert "model size (auto): 124M" in printed  # no checkpoint beside the log
     assert "missing" not in printed
     png = tmp_path / "run" / "plot.png"
