@@ -21,8 +21,9 @@ Usage:
 Local inputs: .txt (one document per file), .jsonl (one JSON object per line, text in
 --text_column) and .parquet (text in --text_column). Quoted globs are expanded here.
 
-Re-running the same command resumes an interrupted run: finished shards are kept and
-skipped. A directory prepared with other arguments is refused rather than mixed.
+Re-running the same command resumes an interrupted run (or one that ran out of disk space):
+finished shards are kept and skipped. A directory prepared with other arguments is refused rather
+than mixed.
 From Python: `fineweb.prepare(local_dir, max_tokens=...)`; `fineweb.prep_status(local_dir)` says
 whether a prep is complete and how to finish it; `fineweb.open_shard(path, vocab_size)` checks a
 shard and memory-maps it (ShardError names the file and the problem).
@@ -30,13 +31,16 @@ shard and memory-maps it (ShardError names the file and the problem).
 
 import argparse
 import collections
+import contextlib
 import dataclasses
+import errno
 import glob
 import itertools
 import json
 import multiprocessing as mp
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -71,6 +75,32 @@ class DataPrepError(Exception):
 def _one_line(e, limit=300):
     msg = " ".join(str(e).split()) or type(e).__name__
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def _human_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+class DiskFullError(OSError):
+    """atomic_write ran out of space (ENOSPC) or quota (EDQUOT). Its temp file is gone and nothing under the
+    final name changed; str() is one line naming the path, the space left there and what was written/needed."""
+
+    def __init__(self, err, path, free=None, written=None, needed=None):
+        self.path, self.free, self.written, self.needed = path, free, written, needed
+        what = "disk quota exceeded" if err == getattr(errno, "EDQUOT", None) else "no space left on device"
+        facts = [f"{_human_bytes(free)} free on its filesystem" if free is not None else "free space unknown"]
+        if written is not None:
+            facts.append(f"{_human_bytes(written)} written" + (f" of about {_human_bytes(needed)}" if needed else ""))
+        elif needed:
+            facts.append(f"about {_human_bytes(needed)} needed")
+        self.message = f"{what} writing {path} ({', '.join(facts)}); it was not written: free some space and run again"
+        super().__init__(err, self.message)
+
+    def __str__(self):
+        return self.message
 
 # -----------------------------------------------------------------------------
 # tokenization (runs in the worker processes; module level so that spawn can pickle it)
@@ -339,25 +369,92 @@ def _iter_hub(dataset, name, text_column, streaming, skip, num_proc):
 # -----------------------------------------------------------------------------
 # shards and the manifest
 
-def atomic_write(path, write):
+def atomic_write(path, write, size=None):
     """Write a file through write(f) (binary) under a temp name, then rename it into place.
 
     A crash never leaves a truncated file under the final name, and the temp name is unique to this
     writer, so two writers never write into one temp file. It ends in .tmp: shard and checkpoint globs
     (*.npy, model_*.pt) never see it. Every file this repository writes for keeps goes through here.
+    The file gets the mode open() would give it (0o666 less the umask), not mkstemp's 0600, so that a
+    group sharing a run can read it. Out of space or quota: the temp file is removed and DiskFullError
+    says so in one line (size, the bytes the file takes when the caller knows, goes into that line).
     """
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    tmp = f = None
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        f = os.fdopen(fd, "wb")
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        with contextlib.suppress(OSError):  # a filesystem without modes (some FUSE or SMB mounts) keeps its own
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        written = os.path.getsize(tmp) if tmp is not None and os.path.exists(tmp) else None
+        full = _disk_full_errno(e, tmp)
+        if f is not None:
+            with contextlib.suppress(OSError):  # its buffer cannot be written either
+                f.close()
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
-        raise
+        if full is None:
+            raise
+        free = None
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(folder).free
+        raise DiskFullError(full, path, free, written, size) from e
+
+
+_DISK_FULL = {errno.ENOSPC} | ({errno.EDQUOT} if hasattr(errno, "EDQUOT") else set())
+_PROBE = 1 << 12
+
+
+def _disk_full_errno(e, tmp):
+    """ENOSPC / EDQUOT when e (or an error it wraps: torch.save raises RuntimeError from the OSError) is one."""
+    seen, errno_less = set(), False
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            if e.errno in _DISK_FULL:
+                return e.errno
+            errno_less |= e.errno is None
+        e = e.__cause__ or e.__context__
+    if not errno_less or tmp is None or not os.path.exists(tmp):
+        return None
+    # numpy's tofile (np.save to a file) reports a short write with no errno: one more block appended
+    # to the temp file, which is about to be removed, says whether the filesystem is full
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return None
+    try:
+        return errno.ENOSPC if os.write(fd, b"\0" * _PROBE) < _PROBE else None
+    except OSError as probe:
+        return probe.errno if probe.errno in _DISK_FULL else None
+    finally:
+        os.close(fd)
+
+
+_fallback_umask = None
+
+
+def _umask():
+    """The process umask, read without setting it (os.umask can only swap it, which races with threads
+    that create files meanwhile); where /proc has no Umask line, swapped once and kept."""
+    global _fallback_umask
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    if _fallback_umask is None:
+        _fallback_umask = os.umask(0o022)
+        os.umask(_fallback_umask)
+    return _fallback_umask
 
 
 def _save_manifest(local_dir, manifest):
@@ -455,7 +552,10 @@ class _ShardWriter:
         self.manifest["total_tokens"] = sum(s["tokens"] for s in self.shards)
 
     def _write(self, index, tokens):
-        atomic_write(os.path.join(self.local_dir, shard_name(index)), lambda f: np.save(f, tokens))
+        try:
+            atomic_write(os.path.join(self.local_dir, shard_name(index)), lambda f: np.save(f, tokens))
+        except DiskFullError as e:  # np.save's header of a 1-D uint16 array is 128 bytes
+            raise DiskFullError(e.errno, e.path, e.free, e.written, tokens.nbytes + 128) from e.__cause__
 
     def _flush(self):
         if not os.path.exists(os.path.join(self.local_dir, MANIFEST)):
@@ -673,7 +773,8 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
     """Download (inputs=None) or read local files, tokenize, and write the shards to
     local_dir. Returns the shard paths, val first. Safe to call again: a complete
     directory with the same arguments is returned as is, an incomplete one is resumed,
-    one made with other arguments raises DataPrepError."""
+    one made with other arguments raises DataPrepError. Out of disk space: DiskFullError
+    (an OSError), after which the same call resumes."""
     local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
     num_proc = num_proc or os.cpu_count() or 1
     args = _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset)
@@ -789,6 +890,9 @@ def main(argv=None):
                         num_proc=args.num_proc, dataset=args.dataset)
     except DataPrepError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk (DiskFullError), an unwritable --local_dir, ...
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: run the same command again to continue where it stopped", file=sys.stderr)

@@ -208,7 +208,10 @@ def download(split, data_dir=None):
         raise HellaSwagUnavailable(_unavailable_message(split, path, why)) from None
     import fineweb  # the shared atomic writer (fineweb.py sits below this file; imported late: numpy, tqdm)
 
-    fineweb.atomic_write(path, lambda f: _write_rows(rows, split, path, f))
+    try:
+        fineweb.atomic_write(path, lambda f: _write_rows(rows, split, path, f))
+    except OSError as e:  # a full disk (fineweb.DiskFullError), a read-only folder: nothing is left under path
+        raise HellaSwagUnavailable(_unavailable_message(split, path, _one_line(e, 300))) from None
     return path
 
 

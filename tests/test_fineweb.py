@@ -1,11 +1,13 @@
 """Tests for fineweb.py on small local fixtures: no network, tiny shards, a few seconds."""
 
+import errno
 import glob
 import json
 import os
 import random
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -758,3 +760,138 @@ def test_bench_fineweb_naive_row(tmp_path, enc):
 
 def test_bench_fineweb_bad_input_is_one_line(tmp_path):
     assert_one_line_error(bench("--only", "fineweb_naive", "--fineweb_input", tmp_path / "missing.jsonl"), "not found")
+
+
+# -----------------------------------------------------------------------------
+# a full disk: atomic_write (shards, manifests, HellaSwag caches, checkpoints, log.txt) and the prep
+
+def write_then_fail(err, after=5000):
+    def write(f):
+        f.write(b"x" * after)
+        f.flush()  # on disk, as a real write that filled the disk would be
+        raise OSError(err, os.strerror(err))
+    return write
+
+
+@pytest.mark.parametrize("err, what", [(errno.ENOSPC, "no space left on device"),
+                                       (errno.EDQUOT, "disk quota exceeded")])
+def test_atomic_write_disk_full_keeps_the_old_file(tmp_path, err, what):
+    path = tmp_path / "model_00010.pt"
+    path.write_bytes(b"the good checkpoint")
+    with pytest.raises(fineweb.DiskFullError) as e:
+        fineweb.atomic_write(str(path), write_then_fail(err))
+    assert isinstance(e.value, OSError) and e.value.errno == err and e.value.written == 5000
+    free = e.value.free
+    assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < 1 << 30
+    assert str(e.value) == (f"{what} writing {path} ({fineweb._human_bytes(free)} free on its filesystem, 4.9 KiB "
+                            f"written); it was not written: free some space and run again")
+    assert os.listdir(tmp_path) == ["model_00010.pt"] and path.read_bytes() == b"the good checkpoint"
+
+
+def test_atomic_write_finds_a_wrapped_disk_full_and_passes_other_errors_on(tmp_path):
+    def torch_like(f):  # torch.save raises RuntimeError("... unexpected pos ...") from the OSError
+        try:
+            write_then_fail(errno.ENOSPC)(f)
+        except OSError as e:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from e
+    with pytest.raises(fineweb.DiskFullError, match="no space left on device writing"):
+        fineweb.atomic_write(str(tmp_path / "a.pt"), torch_like)
+    for error in (OSError(errno.EIO, "Input/output error"), OSError("42 requested and 7 written"), ValueError("bad")):
+        def fail(f, error=error):
+            f.write(b"data")
+            raise error
+        with pytest.raises(type(error)) as e:
+            fineweb.atomic_write(str(tmp_path / "b.npy"), fail)
+        assert e.value is error  # not taken for a full disk: the probe write fitted
+    assert os.listdir(tmp_path) == []
+
+
+def test_human_bytes():
+    assert [fineweb._human_bytes(n) for n in (0, 1023, 1024, 5000, 3 << 20, 5 << 50)] == \
+        ["0 B", "1,023 B", "1.0 KiB", "4.9 KiB", "3.0 MiB", "5,120.0 TiB"]
+
+
+def fail_shard_write(monkeypatch, index, err=errno.ENOSPC):
+    """The np.save of shard `index` (the index-th np.save of a prep) writes half of it, then the disk is full."""
+    real_save, calls = np.save, []
+
+    def save(f, array, *a, **k):
+        calls.append(array)
+        if len(calls) == index + 1:
+            f.write(b"\x93NUMPY" + b"\0" * (array.nbytes // 2))
+            f.flush()
+            raise OSError(err, os.strerror(err))
+        return real_save(f, array, *a, **k)
+    monkeypatch.setattr(fineweb.np, "save", save)
+
+
+def test_prep_on_a_full_disk_says_one_line_and_resumes(tmp_path, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=25))
+    out = str(tmp_path / "out")
+    args = ["--input", src, "--local_dir", out, "--shard_size", "1000", "--num_proc", "1"]
+    with monkeypatch.context() as m:
+        fail_shard_write(m, 3)
+        assert fineweb.main(args) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: no space left on device writing "
+                                                   f"{os.path.join(out, fineweb.shard_name(3))} ("), err
+    assert " free on its filesystem, 1,006 B written of about 2.1 KiB); it was not written" in lines[0]
+    # nothing partial under a shard name, no temp file; the manifest lists the three finished shards
+    assert sorted(os.listdir(out)) == sorted([fineweb.MANIFEST] + [fineweb.shard_name(i) for i in range(3)])
+    assert fineweb.prep_status(out).shards == 3
+    assert fineweb.main(args) == 0  # space freed: the same command finishes it
+    reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1, progress=False)
+    assert shard_bytes(out) == shard_bytes(os.path.dirname(reference[0]))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 256 KiB tmpfs (root only: skipped where mount is not permitted); unmounted afterwards."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_prep_fills_a_real_tmpfs_then_resumes(tmp_path, tiny_tmpfs, enc):
+    docs = make_docs(1500, seed=26)  # ~180K tokens, 360 KB of shards: more than 256 KiB
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    out = str(tiny_tmpfs / "data")
+    args = ("--input", src, "--local_dir", out, "--shard_size", 20_000, "--num_proc", 1)
+    r = cli(*args)
+    assert_one_line_error(r, "no space left on device writing " + os.path.join(out, ""), " free on its filesystem")
+    status = fineweb.prep_status(out)
+    assert not status.complete and status.shards >= 3
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    for shard in json.loads(open(os.path.join(out, fineweb.MANIFEST)).read())["shards"]:
+        assert len(np.load(os.path.join(out, shard["file"]))) == shard["tokens"]  # whole, as recorded
+    subprocess.run(["mount", "-o", "remount,size=2m", str(tiny_tmpfs)], check=True)  # space freed
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    paths = fineweb.list_shards(out, "val") + fineweb.list_shards(out, "train")
+    assert np.array_equal(load(paths), expected_tokens(enc, docs))
+
+
+# -----------------------------------------------------------------------------
+# files others can read: the umask, not mkstemp's 0600
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_written_files_follow_the_umask(tmp_path, umask):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(10, seed=27))
+    old = os.umask(umask)
+    try:
+        assert fineweb._umask() == umask
+        fineweb.atomic_write(str(tmp_path / "log.txt"), lambda f: f.write(b"0 train 10.9\n"))
+        paths = prepare(tmp_path / "out", inputs=[src], shard_size=500, num_proc=1, progress=False)
+    finally:
+        os.umask(old)
+    for path in [str(tmp_path / "log.txt"), str(tmp_path / "out" / fineweb.MANIFEST), *paths]:
+        assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask, path

@@ -1,5 +1,6 @@
 """Tests for hellaswag.py; no network: every data file is a fixture written here."""
 
+import errno
 import json
 import os
 import random
@@ -638,6 +639,24 @@ def test_download_count_check(tmp_path, fake_load_dataset):
         hellaswag.download("val", data_dir=d)
     assert "5 examples, expected 10042" in str(ei.value) and "\n" not in str(ei.value)
     assert not os.path.exists(os.path.join(d, "hellaswag_val.jsonl")) and _no_tmp_left(d)
+
+
+def test_download_onto_a_full_disk_is_one_line(tmp_path, monkeypatch, fake_load_dataset):
+    fake_load_dataset["rows"] = [to_hf_row(r) for r in make_records(5)]
+    monkeypatch.setattr(hellaswag, "EXPECTED_COUNTS", {"val": 5})
+
+    def write_rows_until_full(rows, split, path, f):
+        f.write(b'{"ind": 0, "ctx": "half a record')
+        f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(hellaswag, "_write_rows", write_rows_until_full)
+    d = str(tmp_path / "dl")
+    path = os.path.join(d, "hellaswag_val.jsonl")
+    with pytest.raises(hellaswag.HellaSwagUnavailable) as ei:
+        hellaswag.download("val", data_dir=d)
+    msg = str(ei.value)
+    assert "\n" not in msg and f"failed (no space left on device writing {path} (" in msg and "32 B written" in msg
+    assert os.listdir(d) == []
 
 
 def test_missing_data_one_clear_line(tmp_path, hf_model, fake_load_dataset):
