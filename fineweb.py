@@ -23,10 +23,11 @@ Local inputs: .txt (one document per file), .jsonl (one JSON object per line, te
 
 Re-running the same command resumes an interrupted run (or one that ran out of disk space):
 finished shards are kept and skipped. A directory prepared with other arguments is refused rather
-than mixed.
+than mixed, and so is one that another fineweb.py is writing (the lock file .fineweb.lock).
 From Python: `fineweb.prepare(local_dir, max_tokens=...)`; `fineweb.prep_status(local_dir)` says
 whether a prep is complete and how to finish it; `fineweb.open_shard(path, vocab_size)` checks a
-shard and memory-maps it (ShardError names the file and the problem).
+shard and memory-maps it (ShardError names the file and the problem); `fineweb.ensure_prepared(data_root,
+train_tokens=..., val_tokens=...)` is train_gpt2.py's data on first use.
 """
 
 import argparse
@@ -62,6 +63,8 @@ SHARD_SIZE = 100_000_000  # tokens per shard, 200 MB of uint16
 TOKENIZER = "gpt2"
 EOT = 50256  # <|endoftext|>, the GPT-2 document delimiter
 MANIFEST = "manifest.json"
+LOCK = ".fineweb.lock"  # flock-ed by the one prep writing a directory; left in place (unlinking a held lock file breaks it)
+LOCK_HOLDER = LOCK + ".holder"  # pid, host and command of the lock's holder (filelock records none)
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 20  # ~1 MB of text (~250K tokens) per tokenizer task
 HUB_BATCH = 1000  # documents per read from a HF dataset
@@ -763,9 +766,66 @@ def _new_manifest(args):
 def _remove_stale_temps(local_dir):
     # what atomic_write leaves when its process is killed (kill -9, power loss): a half-written
     # shard or manifest under a unique temp name (NAME.XXXXXXXX.tmp); NAME.tmp from older versions
-    for pattern in (shard_glob("*") + "*.tmp", MANIFEST + ".*tmp"):
+    for pattern in (shard_glob("*") + "*.tmp", MANIFEST + ".*tmp", LOCK_HOLDER + ".*.tmp"):
         for stale in glob.glob(os.path.join(local_dir, pattern)):
             os.remove(stale)
+
+
+def _manifest_for(local_dir, args):
+    """The manifest that a prep with `args` continues in local_dir (a new one where there is none);
+    DataPrepError for a directory written by a prep with other arguments or by another tool."""
+    manifest = _load_manifest(local_dir)
+    if manifest is None:
+        if _existing_shards(local_dir):
+            raise DataPrepError(f"{local_dir} already holds .npy shards but no {MANIFEST} (made by another tool?); "
+                                f"refusing to mix or overwrite them: use another --local_dir or delete them")
+        return _new_manifest(args)
+    if manifest["args"] != args:
+        raise DataPrepError(f"{local_dir} was prepared with different arguments ({_args_diff(manifest['args'], args)}); "
+                            f"refusing to mix: use another --local_dir, or delete it to start over")
+    return manifest
+
+
+def _lock_holder(local_dir):
+    try:
+        with open(os.path.join(local_dir, LOCK_HOLDER)) as f:
+            h = json.load(f)
+        return f"pid {h['pid']} on {h['host']}, since {h['started']}: {_one_line(h['command'], 1000)}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "which has not recorded its pid yet"
+
+
+@contextlib.contextmanager
+def _prep_lock(local_dir, made_dir=False):
+    """Hold local_dir's prep lock while the body runs: one prep at a time per directory. It is an flock,
+    which the kernel drops when its process dies, so it is never stale. A second prep is refused with the
+    holder named. made_dir: local_dir was made for this prep; a body that fails before writing anything
+    into it removes it again, so a refused input leaves nothing behind."""
+    import filelock  # only a prep needs it
+    lock = filelock.FileLock(os.path.join(local_dir, LOCK), timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise DataPrepError(f"{local_dir} is being prepared by another process ({_lock_holder(local_dir)}); "
+                            f"refusing to mix: wait for it to end, or stop it, then run again") from None
+    holder, finished = os.path.join(local_dir, LOCK_HOLDER), False
+    try:
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "command": shlex.join(["python", *sys.argv])}).encode()
+        atomic_write(holder, lambda f: f.write(info))
+        yield
+        finished = True
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(holder)
+        unused = made_dir and not finished and set(os.listdir(local_dir)) <= {LOCK}
+        if unused:  # unlinked while still held: a process that opened it meanwhile finds it unlinked
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(local_dir, LOCK))
+        lock.release()
+        if unused:
+            with contextlib.suppress(OSError):
+                os.rmdir(local_dir)
 
 
 def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", shard_size=SHARD_SIZE,
@@ -773,36 +833,34 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
     """Download (inputs=None) or read local files, tokenize, and write the shards to
     local_dir. Returns the shard paths, val first. Safe to call again: a complete
     directory with the same arguments is returned as is, an incomplete one is resumed,
-    one made with other arguments raises DataPrepError. Out of disk space: DiskFullError
-    (an OSError), after which the same call resumes."""
+    one made with other arguments raises DataPrepError, and so does one that another
+    prep is writing (the lock file LOCK). Out of disk space: DiskFullError (an OSError),
+    after which the same call resumes."""
     local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
     num_proc = num_proc or os.cpu_count() or 1
     args = _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset)
-    manifest = _load_manifest(local_dir)
-    if manifest is None:
-        if _existing_shards(local_dir):
-            raise DataPrepError(f"{local_dir} already holds .npy shards but no {MANIFEST} (made by another tool?); "
-                                f"refusing to mix or overwrite them: use another --local_dir or delete them")
-        manifest = _new_manifest(args)
-    elif manifest["args"] != args:
-        raise DataPrepError(f"{local_dir} was prepared with different arguments ({_args_diff(manifest['args'], args)}); "
-                            f"refusing to mix: use another --local_dir, or delete it to start over")
-    paths = _check_shards(local_dir, manifest)
-    if manifest.get("complete"):
-        return paths
-
-    # skip whole documents already in finished shards without tokenizing them again
-    skip = manifest["shards"][-1]["next_doc"] if manifest["shards"] else 0
-    if inputs is None:
-        texts = _iter_hub(dataset, name, text_column, args["streaming"], skip, num_proc)
-    else:
-        files = [i["path"] for i in args["inputs"]]
-        _check_inputs(files, text_column)
-        texts = itertools.islice(_iter_files(files, text_column), skip, None)
+    manifest = _manifest_for(local_dir, args)  # refused before anything is locked or made
+    if manifest.get("complete"):  # a finished prep is only read: no lock
+        return _check_shards(local_dir, manifest)
+    made_dir = not os.path.isdir(local_dir)
     os.makedirs(local_dir, exist_ok=True)
-    _remove_stale_temps(local_dir)
-    return _write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=args["val_tokens"],
-                         max_tokens=args["max_tokens"], num_proc=num_proc, progress=progress)
+    with _prep_lock(local_dir, made_dir):
+        manifest = _manifest_for(local_dir, args)  # again: another prep may have written it meanwhile
+        paths = _check_shards(local_dir, manifest)
+        if manifest.get("complete"):
+            return paths
+
+        # skip whole documents already in finished shards without tokenizing them again
+        skip = manifest["shards"][-1]["next_doc"] if manifest["shards"] else 0
+        if inputs is None:
+            texts = _iter_hub(dataset, name, text_column, args["streaming"], skip, num_proc)
+        else:
+            files = [i["path"] for i in args["inputs"]]
+            _check_inputs(files, text_column)
+            texts = itertools.islice(_iter_files(files, text_column), skip, None)
+        _remove_stale_temps(local_dir)
+        return _write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=args["val_tokens"],
+                             max_tokens=args["max_tokens"], num_proc=num_proc, progress=progress)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -853,6 +911,147 @@ def prep_status(data_root):
     return PrepStatus(data_root, True, complete, dict(manifest["args"]), len(manifest["shards"]),
                       sum(s["tokens"] for s in manifest["shards"]), kwargs,
                       None if complete else _command_line(data_root, kwargs))
+
+
+# -----------------------------------------------------------------------------
+# data on first use (train_gpt2.py): check what is there, prepare what is missing
+
+# approximate GPT-2 token counts of the FineWeb-Edu samples: a run needing most of one takes it whole
+FINEWEB_SAMPLE_TOKENS = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}
+MIN_PREP_TOKENS = 10_000_000
+
+
+def _header_tokens(path):
+    try:
+        return _open_checked(path, lambda f: _read_shard_header(path, f))
+    except ShardError as e:
+        raise DataPrepError(str(e)) from None
+
+
+def _check_against_manifest(data_root, manifest, val, train, vocab_size):
+    """The shards the loader opens (val, train: list_shards paths) are those manifest.json records, each as
+    long as recorded and as its recorded shard size allows, made with a tokenizer whose ids fit vocab_size.
+    Reads .npy headers and file sizes only, never the tokens: cheap on 10B tokens."""
+    args = manifest["args"]
+    if args.get("tokenizer", TOKENIZER) != TOKENIZER:
+        raise DataPrepError(f"{data_root} was tokenized with {args['tokenizer']!r}, not {TOKENIZER!r}: "
+                            f"prepare the data again with this fineweb.py")
+    if vocab_size <= EOT:
+        raise DataPrepError(f"{data_root} holds {TOKENIZER} token ids up to {EOT}, which a model with "
+                            f"vocab_size {vocab_size} cannot embed")
+    mismatch = f"{data_root} does not match its {MANIFEST}"
+    fix = "the directory was mixed or changed after its prep: delete it and prepare it again"
+    recorded = {s["file"]: s for s in manifest["shards"]}
+    for split, found in (("val", val), ("train", train)):
+        names = [os.path.basename(p) for p in found]
+        want = [s["file"] for s in manifest["shards"] if s["split"] == split]
+        if names != want:
+            odd = sorted(set(names) - set(want))
+            gone = sorted(set(want) - set(names))
+            detail = f"{len(names)} {split} shards on disk, {len(want)} recorded"
+            detail += f"; not recorded: {odd[0]}" if odd else f"; missing: {gone[0]}" if gone else "; in another order"
+            raise DataPrepError(f"{mismatch} ({detail}): {fix}")
+    shard_size, val_tokens = args["shard_size"], args["val_tokens"]
+    for path in val + train:
+        name, shard = os.path.basename(path), recorded[os.path.basename(path)]
+        n = _header_tokens(path)
+        if n != shard["tokens"]:
+            raise DataPrepError(f"{mismatch} ({name} holds {n:,} tokens, {shard['tokens']:,} recorded): {fix}")
+        # every train shard but the last is full; val and the last train shard may be shorter
+        full = shard_size if path in train[:-1] else None
+        cap = val_tokens if path in val else shard_size
+        if n > cap or (full is not None and n != full):
+            raise DataPrepError(f"{mismatch} ({name} holds {n:,} tokens; the recorded shard size is {shard_size:,}"
+                                f"{f' and val size {val_tokens:,}' if path in val else ''}): {fix}")
+
+
+def _usable_shards(data_root, status, vocab_size):
+    """True when data_root holds val and train shards to train on (checked against the manifest when there
+    is one), False when it holds none; DataPrepError when only one split is there or the shards do not
+    match their manifest. Shards with no manifest: the loader checks their ids against vocab_size."""
+    val, train = list_shards(data_root, "val"), list_shards(data_root, "train")
+    if not val and not train:
+        return False
+    if not val:
+        raise DataPrepError(f"no val shard in {data_root} ({len(train)} train shards, but no file matching "
+                            f"{shard_glob('val')}): the val split is shard 0 of a fineweb.py prep; restore it, "
+                            f"or prepare the directory again")
+    if not train:
+        raise DataPrepError(f"no train shard in {data_root} ({len(val)} val shards, but no file matching "
+                            f"{shard_glob('train')}): restore them, or prepare the directory again")
+    if status.has_manifest:
+        _check_against_manifest(data_root, _load_manifest(data_root), val, train, vocab_size)
+    return True
+
+
+def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column, print0):
+    """prepare() just the tokens a run needs (at least MIN_PREP_TOKENS), or the whole source; or finish an
+    unfinished prep with the arguments it recorded. Returns None, or the one-line error."""
+    if status.has_manifest and not status.complete:
+        print0(f"{data_root}: an earlier prep stopped after {status.shards} shards; finishing it")
+        try:
+            prepare(data_root, **status.prepare_kwargs)
+        except (DataPrepError, OSError) as e:
+            return f"{data_root} is an unfinished prep and finishing it failed ({_one_line(e)}); finish it with: " \
+                   f"{status.resume_command}"
+        return None
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
+    full = inputs is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS.get(name, float("inf"))
+    max_tokens = None if full else needed
+    what = " ".join(inputs) if inputs else f"FineWeb-Edu {name}"
+    print0(f"no shards in {data_root}: preparing them from {what}" + (f" ({max_tokens:,} tokens)" if max_tokens else ""))
+    try:
+        prepare(data_root, name=name, inputs=inputs, text_column=text_column, max_tokens=max_tokens,
+                val_tokens=None if full else min(max(val_tokens, 1), max_tokens // 2))
+    except (DataPrepError, OSError) as e:
+        return f"preparing {data_root} failed: {_one_line(e)}"
+    return None
+
+
+def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", inputs=None, text_column="text",
+                    inputs_given=False, master=True, agree=lambda ok, long_wait=False: ok, print0=print,
+                    vocab_size=50257):
+    """Make sure data_root holds train and val shards a run can open; prepare them on first use.
+
+    Shards already there are checked against manifest.json when there is one (shard count per split, each
+    file's token count, shard size, tokenizer: headers only) and refused on a mismatch; shards with no
+    manifest (made by hand or another tool) are taken as they are. A directory with no shards is prepared
+    from `inputs` (local files) or FineWeb-Edu `name`, just the train_tokens + val_tokens a run needs (at
+    least MIN_PREP_TOKENS) unless that is most of the sample; an unfinished prep is finished with the
+    arguments it recorded. inputs_given: the user passed inputs for a directory that already holds shards
+    (a warning: they are not read).
+
+    Several processes: every rank calls this; agree(ok, long_wait=False) must return the AND of `ok` over
+    all ranks (and be a barrier); long_wait=True is the wait for the master's prep, which can take hours.
+    Only `master` prepares and prints. Any problem raises DataPrepError with a one-line message (on the
+    other ranks: "data preparation failed on rank 0 (see its message)"). Returns prep_status(data_root).
+    With several nodes, data_root must be on a shared filesystem (or prepared on each node first).
+    """
+    data_root = os.path.abspath(os.path.expanduser(str(data_root)))
+    try:
+        status = prep_status(data_root)
+        usable = not (status.has_manifest and not status.complete) and _usable_shards(data_root, status, vocab_size)
+        problem = None
+    except DataPrepError as e:
+        problem, usable = str(e), False
+    if not agree(problem is None):  # every rank takes the same branch
+        raise DataPrepError(problem or "the data check failed on another rank (see its message)")
+    if agree(usable):
+        if master:
+            if inputs_given:
+                print0(f"warning: --input has no effect: {data_root} already holds shards (use another "
+                       f"--data_root to prepare one from it)")
+            if status.complete and status.tokens < train_tokens:
+                print0(f"note: {data_root} holds {status.tokens:,} tokens and the run reads {train_tokens:,}: "
+                       f"it will go over the data more than once")
+        return status
+    message = _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column, print0) \
+        if master else None
+    if not agree(message is None, long_wait=True):
+        raise DataPrepError(message or "data preparation failed on rank 0 (see its message)")
+    return prep_status(data_root)
 
 
 def build_parser():

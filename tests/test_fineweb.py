@@ -8,6 +8,7 @@ import random
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +29,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import fineweb  # noqa: E402
+from conftest import write_shards  # noqa: E402
 from fineweb import EOT, DataPrepError, prepare  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from education learning school students "
@@ -118,7 +120,7 @@ def test_shard_layout_and_names(tmp_path, enc):
     # what the loader globs, and nothing else (no temp files left behind)
     assert sorted(glob.glob(str(out / "*_val_[0-9]*.npy"))) == paths[:1]
     assert sorted(glob.glob(str(out / "*_train_[0-9]*.npy"))) == paths[1:]
-    assert sorted(os.listdir(out)) == sorted(names + ["manifest.json"])
+    assert sorted(os.listdir(out)) == sorted(names + ["manifest.json", fineweb.LOCK])  # the holder file is gone
     sizes = [len(np.load(p)) for p in paths]
     assert sizes[:-1] == [1000] * (n_shards - 1)  # val is a full shard by default
     assert 0 < sizes[-1] <= 1000  # the last partial shard is written
@@ -763,6 +765,290 @@ def test_bench_fineweb_bad_input_is_one_line(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# ensure_prepared: train_gpt2.py's data on first use (these call it directly; the CLI-level
+# tests of the same behaviour are in test_train_gpt2.py, test_hostile.py, test_distributed.py)
+
+def ensure(root, printed, **kwargs):
+    kwargs = {"train_tokens": 1000, "val_tokens": 100, **kwargs}
+    return fineweb.ensure_prepared(root, print0=printed.append, **kwargs)
+
+
+def interrupt_at_shard(monkeypatch, index, **kwargs):
+    """prepare(**kwargs) stopped as by kill -9 just before shard `index` was written."""
+    real_write = fineweb.atomic_write
+
+    def crash(path, write):
+        if path.endswith(f"_{index:06d}.npy"):
+            raise KeyboardInterrupt
+        real_write(path, write)
+    with monkeypatch.context() as m:
+        m.setattr(fineweb, "atomic_write", crash)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(**kwargs)
+
+
+def test_ensure_prepared_prepares_an_empty_root_once(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=20))
+    root, printed = str(tmp_path / "data"), []
+    status = ensure(root, printed, inputs=[src])
+    assert printed == [f"no shards in {root}: preparing them from {src}"]
+    assert status.complete and status.args["inputs"][0]["path"] == src and status.args["max_tokens"] is None
+    reference = prepare(tmp_path / "reference", inputs=[src], num_proc=1, progress=False)
+    assert shard_bytes(root) == shard_bytes(os.path.dirname(reference[0]))
+    # once there, it is checked, not prepared again; --input given again is pointed out
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared twice"))
+    printed.clear()
+    assert ensure(root, printed, inputs=[src], inputs_given=True) == status
+    assert printed == [f"warning: --input has no effect: {root} already holds shards (use another --data_root "
+                       f"to prepare one from it)"]
+    printed.clear()
+    ensure(root, printed, train_tokens=status.tokens + 1)
+    assert printed == [f"note: {root} holds {status.tokens:,} tokens and the run reads {status.tokens + 1:,}: "
+                       f"it will go over the data more than once"]
+
+
+@pytest.mark.parametrize("train_tokens, val_tokens, max_tokens, prep_val_tokens", [
+    (1_000, 100, 10_000_000, 100),  # a tiny run still gets MIN_PREP_TOKENS
+    (20_000_000, 1_000_000, 21_000_000, 1_000_000),
+    (30_000_000, 0, 30_000_000, 1),  # no val evaluation: the prep still needs one val token
+    (9_500_000_000, 10_000_000, None, None),  # most of sample-10BT: take it whole, val as fineweb.py's default
+])
+def test_ensure_prepared_sizes_a_hub_prep_to_the_run(tmp_path, monkeypatch, train_tokens, val_tokens, max_tokens,
+                                                    prep_val_tokens):
+    calls = []
+    monkeypatch.setattr(fineweb, "prepare", lambda root, **kw: calls.append((root, kw)))
+    root, printed = str(tmp_path / "data"), []
+    ensure(root, printed, train_tokens=train_tokens, val_tokens=val_tokens)
+    assert calls == [(root, dict(name="sample-10BT", inputs=None, text_column="text", max_tokens=max_tokens,
+                                 val_tokens=prep_val_tokens))]
+    assert printed == [f"no shards in {root}: preparing them from FineWeb-Edu sample-10BT"
+                       + (f" ({max_tokens:,} tokens)" if max_tokens else "")]
+
+
+def test_ensure_prepared_finishes_an_unfinished_prep(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(60, seed=21))
+    root = str(tmp_path / "data")
+    kwargs = dict(inputs=[src], shard_size=600, val_tokens=300, num_proc=1, progress=False)
+    interrupt_at_shard(monkeypatch, 3, local_dir=root, **kwargs)
+    printed = []
+    status = ensure(root, printed)  # no inputs: the manifest names the source
+    assert printed == [f"{root}: an earlier prep stopped after 3 shards; finishing it"]
+    assert status.complete and status.shards > 3
+    prepare(tmp_path / "whole", **kwargs)
+    assert shard_bytes(root) == shard_bytes(tmp_path / "whole")
+
+
+def test_ensure_prepared_unfinished_prep_without_its_source(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(60, seed=21))
+    root = str(tmp_path / "data")
+    interrupt_at_shard(monkeypatch, 3, local_dir=root, inputs=[src], shard_size=600, val_tokens=300, num_proc=1,
+                       progress=False)
+    os.remove(src)
+    before = {name: open(os.path.join(root, name), "rb").read() for name in os.listdir(root)}
+    with pytest.raises(DataPrepError) as e:
+        ensure(root, [])
+    command = fineweb.prep_status(root).resume_command
+    assert str(e.value) == (f"{root} is an unfinished prep and finishing it failed (input file not found: {src}); "
+                            f"finish it with: {command}")
+    assert {name: open(os.path.join(root, name), "rb").read() for name in os.listdir(root)} == before
+
+
+def test_ensure_prepared_failure_is_one_line(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(5), key="body")
+    root = str(tmp_path / "data")
+    with pytest.raises(DataPrepError, match=rf"^preparing {re.escape(root)} failed: .*has no field 'text'") as e:
+        ensure(root, [], inputs=[src])
+    assert "\n" not in str(e.value) and not os.path.exists(root)
+
+
+class Ranks:
+    """agree() of one rank among several: the AND over all ranks is what the other ranks are set to answer."""
+
+    def __init__(self, others_ok=True, others_ok_after_prep=True):
+        self.others_ok, self.others_ok_after_prep, self.calls = others_ok, others_ok_after_prep, []
+
+    def __call__(self, ok, long_wait=False):
+        self.calls.append((ok, long_wait))
+        return ok and (self.others_ok_after_prep if long_wait else self.others_ok)
+
+
+def test_ensure_prepared_only_the_master_prepares(tmp_path, monkeypatch):
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("a non-master rank prepared"))
+    root, printed = str(tmp_path / "data"), []
+    ranks = Ranks()  # rank 0 prepared: the long wait ends with every rank agreeing
+    ensure(root, printed, master=False, agree=ranks)
+    assert ranks.calls == [(True, False), (False, False), (True, True)] and printed == []
+    ranks = Ranks(others_ok_after_prep=False)  # rank 0's prep failed
+    with pytest.raises(DataPrepError, match=r"^data preparation failed on rank 0 \(see its message\)$"):
+        ensure(root, printed, master=False, agree=ranks)
+    # a shard check that failed on another rank (here the data is fine): every rank stops, none prepares
+    write_shards(root, "val", [100])
+    write_shards(root, "train", [300])
+    with pytest.raises(DataPrepError, match="the data check failed on another rank"):
+        ensure(root, printed, agree=Ranks(others_ok=False))
+
+
+def test_ensure_prepared_takes_shards_with_no_manifest_as_they_are(shard_dir, monkeypatch):
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared over hand-made shards"))
+    status = ensure(shard_dir, [], inputs_given=False)
+    assert not status.has_manifest
+
+
+@pytest.mark.parametrize("only", ["train", "val"])
+def test_a_missing_split_is_named(tmp_path, monkeypatch, only):
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared over the other split"))
+    root = str(tmp_path / "data")
+    write_shards(root, only, [500, 400])
+    missing = "val" if only == "train" else "train"
+    with pytest.raises(DataPrepError, match=rf"^no {missing} shard in {re.escape(root)} \(2 {only} shards, "
+                                            rf"but no file matching \*_{missing}_\[0-9\]\*\.npy\)"):
+        ensure(root, [])
+
+
+# -----------------------------------------------------------------------------
+# data can't be mixed: the manifest check, the lock, two real fineweb.py processes
+
+@pytest.fixture
+def prepared(tmp_path):
+    """A complete prep of 5 shards (val 300 tokens, train 1000 each, the last shorter): (root, corpus)."""
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=22))
+    root = str(tmp_path / "data")
+    paths = prepare(root, inputs=[src], shard_size=1000, val_tokens=300, max_tokens=4000, num_proc=1, progress=False)
+    assert [len(np.load(p)) for p in paths] == [300, 1000, 1000, 1000, 700]
+    return root, src
+
+
+def edit_manifest(root, change):
+    path = os.path.join(root, fineweb.MANIFEST)
+    manifest = json.loads(open(path).read())
+    change(manifest)
+    open(path, "w").write(json.dumps(manifest))
+
+
+def test_ensure_prepared_checks_headers_against_the_manifest_not_tokens(prepared, monkeypatch):
+    root, _ = prepared
+    monkeypatch.setattr(fineweb, "_check_token_ids", lambda *a: pytest.fail("read every token"))
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared a complete directory"))
+    status = ensure(root, [])
+    assert status.complete and status.shards == 5
+
+
+def shard(root, index):
+    return os.path.join(root, fineweb.shard_name(index))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda root: np.save(shard(root, 5), np.ones(50, np.uint16)), "(5 train shards on disk, 4 recorded; not "
+                                                                   "recorded: edufineweb_train_000005.npy)"),
+    (lambda root: os.remove(shard(root, 2)), "(3 train shards on disk, 4 recorded; missing: "
+                                             "edufineweb_train_000002.npy)"),
+    (lambda root: np.save(shard(root, 3), np.ones(700, np.uint16)), "(edufineweb_train_000003.npy holds 700 tokens, "
+                                                                    "1,000 recorded)"),
+    (lambda root: edit_manifest(root, lambda m: m["args"].update(shard_size=2000)),
+     "(edufineweb_train_000001.npy holds 1,000 tokens; the recorded shard size is 2,000)"),
+    (lambda root: edit_manifest(root, lambda m: m["args"].update(val_tokens=200)),
+     "(edufineweb_val_000000.npy holds 300 tokens; the recorded shard size is 1,000 and val size 200)"),
+])
+def test_ensure_prepared_refuses_shards_that_do_not_match_the_manifest(prepared, damage, message):
+    root, _ = prepared
+    damage(root)
+    with pytest.raises(DataPrepError) as e:
+        ensure(root, [])
+    assert str(e.value) == (f"{root} does not match its manifest.json {message}: the directory was mixed or "
+                            f"changed after its prep: delete it and prepare it again")
+
+
+def test_ensure_prepared_refuses_another_tokenizer_and_a_small_vocabulary(prepared):
+    root, _ = prepared
+    with pytest.raises(DataPrepError, match="holds gpt2 token ids up to 50256, which a model with vocab_size 1000"):
+        ensure(root, [], vocab_size=1000)
+    edit_manifest(root, lambda m: m["args"].update(tokenizer="cl100k_base"))
+    with pytest.raises(DataPrepError, match=f"{re.escape(root)} was tokenized with 'cl100k_base', not 'gpt2'"):
+        ensure(root, [])
+
+
+def test_two_preps_with_different_shard_sizes_one_after_the_other(prepared, tmp_path):
+    """The issue's scenario, run in turn: the second is refused and the first one's shards stay as they were."""
+    root, src = prepared
+    before = shard_bytes(root)
+    r = cli("--input", src, "--local_dir", root, "--shard_size", 700, "--val_tokens", 300, "--max_tokens", 4000)
+    assert_one_line_error(r, root, "different arguments (shard_size: 1000 -> 700)")
+    assert shard_bytes(root) == before
+    # what two runs at once left before there was a lock: shards of both, under the manifest of one
+    other = str(tmp_path / "other")
+    prepare(other, inputs=[src], shard_size=700, val_tokens=300, max_tokens=4000, num_proc=1, progress=False)
+    for name in (fineweb.MANIFEST, fineweb.shard_name(5), fineweb.shard_name(6)):
+        os.replace(os.path.join(other, name), os.path.join(root, name))
+    with pytest.raises(DataPrepError, match=f"^{re.escape(root)} does not match its manifest.json "
+                                            f"\\(edufineweb_train_000001.npy holds 1,000 tokens, 700 recorded\\)"):
+        ensure(root, [])
+
+
+def test_a_held_lock_refuses_a_second_prep(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(10, seed=23))
+    root = tmp_path / "data"
+    root.mkdir()
+    with fineweb._prep_lock(str(root)):  # flock: another open of the file is refused, in this process too
+        holder = json.loads((root / fineweb.LOCK_HOLDER).read_text())
+        assert holder["pid"] == os.getpid()
+        with pytest.raises(DataPrepError) as e:
+            prepare(root, inputs=[src], num_proc=1, progress=False)
+        assert str(e.value).startswith(f"{root} is being prepared by another process (pid {os.getpid()} on "
+                                       f"{holder['host']}, since {holder['started']}: python ")
+        assert sorted(os.listdir(root)) == [fineweb.LOCK, fineweb.LOCK_HOLDER]  # nothing written
+    assert sorted(os.listdir(root)) == [fineweb.LOCK]  # released, the holder file gone
+    assert prepare(root, inputs=[src], num_proc=1, progress=False)
+
+
+HOLD_THE_LOCK = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import fineweb
+real_write_shards = fineweb._write_shards
+
+def write_shards_when_told(*args, **kwargs):  # the lock is held from here on
+    open({holding!r}, "w").close()
+    while not os.path.exists({go!r}):
+        time.sleep(0.01)
+    return real_write_shards(*args, **kwargs)
+
+fineweb._write_shards = write_shards_when_told
+sys.exit(fineweb.main(sys.argv[1:]))
+"""
+
+
+def test_two_concurrent_fineweb_processes(tmp_path):
+    """A second fineweb.py on a directory another one is writing is refused with the holder named, whatever its
+    arguments; the first one finishes unmixed. The first is held at its first shard until the second has run."""
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=24))
+    root, holding, go = str(tmp_path / "data"), str(tmp_path / "holding"), str(tmp_path / "go")
+    first_args = ["--input", src, "--local_dir", root, "--shard_size", "1000", "--num_proc", "1"]
+    script = HOLD_THE_LOCK.format(repo=REPO, holding=holding, go=go)
+    first = subprocess.Popen([sys.executable, "-c", script, *first_args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(holding) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(holding), first.communicate()
+        for shard_size in (700, 1000):  # other arguments, and the same ones
+            r = cli("--input", src, "--local_dir", root, "--shard_size", shard_size, "--num_proc", 1)
+            assert_one_line_error(r, f"{root} is being prepared by another process (pid {first.pid} on "
+                                     f"{socket.gethostname()}, since ", "--shard_size 1000", "wait for it to end")
+        assert not fineweb.list_shards(root, "val") and not os.path.exists(os.path.join(root, fineweb.MANIFEST))
+    finally:
+        open(go, "w").close()
+        out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1, progress=False)
+    assert shard_bytes(root) == shard_bytes(os.path.dirname(reference[0]))
+    # the lock is free again: the same command finds the prep complete, another shard size is refused
+    assert cli(*first_args).returncode == 0
+    r = cli("--input", src, "--local_dir", root, "--shard_size", 700)
+    assert_one_line_error(r, "different arguments (shard_size: 1000 -> 700; val_tokens: 1000 -> 700)")
+
+
+# -----------------------------------------------------------------------------
 # a full disk: atomic_write (shards, manifests, HellaSwag caches, checkpoints, log.txt) and the prep
 
 def write_then_fail(err, after=5000):
@@ -838,11 +1124,22 @@ def test_prep_on_a_full_disk_says_one_line_and_resumes(tmp_path, monkeypatch, ca
                                                    f"{os.path.join(out, fineweb.shard_name(3))} ("), err
     assert " free on its filesystem, 1,006 B written of about 2.1 KiB); it was not written" in lines[0]
     # nothing partial under a shard name, no temp file; the manifest lists the three finished shards
-    assert sorted(os.listdir(out)) == sorted([fineweb.MANIFEST] + [fineweb.shard_name(i) for i in range(3)])
+    assert sorted(os.listdir(out)) == sorted([fineweb.LOCK, fineweb.MANIFEST] + [fineweb.shard_name(i) for i in range(3)])
     assert fineweb.prep_status(out).shards == 3
     assert fineweb.main(args) == 0  # space freed: the same command finishes it
     reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1, progress=False)
     assert shard_bytes(out) == shard_bytes(os.path.dirname(reference[0]))
+
+
+def test_ensure_prepared_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=25))
+    root = str(tmp_path / "data")
+    fail_shard_write(monkeypatch, 0)
+    with pytest.raises(DataPrepError) as e:
+        ensure(root, [], inputs=[src])
+    assert str(e.value).startswith(f"preparing {root} failed: no space left on device writing "
+                                   f"{os.path.join(root, fineweb.shard_name(0))} (")
+    assert "\n" not in str(e.value) and not fineweb.list_shards(root, "val")
 
 
 @pytest.fixture
