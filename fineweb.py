@@ -2,8 +2,9 @@
 FineWeb-Edu dataset (for pretraining GPT-2 124M), tokenized into .npy shards.
 https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu
 
-Downloads FineWeb-Edu with HF `datasets`, tokenizes it with tiktoken's GPT-2 BPE and
-writes 1-D uint16 shards of --shard_size tokens (default 100M) that train_gpt2.py reads:
+Downloads FineWeb-Edu with HF `datasets`, tokenizes it with GPT-2's BPE (the files in gpt2_bpe/,
+through tiktoken: get_encoding(), no network) and writes 1-D uint16 shards of --shard_size tokens
+(default 100M) that train_gpt2.py reads:
 
     edu_fineweb10B/edufineweb_val_000000.npy     shard 0 is the validation split
     edu_fineweb10B/edufineweb_train_000001.npy   every other shard is training data
@@ -15,11 +16,13 @@ a shard is split and continues at the start of the next one.
 Usage:
     python fineweb.py                                  # sample-10BT, ~10B tokens, 100 shards
     python fineweb.py --max_tokens 100000000           # stream only the first 100M tokens
-    python fineweb.py --input my_corpus/*.jsonl        # your own / offline data, no download
+    python fineweb.py --input my_corpus/*.jsonl        # your own / offline data, into local_text/
     python fineweb.py --input books.txt --local_dir data/books --shard_size 10000000
 
 Local inputs: .txt (one document per file), .jsonl (one JSON object per line, text in
---text_column) and .parquet (text in --text_column). Quoted globs are expanded here.
+--text_column) and .parquet (text in --text_column). Quoted globs are expanded here. Shards
+made from local inputs are named text_val_000000.npy, text_train_000001.npy, ... and go to
+local_text/ unless --local_dir says otherwise.
 
 Re-running the same command resumes an interrupted run: finished shards are kept and
 skipped. A directory prepared with other arguments is refused rather than mixed.
@@ -32,6 +35,7 @@ import argparse
 import collections
 import dataclasses
 import glob
+import hashlib
 import itertools
 import json
 import multiprocessing as mp
@@ -54,8 +58,15 @@ HF_DATASET = "HuggingFaceFW/fineweb-edu"
 NAMES = ("sample-10BT", "sample-100BT", "sample-350BT")
 DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "edu_fineweb10B")
 SHARD_PREFIX = "edufineweb"
+# data made from --input is not FineWeb: its own default folder and shard names
+LOCAL_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "local_text")
+LOCAL_SHARD_PREFIX = "text"
 SHARD_SIZE = 100_000_000  # tokens per shard, 200 MB of uint16
 TOKENIZER = "gpt2"
+BPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe")
+# the sha256 tiktoken checks for these two files of OpenAI's GPT-2 release (tiktoken_ext/openai_public.py)
+BPE_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+             "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 EOT = 50256  # <|endoftext|>, the GPT-2 document delimiter
 MANIFEST = "manifest.json"
 INPUT_TYPES = (".txt", ".jsonl", ".parquet")
@@ -77,12 +88,55 @@ def _one_line(e, limit=300):
 
 _enc = None
 
+# tiktoken's "gpt2" pre-tokenizer: GPT-2's own pattern with possessive quantifiers (the same splits, faster)
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
-def _encoder():
+
+def _read_bpe_file(name):
+    path = os.path.join(BPE_DIR, name)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataPrepError(f"cannot read the GPT-2 tokenizer file {path} ({e.strerror or e}); "
+                            f"restore it with: git checkout -- gpt2_bpe") from None
+    if hashlib.sha256(data).hexdigest() != BPE_FILES[name]:
+        raise DataPrepError(f"{path} is not GPT-2's {name} (its sha256 differs: changed line endings, or a "
+                            f"git-lfs pointer?); restore it with: git checkout -- gpt2_bpe")
+    return data
+
+
+def _gpt2_byte_chars():
+    """GPT-2's files spell every byte as a printable character: a byte whose character is printable
+    (and not a space) stands for itself, the other 68 become chr(256), chr(257), ... in order.
+    Returns {character: byte}, in rank order (single bytes are ranks 0-255 in this order)."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+def _gpt2_ranks():
+    """GPT-2's BPE from gpt2_bpe/vocab.bpe as tiktoken's mergeable ranks {token bytes: id}: the 256
+    single bytes, then one token per merge line, in file order (a token's id is its merge priority)."""
+    chars = _gpt2_byte_chars()
+    ranks = {bytes([b]): i for i, b in enumerate(chars.values())}
+    lines = _read_bpe_file("vocab.bpe").decode("utf-8").split("\n")[1:]  # line 0 is "#version: 0.2"
+    for line in filter(None, lines):
+        left, right = line.split(" ")
+        ranks[bytes(chars[c] for c in left + right)] = len(ranks)
+    return ranks
+
+
+def get_encoding():
+    """tiktoken's "gpt2" Encoding, built once from the files in gpt2_bpe/: no download, no cache,
+    no environment variable. Identical ids to tiktoken.get_encoding("gpt2")."""
     global _enc
     if _enc is None:
         import tiktoken
-        _enc = tiktoken.get_encoding(TOKENIZER)
+        _enc = tiktoken.Encoding(name=TOKENIZER, pat_str=GPT2_PAT, mergeable_ranks=_gpt2_ranks(),
+                                 special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=EOT + 1)
     return _enc
 
 
@@ -107,7 +161,7 @@ def tokenize_batch(texts):
     """Tokenize a list of documents. Returns (tokens, lengths): all documents concatenated,
     each preceded by EOT, as uint16; and the number of tokens of each document (0 for an
     empty or missing text, which is skipped entirely)."""
-    enc = _encoder()
+    enc = get_encoding()
     eot = np.array([EOT], dtype=np.uint32)
     pieces = []
     lengths = np.zeros(len(texts), dtype=np.int64)

@@ -17,10 +17,6 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-# tiktoken needs its GPT-2 files offline; CI exports this, fall back to the shared copy
-_cache = os.path.join(REPO, "..", "shared", "tiktoken_cache")
-if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(_cache):
-    os.environ["TIKTOKEN_CACHE_DIR"] = os.path.abspath(_cache)
 # never touch the network (datasets reads these when it is first imported)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,8 +54,7 @@ def write_parquet(path, docs, key="text"):
 
 @pytest.fixture(scope="module")
 def enc():
-    import tiktoken
-    return tiktoken.get_encoding("gpt2")
+    return fineweb.get_encoding()  # checked against tiktoken's own gpt2 in test_tokenizer.py
 
 
 def expected_tokens(enc, docs):
