@@ -497,6 +497,7 @@ class _ShardWriter:
     def __init__(self, local_dir, manifest, shard_size, val_tokens):
         self.local_dir, self.manifest, self.shards = local_dir, manifest, manifest["shards"]
         self.index = len(self.shards)  # of the shard being filled
+        self.prefix = manifest.get("prefix", SHARD_PREFIX)  # manifests without one were all named so
         self.shard_size = shard_size
         self.cap = val_tokens if self.index == 0 else shard_size  # its capacity
         self.buf = np.empty(shard_size, dtype=np.uint16)  # the only shard-sized allocation
@@ -504,12 +505,12 @@ class _ShardWriter:
         self.cut = None  # stream position where the buffer content ends, once it is full
 
     def _record(self, index, n_tokens, position):
-        self.shards.append({"file": shard_name(index), "split": shard_split(index), "tokens": int(n_tokens),
+        self.shards.append({"file": shard_name(index, prefix=self.prefix), "split": shard_split(index), "tokens": int(n_tokens),
                             "next_doc": position[0], "next_offset": position[1]})
         self.manifest["total_tokens"] = sum(s["tokens"] for s in self.shards)
 
     def _write(self, index, tokens):
-        atomic_write(os.path.join(self.local_dir, shard_name(index)), lambda f: np.save(f, tokens))
+        atomic_write(os.path.join(self.local_dir, shard_name(index, prefix=self.prefix)), lambda f: np.save(f, tokens))
 
     def _flush(self):
         if not os.path.exists(os.path.join(self.local_dir, MANIFEST)):
@@ -711,7 +712,8 @@ def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens
 
 
 def _new_manifest(args):
-    return {"version": 1, "args": args, "shards": [], "complete": False, "total_tokens": 0}
+    prefix = LOCAL_SHARD_PREFIX if "inputs" in args else SHARD_PREFIX
+    return {"version": 1, "args": args, "prefix": prefix, "shards": [], "complete": False, "total_tokens": 0}
 
 
 def _remove_stale_temps(local_dir):
@@ -820,8 +822,9 @@ def build_parser():
     p.add_argument("--name", default="sample-10BT", choices=NAMES, help="FineWeb-Edu sample to download")
     p.add_argument("--dataset", default=HF_DATASET,
                    help="HF dataset repo id, or a local copy of it with the same configs")
-    p.add_argument("--local_dir", default=DEFAULT_DATA_ROOT,
-                   help="output directory (the default is the one train_gpt2.py reads)")
+    p.add_argument("--local_dir", default=None,
+                   help=f"output directory; if not given, {os.path.basename(DEFAULT_DATA_ROOT)}/ beside this script (the one "
+                        f"train_gpt2.py reads), or {os.path.basename(LOCAL_DATA_ROOT)}/ beside it with --input")
     p.add_argument("--shard_size", type=int, default=SHARD_SIZE, help="tokens per shard")
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
     p.add_argument("--max_tokens", type=int, default=None,
@@ -836,6 +839,8 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.local_dir is None:
+        args.local_dir = LOCAL_DATA_ROOT if args.inputs is not None else DEFAULT_DATA_ROOT
     t0 = time.time()
     try:
         paths = prepare(args.local_dir, name=args.name, inputs=args.inputs, text_column=args.text_column,
