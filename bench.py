@@ -14,7 +14,6 @@ inputs are synthetic, so nothing needs to be downloaded (`--fineweb_input` takes
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import shlex
@@ -195,20 +194,6 @@ def release(device_type):
         torch.cuda.empty_cache()
 
 
-def tokenizer_error():
-    """None if the GPT-2 BPE loads, else why not (a device machine has no network to fetch it)."""
-    cache = os.path.join(REPO, ".cache", "tiktoken")
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(cache):
-        os.environ["TIKTOKEN_CACHE_DIR"] = cache  # the tests run in a subprocess: they inherit it
-    try:
-        import tiktoken
-        tiktoken.get_encoding("gpt2")
-    except Exception as e:  # tiktoken raises whatever its download raised
-        return (f"the GPT-2 tokenizer could not be loaded ({type(e).__name__}); without network, copy a "
-                f"tiktoken cache holding it to .cache/tiktoken and export TIKTOKEN_CACHE_DIR=.cache/tiktoken")
-    return None
-
-
 def junit_summary(path):
     """Counts, per-test outcomes (with skip/failure messages) and recorded properties from pytest's JUnit XML."""
     import xml.etree.ElementTree as ET
@@ -305,10 +290,6 @@ def run_gpu_suite(args, device, config, autocast_ctx, setting):
     if device_type != "cuda" and args.device == "auto":
         print("error: --suite gpu needs CUDA and there is none here (to smoke-test the suite on CPU: "
               "--device cpu --preset tiny --skip_tests)", file=sys.stderr)
-        return 1
-    problem = tokenizer_error()
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
         return 1
     os.makedirs(args.out, exist_ok=True)
     setting = {**setting, "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -448,16 +429,10 @@ def bench_fineweb(tmp, num_proc, inputs):
     return {"tokens_per_sec": tokens / dt, "tokens": tokens, "num_proc": num_proc}
 
 
-@functools.lru_cache(maxsize=None)
-def gpt2_encoding():
-    import tiktoken
-    return tiktoken.get_encoding(fineweb.TOKENIZER)
-
-
 def _naive_tokenize(text):
     # build-nanogpt's worker: one document per task, a Python list, then a NumPy array
     tokens = [fineweb.EOT]
-    tokens.extend(gpt2_encoding().encode_ordinary(text))
+    tokens.extend(fineweb.get_encoding().encode_ordinary(text))
     tokens_np = np.array(tokens)
     assert (0 <= tokens_np).all() and (tokens_np < 2**16).all(), "token dictionary too large for uint16"
     return tokens_np.astype(np.uint16)
@@ -493,7 +468,7 @@ def bench_fineweb_naive(tmp, num_proc, inputs, shard_size=10_000_000):
     on the files, reading included; "limit" is single-thread encode_ordinary x the cores."""
     # fineweb's own reader, so the documents are exactly the ones prepare() tokenizes
     docs = [t for t in fineweb._iter_files(fineweb._expand_inputs(inputs), "text") if t]
-    enc = gpt2_encoding()
+    enc = fineweb.get_encoding()
     enc.encode_ordinary("warm up")
     t0 = time.perf_counter()
     n_tokens = sum(len(enc.encode_ordinary(t)) + 1 for t in docs)
@@ -583,9 +558,7 @@ def build_parser():
                    help="gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, B=64, bf16 with 8 micro-steps "
                         "(524,288 tokens) for ours (compiled) and build-nanogpt's configuration (eager), HellaSwag "
                         "batched vs one example per forward, KV cache vs recompute; writes --out/gpu_suite.json "
-                        "and gpu_suite.md. Synthetic tokens, no network, but the GPT-2 tokenizer must be cached: "
-                        "copy its tiktoken cache to .cache/tiktoken (git-ignored) and export "
-                        "TIKTOKEN_CACHE_DIR=.cache/tiktoken (used by default when that folder exists)")
+                        "and gpu_suite.md. Synthetic tokens, no network")
     p.add_argument("--out", default="results", help="with --suite: folder for its JSON, Markdown and test output")
     p.add_argument("--skip_tests", action="store_true",
                    help="with --suite: leave out the CUDA tests (to smoke-test the suite itself, e.g. on CPU)")

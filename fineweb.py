@@ -2,8 +2,9 @@
 FineWeb-Edu dataset (for pretraining GPT-2 124M), tokenized into .npy shards.
 https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu
 
-Downloads FineWeb-Edu with HF `datasets`, tokenizes it with tiktoken's GPT-2 BPE and
-writes 1-D uint16 shards of --shard_size tokens (default 100M) that train_gpt2.py reads:
+Downloads FineWeb-Edu with HF `datasets`, tokenizes it with GPT-2's BPE (the files in gpt2_bpe/,
+through tiktoken: get_encoding(), no network) and writes 1-D uint16 shards of --shard_size tokens
+(default 100M) that train_gpt2.py reads:
 
     edu_fineweb10B/edufineweb_val_000000.npy     shard 0 is the validation split
     edu_fineweb10B/edufineweb_train_000001.npy   every other shard is training data
@@ -15,11 +16,13 @@ a shard is split and continues at the start of the next one.
 Usage:
     python fineweb.py                                  # sample-10BT, ~10B tokens, 100 shards
     python fineweb.py --max_tokens 100000000           # stream only the first 100M tokens
-    python fineweb.py --input my_corpus/*.jsonl        # your own / offline data, no download
+    python fineweb.py --input my_corpus/*.jsonl        # your own / offline data, into local_text/
     python fineweb.py --input books.txt --local_dir data/books --shard_size 10000000
 
 Local inputs: .txt (one document per file), .jsonl (one JSON object per line, text in
---text_column) and .parquet (text in --text_column). Quoted globs are expanded here.
+--text_column) and .parquet (text in --text_column). Quoted globs are expanded here. Shards
+made from local inputs are named text_val_000000.npy, text_train_000001.npy, ... and go to
+local_text/ unless --local_dir says otherwise.
 
 Re-running the same command resumes an interrupted run (or one that ran out of disk space):
 finished shards are kept and skipped. A directory prepared with other arguments is refused rather
@@ -36,6 +39,7 @@ import contextlib
 import dataclasses
 import errno
 import glob
+import hashlib
 import itertools
 import json
 import multiprocessing as mp
@@ -59,8 +63,15 @@ HF_DATASET = "HuggingFaceFW/fineweb-edu"
 NAMES = ("sample-10BT", "sample-100BT", "sample-350BT")
 DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "edu_fineweb10B")
 SHARD_PREFIX = "edufineweb"
+# data made from --input is not FineWeb: its own default folder and shard names
+LOCAL_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "local_text")
+LOCAL_SHARD_PREFIX = "text"
 SHARD_SIZE = 100_000_000  # tokens per shard, 200 MB of uint16
 TOKENIZER = "gpt2"
+BPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe")
+# the sha256 tiktoken checks for these two files of OpenAI's GPT-2 release (tiktoken_ext/openai_public.py)
+BPE_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+             "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 EOT = 50256  # <|endoftext|>, the GPT-2 document delimiter
 MANIFEST = "manifest.json"
 LOCK = ".fineweb.lock"  # flock-ed by the one prep writing a directory; left in place (unlinking a held lock file breaks it)
@@ -110,12 +121,55 @@ class DiskFullError(OSError):
 
 _enc = None
 
+# tiktoken's "gpt2" pre-tokenizer: GPT-2's own pattern with possessive quantifiers (the same splits, faster)
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
-def _encoder():
+
+def _read_bpe_file(name):
+    path = os.path.join(BPE_DIR, name)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataPrepError(f"cannot read the GPT-2 tokenizer file {path} ({e.strerror or e}); "
+                            f"restore it with: git checkout -- gpt2_bpe") from None
+    if hashlib.sha256(data).hexdigest() != BPE_FILES[name]:
+        raise DataPrepError(f"{path} is not GPT-2's {name} (its sha256 differs: changed line endings, or a "
+                            f"git-lfs pointer?); restore it with: git checkout -- gpt2_bpe")
+    return data
+
+
+def _gpt2_byte_chars():
+    """GPT-2's files spell every byte as a printable character: a byte whose character is printable
+    (and not a space) stands for itself, the other 68 become chr(256), chr(257), ... in order.
+    Returns {character: byte}, in rank order (single bytes are ranks 0-255 in this order)."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+def _gpt2_ranks():
+    """GPT-2's BPE from gpt2_bpe/vocab.bpe as tiktoken's mergeable ranks {token bytes: id}: the 256
+    single bytes, then one token per merge line, in file order (a token's id is its merge priority)."""
+    chars = _gpt2_byte_chars()
+    ranks = {bytes([b]): i for i, b in enumerate(chars.values())}
+    lines = _read_bpe_file("vocab.bpe").decode("utf-8").split("\n")[1:]  # line 0 is "#version: 0.2"
+    for line in filter(None, lines):
+        left, right = line.split(" ")
+        ranks[bytes(chars[c] for c in left + right)] = len(ranks)
+    return ranks
+
+
+def get_encoding():
+    """tiktoken's "gpt2" Encoding, built once from the files in gpt2_bpe/: no download, no cache,
+    no environment variable. Identical ids to tiktoken.get_encoding("gpt2")."""
     global _enc
     if _enc is None:
         import tiktoken
-        _enc = tiktoken.get_encoding(TOKENIZER)
+        _enc = tiktoken.Encoding(name=TOKENIZER, pat_str=GPT2_PAT, mergeable_ranks=_gpt2_ranks(),
+                                 special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=EOT + 1)
     return _enc
 
 
@@ -140,7 +194,7 @@ def tokenize_batch(texts):
     """Tokenize a list of documents. Returns (tokens, lengths): all documents concatenated,
     each preceded by EOT, as uint16; and the number of tokens of each document (0 for an
     empty or missing text, which is skipped entirely)."""
-    enc = _encoder()
+    enc = get_encoding()
     eot = np.array([EOT], dtype=np.uint32)
     pieces = []
     lengths = np.zeros(len(texts), dtype=np.int64)
@@ -543,6 +597,7 @@ class _ShardWriter:
     def __init__(self, local_dir, manifest, shard_size, val_tokens):
         self.local_dir, self.manifest, self.shards = local_dir, manifest, manifest["shards"]
         self.index = len(self.shards)  # of the shard being filled
+        self.prefix = manifest.get("prefix", SHARD_PREFIX)  # manifests without one were all named so
         self.shard_size = shard_size
         self.cap = val_tokens if self.index == 0 else shard_size  # its capacity
         self.buf = np.empty(shard_size, dtype=np.uint16)  # the only shard-sized allocation
@@ -550,13 +605,13 @@ class _ShardWriter:
         self.cut = None  # stream position where the buffer content ends, once it is full
 
     def _record(self, index, n_tokens, position):
-        self.shards.append({"file": shard_name(index), "split": shard_split(index), "tokens": int(n_tokens),
+        self.shards.append({"file": shard_name(index, prefix=self.prefix), "split": shard_split(index), "tokens": int(n_tokens),
                             "next_doc": position[0], "next_offset": position[1]})
         self.manifest["total_tokens"] = sum(s["tokens"] for s in self.shards)
 
     def _write(self, index, tokens):
         try:
-            atomic_write(os.path.join(self.local_dir, shard_name(index)), lambda f: np.save(f, tokens))
+            atomic_write(os.path.join(self.local_dir, shard_name(index, prefix=self.prefix)), lambda f: np.save(f, tokens))
         except DiskFullError as e:  # np.save's header of a 1-D uint16 array is 128 bytes
             raise DiskFullError(e.errno, e.path, e.free, e.written, tokens.nbytes + 128) from e.__cause__
 
@@ -760,7 +815,8 @@ def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens
 
 
 def _new_manifest(args):
-    return {"version": 1, "args": args, "shards": [], "complete": False, "total_tokens": 0}
+    prefix = LOCAL_SHARD_PREFIX if "inputs" in args else SHARD_PREFIX
+    return {"version": 1, "args": args, "prefix": prefix, "shards": [], "complete": False, "total_tokens": 0}
 
 
 def _remove_stale_temps(local_dir):
@@ -1066,8 +1122,9 @@ def build_parser():
     p.add_argument("--name", default="sample-10BT", choices=NAMES, help="FineWeb-Edu sample to download")
     p.add_argument("--dataset", default=HF_DATASET,
                    help="HF dataset repo id, or a local copy of it with the same configs")
-    p.add_argument("--local_dir", default=DEFAULT_DATA_ROOT,
-                   help="output directory (the default is the one train_gpt2.py reads)")
+    p.add_argument("--local_dir", default=None,
+                   help=f"output directory; if not given, {os.path.basename(DEFAULT_DATA_ROOT)}/ beside this script (the one "
+                        f"train_gpt2.py reads), or {os.path.basename(LOCAL_DATA_ROOT)}/ beside it with --input")
     p.add_argument("--shard_size", type=int, default=SHARD_SIZE, help="tokens per shard")
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
     p.add_argument("--max_tokens", type=int, default=None,
@@ -1082,6 +1139,8 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.local_dir is None:
+        args.local_dir = LOCAL_DATA_ROOT if args.inputs is not None else DEFAULT_DATA_ROOT
     t0 = time.time()
     try:
         paths = prepare(args.local_dir, name=args.name, inputs=args.inputs, text_column=args.text_column,

@@ -270,17 +270,11 @@ def iterate_examples(split, data_dir=None):
 # ---------------------------------------------------------------------------
 # rendering
 
-_ENC = None
-
-
 def get_encoding():
-    """The GPT-2 BPE (tiktoken), loaded once."""
-    global _ENC
-    if _ENC is None:
-        import tiktoken
+    """The GPT-2 BPE: fineweb.get_encoding(), built once from gpt2_bpe/ (no network, no cache)."""
+    import fineweb  # fineweb.py sits below this file; imported late (numpy, tqdm)
 
-        _ENC = tiktoken.get_encoding("gpt2")
-    return _ENC
+    return fineweb.get_encoding()
 
 
 def _render_lists(example, enc):

@@ -1,4 +1,4 @@
-"""Shared test setup: offline tokenizer, tiny shard fixtures, repository paths."""
+"""Shared test setup: offline hub settings, tiny shard fixtures, repository paths."""
 import os
 import sys
 
@@ -9,10 +9,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-# tiktoken's GPT-2 files, pre-cached beside the repository (CI exports this too)
-_cache = os.path.join(os.path.dirname(REPO), "shared", "tiktoken_cache")
-if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(_cache):
-    os.environ["TIKTOKEN_CACHE_DIR"] = _cache
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 

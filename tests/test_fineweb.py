@@ -20,10 +20,6 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-# tiktoken needs its GPT-2 files offline; CI exports this, fall back to the shared copy
-_cache = os.path.join(REPO, "..", "shared", "tiktoken_cache")
-if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(_cache):
-    os.environ["TIKTOKEN_CACHE_DIR"] = os.path.abspath(_cache)
 # never touch the network (datasets reads these when it is first imported)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,8 +58,7 @@ def write_parquet(path, docs, key="text"):
 
 @pytest.fixture(scope="module")
 def enc():
-    import tiktoken
-    return tiktoken.get_encoding("gpt2")
+    return fineweb.get_encoding()  # checked against tiktoken's own gpt2 in test_tokenizer.py
 
 
 def expected_tokens(enc, docs):
@@ -105,6 +100,8 @@ def test_constants():
     assert fineweb.DEFAULT_DATA_ROOT == os.path.join(REPO, "edu_fineweb10B")
     assert fineweb.shard_name(0) == "edufineweb_val_000000.npy"
     assert fineweb.shard_name(12) == "edufineweb_train_000012.npy"
+    assert fineweb.LOCAL_DATA_ROOT == os.path.join(REPO, "local_text")
+    assert fineweb.shard_name(1, prefix=fineweb.LOCAL_SHARD_PREFIX) == "text_train_000001.npy"
 
 
 def test_shard_layout_and_names(tmp_path, enc):
@@ -116,7 +113,7 @@ def test_shard_layout_and_names(tmp_path, enc):
     n_shards = -(-len(expected) // 1000)
     assert n_shards >= 4
     names = [os.path.basename(p) for p in paths]
-    assert names == ["edufineweb_val_000000.npy"] + [f"edufineweb_train_{i:06d}.npy" for i in range(1, n_shards)]
+    assert names == ["text_val_000000.npy"] + [f"text_train_{i:06d}.npy" for i in range(1, n_shards)]
     # what the loader globs, and nothing else (no temp files left behind)
     assert sorted(glob.glob(str(out / "*_val_[0-9]*.npy"))) == paths[:1]
     assert sorted(glob.glob(str(out / "*_train_[0-9]*.npy"))) == paths[1:]
@@ -209,7 +206,7 @@ def test_small_corpus_gets_val_and_train(tmp_path, enc):
     expected = expected_tokens(enc, docs)
     assert len(expected) < 5000  # smaller than one (val) shard
     paths = prepare(tmp_path / "out", inputs=[src], shard_size=5000, num_proc=1, progress=False)
-    assert [os.path.basename(p) for p in paths] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
+    assert [os.path.basename(p) for p in paths] == ["text_val_000000.npy", "text_train_000001.npy"]
     val, train = np.load(paths[0]), np.load(paths[1])
     assert len(val) == len(expected) // 10 and len(train) == len(expected) - len(val)
     assert np.array_equal(np.concatenate([val, train]), expected)
@@ -281,6 +278,9 @@ def test_streaming_path_on_local_dataset(tmp_path, enc, hf_cache):
                     num_proc=1, progress=False)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["args"]["streaming"] is True and manifest["args"]["name"] == "sample-10BT"
+    assert manifest["prefix"] == "edufineweb"  # FineWeb data keeps FineWeb's names
+    assert [os.path.basename(p) for p in paths] == ["edufineweb_val_000000.npy"] + \
+        [f"edufineweb_train_{i:06d}.npy" for i in (1, 2, 3)]
     assert np.array_equal(load(paths), expected_tokens(enc, docs)[:3000])
     assert [len(np.load(p)) for p in paths] == [300, 1000, 1000, 700]
     # prep_status describes a hub prep too: its resume command names the dataset and the sample
@@ -343,6 +343,7 @@ def test_resume_after_interrupted_run(tmp_path, enc, monkeypatch):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is False and len(manifest["shards"]) == 3
     assert manifest["shards"][-1]["next_offset"] > 0  # the interruption fell inside a document
+    assert manifest["prefix"] == "text"
     before = {p: os.stat(p).st_mtime_ns for p in glob.glob(str(out / "*.npy"))}
     assert len(before) == 3
 
@@ -357,9 +358,39 @@ def test_resume_after_interrupted_run(tmp_path, enc, monkeypatch):
     assert seen[0] == docs[manifest["shards"][-1]["next_doc"]]
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
     assert not glob.glob(str(out / "*.tmp"))
+    assert all(os.path.basename(p).startswith("text_") for p in paths)  # the resume kept the prefix
     # a third run finds it complete and reads nothing
     monkeypatch.setattr(fineweb, "_iter_files", lambda *a: pytest.fail("re-read a complete directory"))
     assert prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False) == paths
+
+
+def test_resume_of_a_prep_without_a_recorded_prefix_keeps_its_names(tmp_path, enc, monkeypatch):
+    # manifests written before the prefix was recorded named every shard edufineweb_, --input or not
+    docs = make_docs(40, seed=18)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    out = tmp_path / "out"
+    real_write = fineweb.atomic_write
+
+    def crash_on_shard_2(path, write):
+        if path.endswith("_000002.npy"):
+            raise KeyboardInterrupt
+        real_write(path, write)
+    monkeypatch.setattr(fineweb, "atomic_write", crash_on_shard_2)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(out, inputs=[src], shard_size=800, num_proc=1, progress=False)
+    monkeypatch.setattr(fineweb, "atomic_write", real_write)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["prefix"]
+    for shard in manifest["shards"]:
+        new = shard["file"].replace("text_", "edufineweb_")
+        os.rename(out / shard["file"], out / new)
+        shard["file"] = new
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    paths = prepare(out, inputs=[src], shard_size=800, num_proc=1, progress=False)
+    assert len(paths) > 3
+    assert [os.path.basename(p) for p in paths] == ["edufineweb_val_000000.npy"] + \
+        [f"edufineweb_train_{i:06d}.npy" for i in range(1, len(paths))]
+    assert np.array_equal(load(paths), expected_tokens(enc, docs))
 
 
 @pytest.mark.parametrize("max_tokens", [None, 1500])
@@ -482,6 +513,39 @@ def test_cli_success(tmp_path, enc):
     paths = sorted(glob.glob(str(tmp_path / "out" / "*_val_*.npy"))) + \
         sorted(glob.glob(str(tmp_path / "out" / "*_train_*.npy")))
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
+
+
+def test_cli_input_defaults_to_the_local_text_folder(tmp_path, monkeypatch, enc):
+    # roots moved into tmp_path: the test must not write beside the real script
+    local, fw = tmp_path / "local_text", tmp_path / "edu_fineweb10B"
+    monkeypatch.setattr(fineweb, "LOCAL_DATA_ROOT", str(local))
+    monkeypatch.setattr(fineweb, "DEFAULT_DATA_ROOT", str(fw))
+    docs = make_docs(20, seed=19)
+    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    assert fineweb.main(["--input", src, "--shard_size", "600", "--num_proc", "1"]) == 0
+    assert not fw.exists()
+    names = sorted(os.listdir(local))
+    assert names[-1] == "text_val_000000.npy" and names[0] == "manifest.json"
+    assert names[1:-1] == [f"text_train_{i:06d}.npy" for i in range(1, len(names) - 1)] and len(names) > 3
+    assert fineweb.list_shards(str(local), "val") == [str(local / "text_val_000000.npy")]
+    paths = fineweb.list_shards(str(local), "val") + fineweb.list_shards(str(local), "train")
+    assert np.array_equal(load(paths), expected_tokens(enc, docs))
+    # an explicit --local_dir still wins, with the same local-text names
+    assert fineweb.main(["--input", src, "--local_dir", str(tmp_path / "mine"), "--num_proc", "1"]) == 0
+    assert sorted(os.listdir(tmp_path / "mine")) == ["manifest.json", "text_train_000001.npy", "text_val_000000.npy"]
+
+
+def test_cli_fineweb_keeps_its_default_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(fineweb, "LOCAL_DATA_ROOT", str(tmp_path / "local_text"))
+    monkeypatch.setattr(fineweb, "DEFAULT_DATA_ROOT", str(tmp_path / "edu_fineweb10B"))
+    calls = []
+
+    def fake_prepare(local_dir, **kwargs):
+        calls.append((local_dir, kwargs["inputs"]))
+        raise DataPrepError("stopped by the test")
+    monkeypatch.setattr(fineweb, "prepare", fake_prepare)
+    assert fineweb.main(["--max_tokens", "1000"]) == 1
+    assert calls == [(str(tmp_path / "edu_fineweb10B"), None)]
 
 
 def test_import_has_no_side_effects():

@@ -97,10 +97,10 @@ def kv_cache_vs_recompute_bf16(device):
 def hellaswag_batched_vs_one_per_forward_bf16(device, folder, n=6):
     """HellaSwag results under bf16 of a model that memorized the fixture's right endings, batched and
     one example per forward (batch_tokens=0)."""
-    import tiktoken
+    import fineweb
 
     write_hellaswag(folder, n)
-    enc = tiktoken.get_encoding("gpt2")
+    enc = fineweb.get_encoding()
     with open(os.path.join(folder, "hellaswag_val.jsonl")) as f:
         examples = [json.loads(line) for line in f]
     ctxs = [enc.encode(ex["ctx"]) for ex in examples]

@@ -11,9 +11,6 @@ import textwrap
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CACHE = os.path.join(REPO, "..", "shared", "tiktoken_cache")
-if not os.environ.get("TIKTOKEN_CACHE_DIR") and os.path.isdir(_CACHE):
-    os.environ["TIKTOKEN_CACHE_DIR"] = os.path.abspath(_CACHE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
@@ -169,9 +166,9 @@ def _enc():
 
 
 def test_render_exact_tokens_and_mask():
-    import tiktoken
+    import fineweb
 
-    enc = tiktoken.get_encoding("gpt2")
+    enc = fineweb.get_encoding()  # the same ids as tiktoken's gpt2: test_tokenizer.py
     ex = {
         "ind": 24, "activity_label": "Roof shingle removal",
         "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
