@@ -49,6 +49,15 @@ def timed(fn, device_type, warmup, iters):
     return statistics.median(times)
 
 
+def forward_backward(model, loader, micro_steps, autocast_ctx):
+    """The micro-step loop of train_gpt2.train(): gradients of one optimizer step, accumulated."""
+    for _ in range(micro_steps):
+        x, y = loader.next_batch()
+        with autocast_ctx:
+            _, loss = model(x, y)
+        (loss / micro_steps).backward()
+
+
 class RandomLoader:
     """Stands in for DataLoaderLite: random token batches already on the device."""
 
@@ -82,7 +91,7 @@ def bench_training(args, config, device, device_type, autocast_ctx):
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        tg.forward_backward(train_model, loader, accum, device, autocast_ctx)
+        forward_backward(train_model, loader, accum, autocast_ctx)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
@@ -180,6 +189,34 @@ def bench_loader(args, tmp):
     dt = time.perf_counter() - t0
     return {"us_per_batch": dt / n * 1e6, "batches": n, "rss_added_mib": (rss_bytes() - before) / 2**20,
             "shard_tokens": 10_000_000}
+
+
+def bench_train_loop(args, device):
+    """train_gpt2.py's own loop (loader, micro-steps, clipping, LR, update, the step line), run through its
+    main() on synthetic shards: the median `dt` of its step lines after the warm-up steps."""
+    import contextlib
+    import io
+    import re
+
+    tokens = args.micro_batch_size * args.sequence_length * args.grad_accum
+    with tempfile.TemporaryDirectory() as tmp:
+        rng = np.random.default_rng(0)
+        for i, split in enumerate(("val", "train")):
+            np.save(os.path.join(tmp, fineweb.shard_name(i, split, prefix="bench")),
+                    rng.integers(0, tg.GPT2_VOCAB_SIZE, max(10 * tokens, 100_000), dtype=np.uint16))
+        flags = ["--preset", args.preset, "--device", device, "--dtype", args.dtype, "--data_root", tmp,
+                 "--log_dir", os.path.join(tmp, "log"), "-B", str(args.micro_batch_size),
+                 "-T", str(args.sequence_length), "--total_batch_size", str(tokens),
+                 "--max_steps", str(args.warmup + args.steps), "--warmup_steps", "1", "--eval_every", "0",
+                 "--sample_every", "0", "--hellaswag_every", "0", "--save_every", "0",
+                 "--compile" if args.compile else "--no-compile"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            if tg.main(flags) != 0:
+                raise RuntimeError("train_gpt2.main failed: " + out.getvalue()[-500:])
+    dts = [float(ms) for ms in re.findall(r"\| dt ([\d.]+)ms", out.getvalue())][args.warmup:]
+    ms = statistics.median(dts)
+    return {"ms_per_step": ms, "tokens_per_sec": tokens / (ms / 1000), "tokens_per_step": tokens}
 
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -320,7 +357,7 @@ def bench_optimizers(args, config, device, device_type, autocast_ctx):
     torch.manual_seed(0)
     model = tg.GPT(config).to(device)
     loader = RandomLoader(args.micro_batch_size, args.sequence_length, config.real_vocab_size, device)
-    tg.forward_backward(model, loader, 1, device, autocast_ctx)  # gradients that every timed step reuses
+    forward_backward(model, loader, 1, autocast_ctx)  # gradients that every timed step reuses
     row = {}
     for kind, muon in (("adamw", None), ("muon", {})):
         opt = model.configure_optimizers(0.1, 6e-4, device_type, verbose=False, muon=muon)
@@ -537,8 +574,9 @@ def build_parser():
     p.add_argument("--peak_flops", type=float, default=None, help="peak FLOP/s for MFU (default: known GPUs)")
     p.add_argument("--warmup", type=int, default=None, help="untimed training steps first (default: 3, 10 with compile)")
     p.add_argument("--steps", type=int, default=5, help="timed training steps (the median is reported)")
-    p.add_argument("--only", default="train,optimizers,hellaswag,generate,loader,fineweb",
-                   help="comma-separated subset of rows to measure (also: fineweb_naive, fineweb.py vs the "
+    p.add_argument("--only", default="train,train_loop,optimizers,hellaswag,generate,loader,fineweb",
+                   help="comma-separated subset of rows to measure (train_loop: train_gpt2.main's own loop; also: "
+                        "fineweb_naive, fineweb.py vs the "
                         "build-nanogpt loop; optimizers_compare, the tiny preset trained with AdamW and with Muon)")
     p.add_argument("--fineweb_input", nargs="+", metavar="PATH", default=None,
                    help="corpus (.txt/.jsonl/.parquet) for the fineweb rows (default: a synthetic ~6 MB one)")
@@ -611,6 +649,8 @@ def main(argv=None):
         return run_gpu_suite(args, device, config, autocast_ctx, results["setting"])
     if "train" in only:
         results["train"] = bench_training(args, config, device, device_type, autocast_ctx)
+    if "train_loop" in only:
+        results["train_loop"] = bench_train_loop(args, device)
     if "optimizers" in only:
         results["optimizers"] = bench_optimizers(args, config, device, device_type, autocast_ctx)
     if "optimizers_compare" in only:
@@ -644,6 +684,9 @@ def print_table(results):
         rows += [("train tokens/s", fmt(t["tokens_per_sec"])), ("train ms/step", fmt(t["ms_per_step"])),
                  ("train MFU", fmt(t["mfu"] * 100 if t["mfu"] else None, "%")),
                  ("train peak GPU memory", fmt(t["peak_mem_gib"], " GiB"))]
+    if "train_loop" in results:
+        t = results["train_loop"]
+        rows += [("train_gpt2.main tokens/s", fmt(t["tokens_per_sec"])), ("train_gpt2.main ms/step", fmt(t["ms_per_step"]))]
     if "optimizers" in results:
         o = results["optimizers"]
         rows += [("optimizer step ms, AdamW", fmt(o["adamw_ms"])), ("optimizer step ms, Muon + AdamW", fmt(o["muon_ms"]))]

@@ -86,7 +86,14 @@ class DataPrepError(Exception):
     prints it as a one-line `error: ...` instead of a traceback."""
 
 
-def _one_line(e, limit=300):
+def one_line(e, limit=300):
+    """An exception (or text) as one line of at most `limit` characters. An OSError of a full disk or quota
+    names the path and the space left there, as DiskFullError does."""
+    if isinstance(e, OSError) and not isinstance(e, DiskFullError) and e.errno in _DISK_FULL:
+        free = None
+        with contextlib.suppress(OSError, TypeError):
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(e.filename))).free
+        e = DiskFullError(e.errno, e.filename or "a file", free)
     msg = " ".join(str(e).split()) or type(e).__name__
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
@@ -289,7 +296,7 @@ def _check_inputs(files, text_column):
             try:
                 schema = pq.read_schema(path)
             except Exception as e:
-                raise DataPrepError(f"cannot read {path}: not a valid Parquet file ({_one_line(e)})") from None
+                raise DataPrepError(f"cannot read {path}: not a valid Parquet file ({one_line(e)})") from None
             if text_column not in schema.names:
                 raise DataPrepError(f"{path} has no column '{text_column}' (columns: {', '.join(schema.names)}); "
                                     f"choose one with --text_column")
@@ -341,7 +348,7 @@ def _iter_files(files, text_column):
         except UnicodeDecodeError as e:
             raise DataPrepError(f"cannot read {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         except (OSError, pa.ArrowException) as e:
-            raise DataPrepError(f"cannot read {path}: {_one_line(e)}") from None
+            raise DataPrepError(f"cannot read {path}: {one_line(e)}") from None
 
 
 def _is_network_error(e):
@@ -363,9 +370,9 @@ def _is_network_error(e):
 
 def _hub_error(dataset, name, e):
     if _is_network_error(e):
-        return DataPrepError(f"the Hugging Face hub is unreachable, cannot load {dataset} ({name}): {_one_line(e, 160)}. "
+        return DataPrepError(f"the Hugging Face hub is unreachable, cannot load {dataset} ({name}): {one_line(e, 160)}. "
                              f"To prepare data offline, pass local .txt/.jsonl/.parquet files with --input PATH")
-    return DataPrepError(f"cannot load {dataset} ({name}): {type(e).__name__}: {_one_line(e)}")
+    return DataPrepError(f"cannot load {dataset} ({name}): {type(e).__name__}: {one_line(e)}")
 
 
 def _hub_unreachable(timeout=5.0):
@@ -446,7 +453,7 @@ def atomic_write(path, write, size=None):
         os.fsync(f.fileno())
         f.close()
         with contextlib.suppress(OSError):  # a filesystem without modes (some FUSE or SMB mounts) keeps its own
-            os.chmod(tmp, 0o666 & ~_umask())
+            os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     except BaseException as e:
         written = os.path.getsize(tmp) if tmp is not None and os.path.exists(tmp) else None
@@ -497,7 +504,7 @@ def _disk_full_errno(e, tmp):
 _fallback_umask = None
 
 
-def _umask():
+def umask():
     """The process umask, read without setting it (os.umask can only swap it, which races with threads
     that create files meanwhile); where /proc has no Umask line, swapped once and kept."""
     global _fallback_umask
@@ -529,7 +536,7 @@ def _load_manifest(local_dir):
         manifest["args"], manifest["shards"]  # noqa: B018 (both must be there)
         return manifest
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataPrepError(f"{path} is damaged ({_one_line(e, 100)}); delete {local_dir} to start over") from None
+        raise DataPrepError(f"{path} is damaged ({one_line(e, 100)}); delete {local_dir} to start over") from None
 
 
 # Shard naming, in one place: shard_name() makes the names, shard_glob() is the pattern that
@@ -730,7 +737,7 @@ def _read_shard_header(path, f):
     try:
         shape, _, dtype = _HEADER_READERS[version](f)
     except ValueError as e:
-        raise ShardError(f"{path}: damaged .npy header ({_one_line(e, 100)})") from None
+        raise ShardError(f"{path}: damaged .npy header ({one_line(e, 100)})") from None
     if dtype != np.uint16:
         raise ShardError(f"{path}: holds {dtype} values, expected uint16 token ids")
     if len(shape) != 1:
@@ -769,7 +776,7 @@ def _open_checked(path, check):
         with open(path, "rb") as f:
             return check(f)
     except OSError as e:
-        raise ShardError(f"{path}: cannot read it ({e.strerror or _one_line(e, 100)})") from None
+        raise ShardError(f"{path}: cannot read it ({e.strerror or one_line(e, 100)})") from None
 
 
 def open_shard(path, vocab_size):
@@ -846,7 +853,7 @@ def _lock_holder(local_dir):
     try:
         with open(os.path.join(local_dir, LOCK_HOLDER)) as f:
             h = json.load(f)
-        return f"pid {h['pid']} on {h['host']}, since {h['started']}: {_one_line(h['command'], 1000)}"
+        return f"pid {h['pid']} on {h['host']}, since {h['started']}: {one_line(h['command'], 1000)}"
     except (OSError, ValueError, KeyError, TypeError):
         return "which has not recorded its pid yet"
 
@@ -1048,7 +1055,7 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
         try:
             prepare(data_root, **status.prepare_kwargs)
         except (DataPrepError, OSError) as e:
-            return f"{data_root} is an unfinished prep and finishing it failed ({_one_line(e)}); finish it with: " \
+            return f"{data_root} is an unfinished prep and finishing it failed ({one_line(e)}); finish it with: " \
                    f"{status.resume_command}"
         return None
     if isinstance(inputs, (str, os.PathLike)):
@@ -1062,7 +1069,7 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
         prepare(data_root, name=name, inputs=inputs, text_column=text_column, max_tokens=max_tokens,
                 val_tokens=None if full else min(max(val_tokens, 1), max_tokens // 2))
     except (DataPrepError, OSError) as e:
-        return f"preparing {data_root} failed: {_one_line(e)}"
+        return f"preparing {data_root} failed: {one_line(e)}"
     return None
 
 
@@ -1099,9 +1106,6 @@ def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", 
             if inputs_given:
                 print0(f"warning: --input has no effect: {data_root} already holds shards (use another "
                        f"--data_root to prepare one from it)")
-            if status.complete and status.tokens < train_tokens:
-                print0(f"note: {data_root} holds {status.tokens:,} tokens and the run reads {train_tokens:,}: "
-                       f"it will go over the data more than once")
         return status
     message = _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column, print0) \
         if master else None
@@ -1150,7 +1154,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk (DiskFullError), an unwritable --local_dir, ...
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: run the same command again to continue where it stopped", file=sys.stderr)

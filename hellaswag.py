@@ -36,6 +36,8 @@ import os
 import sys
 import time
 
+import fineweb
+
 # ---------------------------------------------------------------------------
 # data
 
@@ -68,11 +70,6 @@ class HellaSwagBadData(HellaSwagUnavailable):
     """A HellaSwag file exists but a record in it can't be scored; the message
     names the file and line.  A subclass so that training, which turns the
     evaluation off when the data can't be had, does the same here."""
-
-
-def _one_line(text, limit=160):
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _resolve_data_dir(data_dir=None):
@@ -147,7 +144,7 @@ def manual_step(split, path):
 
 
 def _unavailable_message(split, path, why):
-    return _one_line(
+    return fineweb.one_line(
         f"HellaSwag data unavailable: {path} is missing and fetching it from HF {HF_DATASET} "
         f"(revision {HF_REVISION}) failed ({why}); fetch it by hand with {manual_step(split, path)} "
         f"(or place hellaswag_{split}.jsonl in --data_dir / $HELLASWAG_DIR)",
@@ -166,7 +163,7 @@ def _write_rows(rows, split, path, f):
             try:
                 line = json.dumps(hf_to_record(row, split)) + "\n"
             except (KeyError, TypeError, ValueError) as e:
-                why = f"row {n}: {type(e).__name__}: {_one_line(e, 60)}"
+                why = f"row {n}: {type(e).__name__}: {fineweb.one_line(e, 60)}"
                 raise HellaSwagUnavailable(_unavailable_message(split, path, why)) from None
             f.write(line.encode("utf-8"))
             n += 1
@@ -198,20 +195,19 @@ def download(split, data_dir=None):
     try:
         os.makedirs(data_dir, exist_ok=True)
     except OSError as e:
-        raise HellaSwagUnavailable(_unavailable_message(split, path, f"cannot create {data_dir}: {_one_line(e, 100)}")) from None
+        raise HellaSwagUnavailable(_unavailable_message(split, path, f"cannot create {data_dir}: {fineweb.one_line(e, 100)}")) from None
     print(f"hellaswag: fetching the {split} split from HF {HF_DATASET} (revision {HF_REVISION}) into {path}",
           file=sys.stderr)
     try:
         rows = _load_hf_rows(split)
     except Exception as e:  # offline with no cache, hub down, datasets missing, ...
-        why = f"{type(e).__name__}: {_one_line(e, 120)}" if str(e).strip() else type(e).__name__
+        why = f"{type(e).__name__}: {fineweb.one_line(e, 120)}" if str(e).strip() else type(e).__name__
         raise HellaSwagUnavailable(_unavailable_message(split, path, why)) from None
-    import fineweb  # the shared atomic writer (fineweb.py sits below this file; imported late: numpy, tqdm)
 
     try:
         fineweb.atomic_write(path, lambda f: _write_rows(rows, split, path, f))
     except OSError as e:  # a full disk (fineweb.DiskFullError), a read-only folder: nothing is left under path
-        raise HellaSwagUnavailable(_unavailable_message(split, path, _one_line(e, 300))) from None
+        raise HellaSwagUnavailable(_unavailable_message(split, path, fineweb.one_line(e, 300))) from None
     return path
 
 
@@ -219,7 +215,7 @@ def _label(value, where):
     """A label as its int 0..3; HF stores it as a string ("3")."""
     number = int(value) if isinstance(value, str) and value.strip().isdigit() else value
     if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < NUM_ENDINGS:
-        raise HellaSwagBadData(f"{where}: label {_one_line(repr(value), 40)} is not one of 0, 1, 2, 3")
+        raise HellaSwagBadData(f"{where}: label {fineweb.one_line(repr(value), 40)} is not one of 0, 1, 2, 3")
     return number
 
 
@@ -272,7 +268,6 @@ def iterate_examples(split, data_dir=None):
 
 def get_encoding():
     """The GPT-2 BPE: fineweb.get_encoding(), built once from gpt2_bpe/ (no network, no cache)."""
-    import fineweb  # fineweb.py sits below this file; imported late (numpy, tqdm)
 
     return fineweb.get_encoding()
 
@@ -702,24 +697,29 @@ def load_hf_model(name):
     try:
         from transformers import GPT2LMHeadModel
     except ImportError as e:
-        raise ValueError(f"scoring -m {name} needs transformers ({_one_line(e, 80)}): pip install transformers") from None
+        raise ValueError(f"scoring -m {name} needs transformers ({fineweb.one_line(e, 80)}): pip install transformers") from None
     source = name if os.path.isdir(name) else hub_name(name)
     try:
         model = GPT2LMHeadModel.from_pretrained(source)
     except Exception as e:  # offline and not cached, unknown name, not a model directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"could not load GPT-2 model {name!r} from {source} ({_one_line(first, 160)}); offline, "
+        raise ValueError(f"could not load GPT-2 model {name!r} from {source} ({fineweb.one_line(first, 160)}); offline, "
                          f"pass a local directory written by GPT2LMHeadModel.save_pretrained") from None
     return model.float().eval()
 
 
-class _ArgumentParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (`error: ... (see --help)`, exit status 1); under torchrun only
+    rank 0 prints it, as every rank meets the same flags."""
+
     def error(self, message):
-        self.exit(1, f"error: {_one_line(message, 10_000)} (see --help)\n")
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {fineweb.one_line(message, 10_000)} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def build_parser():
-    p = _ArgumentParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' GPT2LMHeadModel "
+    p = OneLineParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' GPT2LMHeadModel "
                                     "(completion style: acc = lowest summed loss, acc_norm = lowest mean loss of "
                                     "the ending tokens)", epilog=f"To score {CHECKPOINT_HINT}.")
     p.add_argument("-m", "--model", required=True,
@@ -772,7 +772,7 @@ def main(argv=None):
     except Exception as e:  # one line, no traceback
         plain = isinstance(e, (HellaSwagUnavailable, ValueError, FileNotFoundError, RuntimeError)) and str(e)
         msg = str(e) if plain else f"{type(e).__name__}: {e}"
-        print(f"error: {_one_line(msg, 10_000)}", file=sys.stderr)
+        print(f"error: {fineweb.one_line(msg, 10_000)}", file=sys.stderr)
         return 1
 
 

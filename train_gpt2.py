@@ -1,50 +1,54 @@
 """
-GPT-2 pretraining on FineWeb-Edu token shards, in one flat, importable file.
+GPT-2 (124M) pretraining on FineWeb-Edu token shards, in one flat, importable file.
 
-    python train_gpt2.py                                        # GPT-2 124M recipe, one GPU (or CPU)
+    python train_gpt2.py --preset tiny                          # a ~7M-parameter demo on a laptop CPU
+    python train_gpt2.py                                        # the GPT-2 124M recipe on one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt2.py      # the same recipe on a node of 8 GPUs
-    python train_gpt2.py --preset tiny                          # a few-M-parameter model, laptop CPU
     python train_gpt2.py sample|export|eval --help              # use a checkpoint
 
-Importing this file defines everything below and runs nothing. The sections follow a run: config and
-presets, the model, the data loader, schedules, distributed setup, checkpoints and the run log,
-evaluation, the training loop, the command line. A run writes `<log_dir>/log.txt` (see `read_log`) and
-checkpoints `<log_dir>/model_{step:05d}.pt`; `--resume latest` continues exactly where a run stopped.
+Read top to bottom: the config, the model, the data loader, optimizers and schedules, distributed set-up,
+evaluation, then `train()`, the whole run in one function. Below the banner after it is the machinery a
+first reading can skip: checkpoint files and log.txt, flag checks, reporting, and the command line.
+Importing this file runs nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import glob
+import json
 import math
 import os
 import random
 import re
 import shutil
+import signal
+import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import fineweb
 import hellaswag
-from fineweb import EOT, atomic_write, list_shards
+from fineweb import EOT, atomic_write, list_shards, one_line
 
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
-GPT2_VOCAB_SIZE = EOT + 1  # real GPT-2 BPE tokens, <|endoftext|> last; ids >= this in a padded vocab are padding
+# real GPT-2 BPE tokens, <|endoftext|> last; ids >= this in a padded vocab are padding
+GPT2_VOCAB_SIZE = EOT + 1
 
 
 class UsageError(Exception):
-    """A problem with the user's input (flags, data, files): reported as one line, exit status 1.
-
-    Under torchrun every rank meets the same problem, so only rank 0 reports it, unless the problem is
-    this rank's own (rank_specific=True).
-    """
+    """A problem with the user's input (flags, data, files): one line, exit status 1. Under torchrun only
+    rank 0 reports it (every rank meets the same problem), unless it is this rank's own (rank_specific)."""
 
     def __init__(self, message, rank_specific=False):
         super().__init__(message)
@@ -79,7 +83,7 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout ({self.dropout}) must be in [0, 1)")
         if not 0 < self.real_vocab_size <= self.vocab_size:
-            raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in 1..vocab_size ({self.vocab_size})")
+            raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in 1..{self.vocab_size}")
 
 
 # Named model shapes (GPT-2 paper, Table 2) plus a CPU-sized one for tests and demos.
@@ -99,7 +103,7 @@ RUN_PRESETS = {
     "gpt2-medium": dict(max_lr=3e-4, micro_batch_size=32),
     "gpt2-large": dict(max_lr=2.5e-4, micro_batch_size=16),
     "gpt2-xl": dict(max_lr=2e-4, micro_batch_size=8),
-    # the CPU demo: ~300k tokens, about 5 minutes at ~1k tokens/s (a 2-core VM); val and samples every 50 steps
+    # the CPU demo: ~300k tokens, about 5 minutes at ~1k tokens/s (2 cores); val and samples every 50 steps
     "tiny": dict(max_lr=2e-3, warmup_steps=15, max_steps=150, total_batch_size=2048, micro_batch_size=8,
                  sequence_length=256, eval_every=50, val_tokens=16384, sample_every=50, hellaswag_every=0,
                  save_every=0, data_root=os.path.join(SCRIPT_DIR, "edu_fineweb_tiny")),
@@ -111,11 +115,8 @@ RUN_PRESETS = {
 # =============================================================================
 
 class KVCache:
-    """Keys and values of the tokens seen so far, for every layer: generation feeds one token at a time.
-
-    Preallocated for `max_len` positions: k, v are (n_layer, B, n_kv_head, max_len, hs) and `pos` is how
-    many positions are filled.
-    """
+    """Keys and values of the tokens seen so far, so that generation feeds one token at a time: k, v are
+    (n_layer, B, n_kv_head, max_len, hs), preallocated, and `pos` positions of them are filled."""
 
     def __init__(self, config: GPTConfig, batch_size, max_len, device, dtype):
         hs = config.n_embd // config.n_head
@@ -140,7 +141,8 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx = layer_idx
         self.dropout = config.dropout
         # q for all heads and k, v for the n_kv_head key/value heads, in one matmul
-        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * self.hs, bias=config.bias)
+        qkv = (config.n_head + 2 * config.n_kv_head) * self.hs
+        self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -160,7 +162,7 @@ class CausalSelfAttention(nn.Module):
                 causal = False
                 if T > 1:  # query i sits at position past + i and sees keys 0 .. past + i
                     mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        extra = {"enable_gqa": True} if nkv != nh else {}  # each group of nh/nkv query heads shares a k, v head
+        extra = {"enable_gqa": True} if nkv != nh else {}  # groups of nh/nkv query heads share a k, v head
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                            dropout_p=self.dropout if self.training else 0.0, **extra)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
@@ -280,14 +282,16 @@ class GPT(nn.Module):
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
         except OSError as e:  # offline, unknown name, or not a model directory
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UsageError(f"could not load GPT-2 weights {name_or_dir!r} ({first}); offline, pass a local "
-                             f"directory written by GPT2LMHeadModel.save_pretrained") from None
+            raise UsageError(f"could not load GPT-2 weights {name_or_dir!r} ({one_line(e, 160)}); offline, "
+                             f"pass a local directory written by GPT2LMHeadModel.save_pretrained") from None
         hc = hf.config
         n_inner = hc.n_inner if hc.n_inner is not None else 4 * hc.n_embd
-        if hc.activation_function != "gelu_new" or n_inner != 4 * hc.n_embd or hc.layer_norm_epsilon != 1e-5 \
-                or getattr(hc, "scale_attn_by_inverse_layer_idx", False) or getattr(hc, "reorder_and_upcast_attn", False):
-            raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture (activation, MLP width or attention options differ)")
+        odd = any(getattr(hc, k, False) for k in ("scale_attn_by_inverse_layer_idx",
+                                                  "reorder_and_upcast_attn"))
+        odd = odd or hc.activation_function != "gelu_new" or hc.layer_norm_epsilon != 1e-5
+        if odd or n_inner != 4 * hc.n_embd:
+            raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture "
+                             f"(activation, MLP width or attention options differ)")
         padded_vocab = -(-hc.vocab_size // 64) * 64
         config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
                            n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size, dropout=dropout)
@@ -295,27 +299,28 @@ class GPT(nn.Module):
         sd = model.state_dict()
         sd_hf = hf.state_dict()
         if set(sd_hf) - set(sd) or set(sd) - set(sd_hf):
-            raise ValueError(f"{name_or_dir}: parameter names differ from GPT-2's: {sorted(set(sd_hf) ^ set(sd))[:4]}")
-        # HF keeps these as Conv1D, i.e. (in, out); nn.Linear wants (out, in)
-        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+            raise ValueError(f"{name_or_dir}: parameter names differ from GPT-2's: "
+                             f"{sorted(set(sd_hf) ^ set(sd))[:4]}")
         with torch.no_grad():
             for k, v in sd_hf.items():
-                if k.endswith(conv1d):
-                    v = v.t()
+                if k.endswith(CONV1D_WEIGHTS):
+                    v = v.t()  # HF's Conv1D is (in, out); nn.Linear wants (out, in)
                 if k in ("transformer.wte.weight", "lm_head.weight"):
                     sd[k][: hc.vocab_size].copy_(v)  # padding rows stay zero: they are masked anyway
                     sd[k][hc.vocab_size:].zero_()
                     continue
                 if v.shape != sd[k].shape:
-                    raise ValueError(f"{name_or_dir}: shape mismatch for {k}: {tuple(v.shape)} vs {tuple(sd[k].shape)}")
+                    raise ValueError(f"{name_or_dir}: shape mismatch for {k}: "
+                                     f"{tuple(v.shape)} vs {tuple(sd[k].shape)}")
                 sd[k].copy_(v)
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True, muon=None):
         """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or LayerNorm.
 
-        muon: None, or make_muon's keyword arguments (muon_settings(args)): the 2-D weights inside the blocks
-        then go to torch.optim.Muon instead, AdamW keeps the rest, and the two come back as one CombinedOptimizer.
+        muon: None, or make_muon's keyword arguments (muon_settings(args)): the 2-D weights inside the
+        blocks then go to torch.optim.Muon instead, AdamW keeps the rest, and the two come back as one
+        CombinedOptimizer.
         """
         params = [p for p in self.parameters() if p.requires_grad]
         matrices = self.block_matrices() if muon is not None else []
@@ -328,15 +333,18 @@ class GPT(nn.Module):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         if verbose:
-            print(f"decayed parameter tensors: {len(decay)}, with {sum(p.numel() for p in decay):,} parameters")
-            print(f"non-decayed parameter tensors: {len(no_decay)}, with {sum(p.numel() for p in no_decay):,} parameters")
+            print(f"decayed parameter tensors: {len(decay)}, "
+                  f"with {sum(p.numel() for p in decay):,} parameters")
+            print(f"non-decayed parameter tensors: {len(no_decay)}, "
+                  f"with {sum(p.numel() for p in no_decay):,} parameters")
         fused = device_type == "cuda"  # one kernel for the whole update instead of one per tensor
         adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
         if muon is None:
             return adamw
         if verbose:
             print(f"Muon matrices: {len(matrices)}, with {sum(p.numel() for p in matrices):,} parameters")
-        return CombinedOptimizer({"adamw": adamw, "muon": make_muon(matrices, weight_decay, learning_rate, **muon)})
+        muon_opt = make_muon(matrices, weight_decay, learning_rate, **muon)
+        return CombinedOptimizer({"adamw": adamw, "muon": muon_opt})
 
     def block_matrices(self):
         """The 2-D weights inside the transformer blocks (attention and MLP matmuls): Muon's share."""
@@ -366,7 +374,10 @@ class GPT(nn.Module):
             nxt = sample_next(logits[:, -1, : self.config.real_vocab_size], temperature, top_k, generator)
             idx = torch.cat((idx, nxt), dim=1)
             if i < max_new_tokens - 1:
-                logits, _ = self(nxt, kv_cache=cache, logits_to_keep=1) if use_cache else self(idx, logits_to_keep=1)
+                if use_cache:
+                    logits, _ = self(nxt, kv_cache=cache, logits_to_keep=1)
+                else:
+                    logits, _ = self(idx, logits_to_keep=1)
         self.train(was_training)
         return idx
 
@@ -383,6 +394,8 @@ def sample_next(logits, temperature=1.0, top_k=50, generator=None):
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
+# the matmul weights that transformers' GPT-2 keeps as Conv1D, (in, out): transposed on import and export
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def export_hf(model, out_dir):
@@ -393,17 +406,17 @@ def export_hf(model, out_dir):
     if not c.bias or c.n_kv_head != c.n_head:
         raise UsageError("only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
                          + ("no biases" if not c.bias else f"n_kv_head {c.n_kv_head} != n_head {c.n_head}"))
-    hc = GPT2Config(vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                    n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+    hc = GPT2Config(vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
+                    n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
+                    layer_norm_epsilon=1e-5,
                     resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
                     bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True)
     hf = GPT2LMHeadModel(hc)
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     sd = {}
     for k, v in model.state_dict().items():
         v = v.detach().float().cpu()
-        if k.endswith(conv1d):
-            v = v.t()  # nn.Linear (out, in) -> HF Conv1D (in, out)
+        if k.endswith(CONV1D_WEIGHTS):
+            v = v.t()
         if k in ("transformer.wte.weight", "lm_head.weight"):
             v = v[: c.real_vocab_size]
         sd[k] = v.contiguous()
@@ -413,22 +426,16 @@ def export_hf(model, out_dir):
 
 
 def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B).
-
-    n_params excludes the position embedding (it is a lookup, not a matmul); the tied wte/lm_head counts
-    once, as the lm_head matmul. 12·L·H·Q·T is the attention score and value matmuls (Q = head size).
-    """
+    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B). n_params leaves
+    out wpe (a lookup) and counts the tied wte/lm_head once; 12·L·H·Q·T are the attention matmuls."""
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, seq_len
     return 6 * n_params + 12 * L * H * Q * T
 
 
-# Peak dense (no sparsity) bf16 tensor-core FLOP/s per GPU, from NVIDIA's datasheets, which print the
-# with-sparsity figure: half of it is the dense peak. H100 SXM 1,979 -> 989 TF, H100 NVL 1,671 -> 835,
-# H100 PCIe 1,513 -> 756 (H100 datasheet); H200 SXM 1,979 -> 989, H200 NVL 1,671 -> 835 (H200 datasheet);
-# A100 624 -> 312 for all of 40/80GB, SXM4/PCIe (A100 datasheet). Matched as substrings of
-# torch.cuda.get_device_name(), e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 NVL", "NVIDIA H100 PCIe",
-# "NVIDIA H200", "NVIDIA A100-SXM4-80GB"; the first match wins, so the form factors come before the plain
-# name (the SXM parts carry no form factor in their name). Other GPUs get no MFU unless --peak_flops is given.
+# Peak dense (no sparsity) bf16 tensor-core FLOP/s per GPU: half the with-sparsity figure NVIDIA's datasheets
+# print (H100 SXM 1,979 TF, NVL 1,671, PCIe 1,513; H200 SXM 1,979, NVL 1,671; A100 624). Matched as
+# substrings of torch.cuda.get_device_name(), first match first: the SXM parts carry no form factor in
+# their name, so the NVL and PCIe names come before the plain ones. Other GPUs: --peak_flops.
 PEAK_BF16_FLOPS = [
     ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
@@ -448,8 +455,6 @@ def peak_flops(device_name: str):
     return None
 
 
-
-
 # =============================================================================
 # Data loader: uint16 token shards written by fineweb.py
 # =============================================================================
@@ -465,8 +470,8 @@ class DataLoaderLite:
     and `state_dict()` resumes exactly. Shards are memory-mapped: each batch copies only its B*T+1 tokens.
     """
 
-    def __init__(self, B, T, process_rank=0, num_processes=1, split="train", data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337,
-                 vocab_size=GPT2_VOCAB_SIZE):
+    def __init__(self, B, T, process_rank=0, num_processes=1, split="train",
+                 data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337, vocab_size=GPT2_VOCAB_SIZE):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         self.B, self.T = B, T
@@ -476,7 +481,7 @@ class DataLoaderLite:
         if not self.shards:
             raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: "
                              f"prepare them with `python fineweb.py` (see --help there)", rank_specific=True)
-        try:  # header, size, dtype and every token id < vocab_size, checked once here: one line naming the file
+        try:  # header, size, dtype and every token id < vocab_size, checked once: one line naming the file
             self.tokens = [fineweb.open_shard(path, vocab_size) for path in self.shards]
         except fineweb.ShardError as e:
             raise UsageError(str(e), rank_specific=True) from None
@@ -538,88 +543,14 @@ class DataLoaderLite:
         return x, y
 
 
-
-# approximate GPT-2 token counts of the FineWeb-Edu samples: a run needing most of one takes it whole
-FINEWEB_SAMPLE_TOKENS = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}
-MIN_PREP_TOKENS = 10_000_000
-
-
-def ensure_data(args, train_tokens, val_tokens, dist):
-    """Make sure data_root has shards: if it has none, the master prepares them while the others wait.
-
-    With several nodes, data_root must be on a shared filesystem for this (or prepared on each node first).
-    """
-    have = bool(list_shards(args.data_root, "train")) and bool(list_shards(args.data_root, "val"))
-    if dist.agree(have and unfinished_prep(args.data_root) is None):  # every rank takes the same branch
-        if dist.master:
-            if "input" in getattr(args, "given", ()):  # prep reads --input only into an empty data_root
-                dist.print0(f"warning: --input has no effect: {args.data_root} already holds shards (use another "
-                            f"--data_root to prepare one from it)")
-            warn_if_data_short(args.data_root, train_tokens, dist.print0)
-        return
-    message = prepare_data(args, train_tokens, val_tokens, dist.print0) if dist.master else None
-    # preparing 10B tokens takes hours, far past NCCL's collective timeout: wait on a long-timeout gloo group
-    if not dist.agree(message is None, long_wait=True):
-        raise UsageError(message or "data preparation failed on rank 0 (see its message)")
-
-
-def unfinished_prep(data_root):
-    """fineweb.prep_status of data_root when its manifest says the prep stopped before the end, else None."""
-    try:
-        status = fineweb.prep_status(data_root)
-    except fineweb.DataPrepError as e:  # a damaged manifest.json
-        raise UsageError(str(e)) from None
-    return status if status.has_manifest and not status.complete else None
-
-
-def warn_if_data_short(data_root, train_tokens, print0):
-    manifest = os.path.join(data_root, fineweb.MANIFEST)
-    if os.path.exists(manifest):
-        import json
-        with open(manifest) as f:
-            info = json.load(f)
-        if info.get("complete") and info.get("total_tokens", float("inf")) < train_tokens:
-            print0(f"note: {data_root} holds {info['total_tokens']:,} tokens and the run reads {train_tokens:,}: "
-                   f"it will go over the data more than once")
-
-
-def prepare_data(args, train_tokens, val_tokens, print0):
-    """fineweb.prepare just the tokens the run needs (at least 10M), or the whole source; None or an error.
-
-    A prep that was interrupted (manifest.json says incomplete) is finished with the arguments it recorded.
-    """
-    status = unfinished_prep(args.data_root)
-    if status is not None:
-        print0(f"{args.data_root}: an earlier prep stopped after {status.shards} shards; finishing it")
-        try:
-            fineweb.prepare(args.data_root, **status.prepare_kwargs)
-        except fineweb.DataPrepError as e:
-            return f"{args.data_root} is an unfinished prep and finishing it failed ({e}); finish it with: " \
-                   f"{status.resume_command}"
-        return None
-    needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
-    full = args.input is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS[args.fineweb_name]
-    max_tokens = None if full else needed
-    what = " ".join(args.input) if args.input else f"FineWeb-Edu {args.fineweb_name}"
-    print0(f"no shards in {args.data_root}: preparing them from {what}" + (f" ({max_tokens:,} tokens)" if max_tokens else ""))
-    try:
-        fineweb.prepare(args.data_root, name=args.fineweb_name, inputs=args.input, text_column=args.text_column,
-                        max_tokens=max_tokens, val_tokens=None if full else min(max(val_tokens, 1), max_tokens // 2))
-    except fineweb.DataPrepError as e:
-        return f"preparing {args.data_root} failed: {e}"
-    return None
-
-
 # =============================================================================
-# Optimizers: AdamW alone (GPT-2's recipe), or Muon for the block matrices and AdamW for the rest
+# Optimizers and schedules: AdamW (GPT-2's recipe) or Muon + AdamW; the LR and the batch-size ramp
 # =============================================================================
 
-def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5, adjust_lr_fn="match_rms_adamw"):
-    """torch.optim.Muon over `matrices` with decoupled weight decay, as AdamW's.
-
-    match_rms_adamw scales each update to AdamW's RMS, so Muon's lr is on AdamW's scale and the same schedule
-    drives both. The group's lr_scale (lr / max_lr) is what train_step multiplies the scheduled LR by.
-    """
+def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
+              adjust_lr_fn="match_rms_adamw"):
+    """torch.optim.Muon over `matrices`, decoupled weight decay as AdamW's. match_rms_adamw puts its lr on
+    AdamW's scale, so one schedule drives both: a group's LR is the scheduled one times its lr_scale."""
     lr = max_lr if lr is None else lr
     return torch.optim.Muon([{"params": matrices, "lr_scale": lr / max_lr}], lr=lr, weight_decay=weight_decay,
                             momentum=momentum, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
@@ -634,11 +565,8 @@ def muon_settings(args):
 
 
 class CombinedOptimizer:
-    """Optimizers over disjoint parameters, used as one by the training loop and the checkpoints.
-
-    param_groups lists every part's groups (train_step sets the scheduled LR on each); zero_grad and step
-    go to every part; `parts` names them, and a checkpoint stores each part's state under its name.
-    """
+    """Optimizers over disjoint parameters used as one: param_groups, zero_grad and step cover every part;
+    a checkpoint stores each part's state under its name in `parts`."""
 
     def __init__(self, parts):
         self.parts = parts
@@ -655,34 +583,6 @@ class CombinedOptimizer:
         for opt in self.parts.values():
             opt.step()
 
-    def state_dict(self):
-        return {name: opt.state_dict() for name, opt in self.parts.items()}
-
-    def load_state_dict(self, state):
-        for name, opt in self.parts.items():
-            opt.load_state_dict(state[name])
-
-
-def set_lr(optimizer, lr):
-    """The scheduled LR on every param group, times the group's lr_scale (Muon's: --muon_lr / --max_lr)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
-
-
-def per_part(optimizer, fn, *states):
-    """fn(optimizer, *states) for a lone optimizer; {name: fn(part, *states[name])} for a CombinedOptimizer.
-
-    This is the checkpoint format: "optimizer" holds AdamW's state dict as it always has, or with Muon
-    {"adamw": ..., "muon": ...}, one state dict per part.
-    """
-    if isinstance(optimizer, CombinedOptimizer):
-        return {name: fn(opt, *(s[name] for s in states)) for name, opt in optimizer.parts.items()}
-    return fn(optimizer, *states)
-
-
-# =============================================================================
-# Schedules: learning rate and batch size, both functions of where the run is
-# =============================================================================
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     """Linear warmup to max_lr over warmup_steps, cosine decay to min_lr at max_steps, constant after."""
@@ -695,13 +595,9 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     return min_lr + coeff * (max_lr - min_lr)
 
 
-
-
 def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768):
-    """GPT-3's ramp: tokens in the next step, linear from `start` to total over the first ramp_tokens.
-
-    Rounded down to a multiple of unit = B*T*world_size (one micro-step on every rank), at least one unit.
-    """
+    """GPT-3's ramp: tokens in the next step, linear from `start` to total over the first ramp_tokens,
+    rounded down to a multiple of unit = B*T*world_size (one micro-step on every rank), at least one unit."""
     if ramp_tokens <= 0 or tokens_seen >= ramp_tokens:
         return total_batch_size
     start = min(start, total_batch_size)
@@ -709,10 +605,8 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
     return max(unit, int(size) // unit * unit)
 
 
-
-
 # =============================================================================
-# Distributed: processes, wrapping the model in FSDP / DDP, all-reduce helpers
+# Distributed: this process's place in the run, FSDP
 # =============================================================================
 
 def resolve_device(name):
@@ -730,8 +624,8 @@ def autocast_for(dtype, device_type):
 
 
 @dataclass
-class Dist:
-    """This process's place in the run (torchrun's RANK, LOCAL_RANK, WORLD_SIZE) and its device."""
+class Proc:
+    """This process in the run (torchrun's RANK, LOCAL_RANK, WORLD_SIZE) and its device."""
     ddp: bool
     rank: int
     local_rank: int
@@ -755,22 +649,19 @@ class Dist:
         """True when ok is true on every rank; also a barrier. long_wait: on a gloo group that waits 48 h."""
         flag = torch.tensor(1.0 if ok else 0.0, device="cpu" if long_wait else self.device)
         if self.world_size > 1:
-            import datetime
-            import torch.distributed as dist
-
             group = None
-            if long_wait:
+            if long_wait:  # data prep takes hours, far past NCCL's collective timeout
                 if self._long_wait_group is None:
-                    self._long_wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
+                    import datetime
+                    hours = datetime.timedelta(hours=48)
+                    self._long_wait_group = dist.new_group(backend="gloo", timeout=hours)
                 group = self._long_wait_group
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return flag.item() == 1.0
 
 
 def setup_distributed(args):
-    """A Dist from torchrun's environment (one process without it), with the process group started."""
-    import torch.distributed as dist
-
+    """A Proc from torchrun's environment (one process without it), with the process group started."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.fsdp and not ddp:
         raise UsageError("--fsdp shards the model across processes: launch with torchrun")
@@ -779,13 +670,13 @@ def setup_distributed(args):
     device = resolve_device(args.device)
     if ddp and device.startswith("cuda"):
         if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) on this node: "
+            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) here: "
                              f"ask torchrun for at most that many processes per node", rank_specific=True)
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     if ddp:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return Dist(ddp, rank, local_rank, world_size, device)
+    return Proc(ddp, rank, local_rank, world_size, device)
 
 
 def shard_model(raw_model, use_bf16):
@@ -796,389 +687,22 @@ def shard_model(raw_model, use_bf16):
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
     # bf16 compute and all-gathers, fp32 gradient reduction and master weights
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 \
+        else MixedPrecisionPolicy()
     for block in raw_model.transformer.h:
         fully_shard(block, mp_policy=mp)
     fully_shard(raw_model, mp_policy=mp)
 
 
-def wrap_for_training(raw_model, use_compile, dist, fsdp):
-    """(the model the training step calls, whether DDP should sync gradients only on the last micro-step)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = torch.compile(raw_model) if use_compile else raw_model
-    if dist.ddp and not fsdp:
-        model = DDP(model, device_ids=[dist.local_rank] if dist.device_type == "cuda" else None)
-        return model, True
-    return model, False  # FSDP reduce-scatters every micro-step to keep gradients sharded
-
-
-
-def all_reduce_sum(t, world_size):
-    import torch.distributed as dist
-
-    if world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def all_reduce_mean(t, world_size):
-    all_reduce_sum(t, world_size)  # gloo has no AVG: sum, then divide
-    return t / world_size
-
-
-
 # =============================================================================
-# Checkpoints and the run log
+# Evaluation: val loss, HellaSwag, samples
 # =============================================================================
-
-@dataclass
-class TrainState:
-    """Where a run stands: everything a checkpoint holds besides the weights and the optimizer state.
-
-    save_checkpoint writes these fields as the checkpoint's top-level keys and resuming reads them back,
-    so a run continues bit-exactly: same batches, same random numbers, same schedule position.
-    """
-    step: int = -1  # the last optimizer step taken (and included in a checkpoint); -1 before the first
-    tokens_seen: int = 0  # train tokens consumed so far (the batch-size ramp depends on it)
-    val_loss: float | None = None  # the latest val loss
-    loader: dict | None = None  # the train loader's position, DataLoaderLite.state_dict()
-    rng: dict | None = None  # python, numpy, torch (and CUDA) generator states
-    args: dict | None = None  # the run's flags
-
-    @classmethod
-    def from_checkpoint(cls, ckpt):
-        fields = {k: ckpt[k] for k in ("step", "val_loss", "loader", "rng", "args")}
-        # checkpoints written before the batch ramp existed have no tokens_seen: every step was a full batch
-        fields["tokens_seen"] = ckpt.get("tokens_seen", (ckpt["step"] + 1) * ckpt["args"]["total_batch_size"])
-        return cls(**fields)
-
-
-CKPT_RE = re.compile(r"model_(\d+)\.pt$")
-CKPT_KEYS = ("model", "config", "optimizer") + tuple(TrainState.__dataclass_fields__)
-
-
-def checkpoint_path(log_dir, step):
-    return os.path.join(log_dir, f"model_{step:05d}.pt")
-
-
-def checkpoint_step(path):
-    return int(CKPT_RE.search(os.path.basename(path)).group(1))
-
-
-def find_checkpoints(log_dir):
-    """Checkpoint paths in log_dir, oldest step first."""
-    found = []
-    for path in glob.glob(os.path.join(log_dir, "model_*.pt")):
-        m = CKPT_RE.search(os.path.basename(path))
-        if m:
-            found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
-
-
-def rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def full_state_dicts(raw_model, optimizer):
-    """Unsharded model and optimizer state, keyed by parameter name, on CPU.
-
-    The same format comes out of a plain, DDP or FSDP model, so a checkpoint moves freely between them.
-    Under FSDP this gathers the shards: every rank must call it (rank 0 gets the tensors).
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    optim_sd = per_part(optimizer, lambda opt: get_optimizer_state_dict(raw_model, opt, options=opts))
-    return get_model_state_dict(raw_model, options=opts), optim_sd
-
-
-def load_full_state_dicts(raw_model, optimizer, model_sd, optim_sd):
-    """Inverse of full_state_dicts; under FSDP each rank keeps its own shard of what it is given."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(raw_model, model_sd, options=opts)
-
-    def load(opt, sd):
-        # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags,
-        # not to the run that wrote the checkpoint
-        keep = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g} for g in opt.param_groups]
-        set_optimizer_state_dict(raw_model, opt, sd, options=opts)
-        for group, kept in zip(opt.param_groups, keep):
-            group.update(kept)
-
-    if optimizer is not None:
-        per_part(optimizer, load, optim_sd)
-
-
-
-
-def save_checkpoint(path, raw_model, optimizer, state, train_loader, master=True):
-    """Write the model, optimizer and TrainState to path atomically. Every rank calls it (FSDP gathers)."""
-    model_sd, optim_sd = full_state_dicts(raw_model, optimizer)
-    if not master:
-        return
-    state.loader, state.rng = train_loader.state_dict(), rng_state()
-    ckpt = {"model": model_sd, "config": asdict(raw_model.config), "optimizer": optim_sd, **asdict(state)}
-    atomic_write(path, lambda f: torch.save(ckpt, f))  # a crash mid-write never leaves a truncated model_*.pt
-
-
-def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
-    """Load a checkpoint dict into the model, optimizer, loader and RNGs; returns its TrainState."""
-    state = TrainState.from_checkpoint(ckpt)
-    load_full_state_dicts(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])
-    train_loader.load_state_dict(state.loader)
-    set_rng_state(state.rng)
-    return state
-
-
-def read_checkpoint(path, map_location="cpu", keys=("model", "config")):
-    """The dict in one of our checkpoints, or a UsageError saying why it cannot be used."""
-    if not os.path.isfile(path):
-        raise UsageError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # truncated, or not a torch file at all
-        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
-    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
-    return ckpt
-
-
-def find_resume_checkpoint(resume, log_dir, print0):
-    """(path, checkpoint dict) for --resume latest|PATH; latest skips unreadable newer files with a warning."""
-    if resume != "latest":
-        if not os.path.isfile(resume):
-            raise UsageError(f"--resume {resume}: no such checkpoint")
-        return resume, read_checkpoint(resume, keys=CKPT_KEYS[:-1])
-    found = find_checkpoints(log_dir)
-    if not found:
-        raise UsageError(f"--resume latest: no model_*.pt checkpoint in {log_dir}")
-    for path in reversed(found):
-        try:
-            return path, read_checkpoint(path, keys=CKPT_KEYS[:-1])  # tokens_seen: optional in old files
-        except UsageError as e:
-            print0(f"warning: skipping {e}")
-    raise UsageError(f"--resume latest: none of the {len(found)} checkpoints in {log_dir} is readable")
-
-
-def load_checkpoint_model(path, map_location="cpu"):
-    """The GPT stored in one of our checkpoints (model_*.pt), in fp32."""
-    ckpt = read_checkpoint(path, map_location)
-    model = GPT(GPTConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    return model
-
-
-def prune_checkpoints(log_dir, keep_last):
-    """Delete all but the newest keep_last model_*.pt (0 keeps all); returns the deleted paths.
-
-    The newest is the one just saved: a resumed run set any of later steps aside when it started
-    (set_aside_later_checkpoints).
-    """
-    if keep_last <= 0:
-        return []
-    old = find_checkpoints(log_dir)[:-keep_last]
-    for path in old:
-        os.remove(path)
-    return old
-
-
-class LogDirLock:
-    """One run per log dir: an exclusive lock on <log_dir>/.lock, held for the life of the run.
-
-    flock is released by the OS when the process dies, kill -9 included, so a crash never leaves a stale
-    lock. The file holds the owner's pid and host for the message a second run prints.
-    """
-
-    def __init__(self, log_dir):
-        self.path = os.path.join(log_dir, ".lock")
-        self.file = None
-
-    def acquire(self, wait_for_owner=10.0):
-        """Take the lock, or raise a UsageError naming the live process that holds it.
-
-        The owner writes its line just after it takes the lock, over whatever a killed run left there, so a
-        second run can find the file empty or naming a dead process for a moment: it re-reads (and re-tries
-        the lock, in case the owner has ended) for up to wait_for_owner seconds until the line names a live one.
-        """
-        import fcntl
-        import socket
-
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            f = open(self.path, "a+")
-        except OSError as e:  # a file in the way, no permission, a read-only filesystem
-            raise UsageError(f"--log_dir {os.path.dirname(self.path)}: cannot write there ({e.strerror or e})") from None
-        deadline = time.monotonic() + wait_for_owner
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:
-                owner = self._live_owner(f)
-            if owner is not None or time.monotonic() > deadline:
-                f.close()
-                raise UsageError(f"{os.path.dirname(self.path)} is in use by a live run ({owner or 'another process'}): "
-                                 f"wait for it to end, or choose another --log_dir") from None
-            time.sleep(0.02)
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        self.file = f
-
-    @staticmethod
-    def _live_owner(f):
-        """'pid N on HOST' from the lock file when it is a whole line naming a live process (as far as this
-        host can tell), else None."""
-        import socket
-
-        f.seek(0)
-        text = f.read()
-        m = re.fullmatch(r"pid (\d+) on (.+)\n", text)
-        if m is None:
-            return None
-        if m.group(2) == socket.gethostname():
-            try:
-                os.kill(int(m.group(1)), 0)
-            except (ProcessLookupError, OverflowError):
-                return None  # a killed run's line, not yet replaced by the owner's
-            except PermissionError:
-                pass  # alive, another user's
-        return text.strip()
-
-    def release(self):
-        if self.file is not None:
-            self.file.close()  # closing the file releases the lock
-            self.file = None
-
-
-def clear_log_dir(log_dir, resume_step, overwrite):
-    """Get log_dir ready for this run (the lock is held): never clobber an earlier run by accident.
-
-    Removes temp files a crash left; a resumed run sets later checkpoints aside and drops the log lines
-    written after its checkpoint; --overwrite deletes an earlier run's log and checkpoints; anything else
-    with an earlier run is refused. Returns the warnings to print.
-    """
-    for tmp in glob.glob(os.path.join(log_dir, "*.tmp")):
-        os.remove(tmp)
-    log_file = os.path.join(log_dir, "log.txt")
-    if resume_step is not None:
-        moved = set_aside_later_checkpoints(log_dir, resume_step)
-        damaged = truncate_log(log_file, resume_step)
-        return [w for w in (moved, damaged and f"dropped {damaged} damaged line(s) from {log_file}") if w]
-    earlier = (os.path.exists(log_file) and os.path.getsize(log_file) > 0) or find_checkpoints(log_dir)
-    if earlier and not overwrite:
-        raise UsageError(f"{log_dir} holds an earlier run (log.txt or model_*.pt): pass --resume latest "
-                         f"to continue it, --overwrite to start afresh, or another --log_dir")
-    for path in find_checkpoints(log_dir):
-        os.remove(path)
-    open(log_file, "w").close()
-    return []
-
-
-def set_aside_later_checkpoints(log_dir, resume_step):
-    """Move checkpoints of steps after the resumed one, and a copy of log.txt, into a new folder in log_dir.
-
-    They come from a rollback (--resume PATH to an earlier step) or are newer files too damaged to resume.
-    Left in place, the run would replace them one by one and --resume latest could pick up one of the
-    abandoned steps. Returns a warning naming the folder, or None when there are none.
-    """
-    later = [p for p in find_checkpoints(log_dir) if checkpoint_step(p) > resume_step]
-    if not later:
-        return None
-    base = dest = os.path.join(log_dir, f"after_step_{resume_step:05d}")
-    n = 1
-    while os.path.exists(dest):
-        n += 1
-        dest = f"{base}_{n}"
-    os.makedirs(dest)
-    log_file = os.path.join(log_dir, "log.txt")
-    if os.path.exists(log_file):
-        shutil.copy2(log_file, os.path.join(dest, "log.txt"))
-    for path in later:
-        os.replace(path, os.path.join(dest, os.path.basename(path)))
-    return (f"resuming at step {resume_step}: {len(later)} later checkpoint(s) and a copy of log.txt "
-            f"moved to {dest}")
-
-
-# log.txt: one `step kind value` line per number, written and parsed only here
-
-LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
-
-
-def format_log_line(step, kind, value):
-    return f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n"
-
-
-def append_log(path, step, kind, value):
-    with open(path, "a") as f:
-        f.write(format_log_line(step, kind, value))
-
-
-def parse_log_line(line):
-    """(step, kind, value) of a log.txt line, or None for a damaged one (a crash can leave NUL bytes)."""
-    parts = line.split()
-    if len(parts) != 3 or parts[1] not in LOG_FORMATS:
-        return None
-    try:
-        return int(parts[0]), parts[1], float(parts[2])
-    except ValueError:
-        return None
-
-
-def read_log(path):
-    """{kind: (steps, values)} for the kinds present in a log.txt ('train', 'val', 'hella'); bad lines skipped."""
-    series = {}
-    with open(path, errors="replace") as f:
-        for line in f:
-            parsed = parse_log_line(line)
-            if parsed is not None:
-                steps, values = series.setdefault(parsed[1], ([], []))
-                steps.append(parsed[0])
-                values.append(parsed[2])
-    return series
-
-
-def truncate_log(path, last_step):
-    """Keep the lines up to last_step, so a resumed run continues cleanly; returns how many damaged lines
-    were dropped."""
-    if not os.path.exists(path):
-        return 0
-    with open(path, errors="replace") as f:
-        lines = [(line, parse_log_line(line)) for line in f if line.strip()]
-    kept = [line for line, parsed in lines if parsed is not None and parsed[0] <= last_step]
-    atomic_write(path, lambda f: f.writelines(line.encode() for line in kept))
-    return sum(parsed is None for _, parsed in lines)
-
-
-# =============================================================================
-# Evaluation: val loss, the HellaSwag hand-off, samples
-# =============================================================================
-
 
 @torch.no_grad()
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
-    """Mean loss over the first n_tokens targets of the loader's split, all ranks together.
-
-    The loader's windows tile the stream the same way for any B and process count, so this is the same
-    set of tokens everywhere; targets past n_tokens are ignored (-100). Every rank runs the same number
-    of forward passes, as FSDP needs.
-    """
+    """Mean loss over the first n_tokens targets of the loader's split, all ranks together: the same tokens
+    for any B and process count (targets past n_tokens are ignored), the same number of passes on every
+    rank."""
     was_training = model.training
     model.eval()
     loader.reset()
@@ -1199,189 +723,38 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
             total[0] += loss.double() * valid
             total[1] += valid
     model.train(was_training)
-    all_reduce_sum(total, world_size)
+    if world_size > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return (total[0] / total[1]).item()
 
 
-def hellaswag_ready(every, dist):
+def hellaswag_ready(every, proc):
     """True when HellaSwag's val data can be had on every rank; else False after one warning."""
     if every <= 0:
         return False
     ok = True
     for turn in ("master", "others"):  # the master downloads first, the other ranks then find the file
-        if dist.master == (turn == "master"):
+        if proc.master == (turn == "master"):
             try:
                 hellaswag.download("val")
             except hellaswag.HellaSwagUnavailable as e:
                 print(f"warning: HellaSwag evaluation turned off: {e}", flush=True)
                 ok = False
-        ok = dist.agree(ok)  # also the barrier between the turns
+        ok = proc.agree(ok)  # also the barrier between the turns
     return ok
 
 
-def print_samples(raw_model, enc, args, dist, autocast_ctx):
-    """num_samples continuations of the sample prompt from each rank (its own seed), printed."""
-    gen = torch.Generator(device=dist.device).manual_seed(args.seed + dist.rank)
-    prompt = torch.tensor(encode_prompt(enc, args.sample_prompt), dtype=torch.long, device=dist.device)
-    prompt = prompt.unsqueeze(0).repeat(args.num_samples, 1)
-    with autocast_ctx:
-        out = raw_model.generate(prompt, args.sample_tokens, top_k=50, generator=gen)
-    for i in range(args.num_samples):
-        print(f"rank {dist.rank} sample {i}: {enc.decode(out[i].tolist())}", flush=True)
-
-
-# =============================================================================
-# The training loop
-# =============================================================================
-
-# ---- phase 1: run settings, every flag checked before any work
-
-@dataclass
-class Settings:
-    """What the flags (and a checkpoint being resumed) decide, worked out once before anything is written."""
-    config: GPTConfig
-    grad_accum: int  # micro-steps per optimizer step at the full batch (check_batch's result)
-    unit: int  # tokens of one micro-step over all ranks: B * T * world_size
-    val_tokens: int
-    autocast_ctx: object
-    use_bf16: bool
-    use_compile: bool
-    enc: object = None  # the GPT-2 tokenizer, when samples are on
-    resume_path: str | None = None
-    ckpt: dict | None = None  # the checkpoint being resumed; dropped once it is restored
-    pretrained: GPT | None = None  # --init_from's model
-
-
-# flags that belong to one invocation: a resumed run takes every other flag it is not given from its checkpoint
-PER_INVOCATION = {"resume", "overwrite", "stop_step", "device", "dtype", "compile", "profile", "profile_schedule",
-                  "wandb_project", "wandb_run_name", "log_dir", "init_from", "keep_last", "peak_flops", "fsdp"}
-SCHEDULE_FLAGS = ("max_steps", "max_lr", "warmup_steps", "total_batch_size", "batch_ramp_tokens",
-                  "batch_ramp_start", "seed")
-
-
-def run_flags(args):
-    """The flags as a plain dict, as logged and stored in checkpoints."""
-    return {k: v for k, v in vars(args).items() if k != "given"}
-
-
-def check_flags(args):
-    """One-line UsageErrors for values and flag pairs that cannot work; returns warnings for dubious ones."""
-    def need(ok, message):
-        if not ok:
-            raise UsageError(message)
-
-    for key in ("max_steps", "total_batch_size", "micro_batch_size", "sequence_length", "batch_ramp_start"):
-        need(getattr(args, key) > 0, f"--{key} must be positive, not {getattr(args, key)}")
-    need(args.max_lr > 0 and math.isfinite(args.max_lr), f"--max_lr must be a positive number, not {args.max_lr}")
-    need(0 <= args.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], not {args.min_lr_ratio}")
-    need(math.isfinite(args.weight_decay), f"--weight_decay must be a finite number, not {args.weight_decay}")
-    for key in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "sample_every", "hellaswag_every",
-                "save_every", "keep_last", "batch_ramp_tokens"):
-        need(getattr(args, key) >= 0, f"--{key} must be >= 0, not {getattr(args, key)}")
-    for key in ("val_steps", "hellaswag_limit", "stop_step", "peak_flops"):
-        need(getattr(args, key) is None or getattr(args, key) > 0, f"--{key} must be positive, not {getattr(args, key)}")
-    if args.eval_every > 0:
-        need(args.val_tokens > 0, f"--val_tokens must be positive while val is on (--eval_every {args.eval_every})")
-    if args.sample_every > 0:
-        need(args.num_samples > 0 and args.sample_tokens > 0,
-             "--num_samples and --sample_tokens must be positive while samples are on (--sample_every 0 turns them off)")
-    need(not ({"val_steps", "val_tokens"} <= args.given), "--val_steps and --val_tokens both set the val size: give one")
-    need(not (args.resume and args.overwrite), "--resume continues the run in log_dir, --overwrite deletes it: give one")
-    need(not (args.resume and args.init_from), "--resume continues a checkpoint, --init_from starts from OpenAI's "
-                                               "weights: give one")
-    shape = sorted(f"--{k}" if k != "bias" else "--[no-]bias" for k in SHAPE_FLAGS if k in args.given)
-    need(not (args.init_from and shape), f"--init_from takes the model's shape from the weights: drop {', '.join(shape)}")
-    for key in ("log_dir", "data_root"):  # a file where a folder goes: found now, not once the run has started
-        path = getattr(args, key)
-        need(not os.path.exists(path) or os.path.isdir(path), f"--{key} {path} is a file, not a folder")
-    need(args.muon_lr is None or (args.muon_lr > 0 and math.isfinite(args.muon_lr)),
-         f"--muon_lr must be a positive number, not {args.muon_lr}")
-    need(0 <= args.muon_momentum < 1, f"--muon_momentum must be in [0, 1), not {args.muon_momentum}")
-    need(0 < args.muon_ns_steps < 100, f"--muon_ns_steps must be in 1..99, not {args.muon_ns_steps}")
-    if args.profile:
-        parse_profile_schedule(args.profile_schedule)
-    warnings = []
-    if args.warmup_steps >= args.max_steps:
-        warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: the LR never leaves warmup")
-    if args.init_from and "preset" in args.given:
-        warnings.append(f"--init_from {args.init_from}: --preset {args.preset} gives only run settings, not the shape")
-    # flags given for a part of the run that is off: stated, not dropped in silence
-    off = {"--eval_every 0": ("val_tokens", "val_steps") if args.eval_every <= 0 else (),
-           "--sample_every 0": ("sample_prompt", "num_samples", "sample_tokens") if args.sample_every <= 0 else (),
-           "--hellaswag_every 0": ("hellaswag_limit",) if args.hellaswag_every <= 0 else (),
-           "no --batch_ramp_tokens": ("batch_ramp_start",) if args.batch_ramp_tokens <= 0 else (),
-           "no --profile": ("profile_schedule",) if not args.profile else (),
-           "no --wandb_project": ("wandb_run_name",) if not args.wandb_project else ()}
-    for why, keys in off.items():
-        unused = [f"--{k}" for k in keys if k in args.given]
-        if unused:
-            warnings.append(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with {why}")
-    return warnings
-
-
-def adopt_checkpoint_flags(args, saved, print0):
-    """Resuming: flags not given now take the checkpoint's values; given schedule flags that differ warn."""
-    # --val_steps and --val_tokens are two ways to give one number: the one given now wins over the other's
-    # saved value (else a --val_tokens given now would be dropped in silence for a saved --val_steps)
-    replaced = {"val_tokens": "val_steps", "val_steps": "val_tokens"}
-    for key, value in saved.items():
-        if key in PER_INVOCATION or not hasattr(args, key) or replaced.get(key) in args.given:
-            continue
-        if key not in args.given:
-            setattr(args, key, value)
-        elif key in SCHEDULE_FLAGS and getattr(args, key) != value:
-            print0(f"warning: --{key} is {getattr(args, key)} now but was {value} in the checkpoint")
-
-
-def check_optimizer(args, ckpt, path):
-    """Resuming: the checkpoint's optimizer state must be of the kind --optimizer asks for; returns warnings."""
-    if ckpt is not None:
-        saved = ckpt["args"].get("optimizer", "adamw")  # checkpoints from before --optimizer hold AdamW's state
-        if args.optimizer != saved:
-            raise UsageError(f"{path} holds {saved} optimizer state but --optimizer {args.optimizer} was given: "
-                             f"resume with --optimizer {saved} (or without the flag), or start a new run")
-    ignored = sorted(f"--{k}" for k in args.given if k.startswith("muon_"))
-    if args.optimizer != "muon" and ignored:
-        return [f"{', '.join(ignored)}: Muon's flags, ignored without --optimizer muon"]
-    return []
-
-
-def model_config_from_args(args):
-    shape = dict(MODEL_PRESETS[args.preset])
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
-    shape.update(dropout=args.dropout, bias=args.bias)
+def hellaswag_accuracy(raw_model, proc, limit, use_bf16):
+    """HellaSwag acc_norm of the raw model, its examples split over the ranks; None if the data went away."""
     try:
-        return GPTConfig(**shape)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def resumed_config(args, ckpt, path):
-    """The checkpoint's model shape; shape flags given now must agree with it."""
-    config = GPTConfig(**ckpt["config"])
-    asked = asdict(model_config_from_args(args))
-    keys = set(SHAPE_FLAGS + ("dropout",)) & args.given
-    if "preset" in args.given:
-        keys |= set(MODEL_PRESETS[args.preset])
-    differ = sorted(k for k in keys if asked[k] != getattr(config, k))
-    if differ:
-        raise UsageError(f"{path} holds a model with {', '.join(f'{k}={getattr(config, k)}' for k in differ)}; the flags "
-                         f"ask for {', '.join(f'{k}={asked[k]}' for k in differ)} (a resumed run needs no shape flags)")
-    return config
-
-
-def check_batch(args, world_size, block_size):
-    """grad_accum_steps, or a UsageError naming what does not fit."""
-    B, T = args.micro_batch_size, args.sequence_length
-    if T > block_size:
-        raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
-    per_step = B * T * world_size
-    if args.total_batch_size % per_step != 0:
-        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by B*T*world_size = "
-                         f"{B}*{T}*{world_size} = {per_step}")
-    return args.total_batch_size // per_step
+        res = hellaswag.evaluate(raw_model, proc.device, limit=limit, rank=proc.rank,
+                                 world_size=proc.world_size, device_type=proc.device_type,
+                                 autocast_dtype=torch.bfloat16 if use_bf16 else None)
+    except hellaswag.HellaSwagUnavailable as e:
+        proc.print0(f"warning: HellaSwag evaluation turned off: {e}")
+        return None
+    proc.print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
+    return res["acc_norm"]
 
 
 def encode_prompt(enc, text):
@@ -1389,313 +762,574 @@ def encode_prompt(enc, text):
     return enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
 
 
-def sample_tokenizer(args, block_size):
-    """The GPT-2 tokenizer when samples are on, once the prompt and sample length are known to fit."""
-    if args.sample_every <= 0:
-        return None
-    import tiktoken
-
-    enc = tiktoken.get_encoding("gpt2")
-    n = len(encode_prompt(enc, args.sample_prompt))
-    if n + args.sample_tokens > block_size:
-        raise UsageError(f"--sample_prompt ({n} tokens) + --sample_tokens ({args.sample_tokens}) exceeds the model's "
-                         f"block_size {block_size}: shorten them, or turn samples off with --sample_every 0")
-    return enc
+def decode_sample(enc, tokens, n_prompt):
+    """A sample as text: the prompt and what follows up to the first <|endoftext|>, blank lines squeezed."""
+    new = tokens[n_prompt:]
+    if EOT in new:
+        new = new[: new.index(EOT)]
+    text = enc.decode([t for t in tokens[:n_prompt] if t != EOT] + new)
+    return re.sub(r"\n\s*\n", "\n", text).strip()
 
 
-def open_resumed_run(args, print0):
-    """--resume: (path, checkpoint, model config), the checkpoint's flags taken where none is given now."""
-    path, ckpt = find_resume_checkpoint(args.resume, args.log_dir, print0)
-    adopt_checkpoint_flags(args, ckpt["args"], print0)
-    end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
-    # nothing left but the final evaluation (ckpt at max_steps - 1) is fine; nothing at all is a mistake
-    if ckpt["step"] + 1 >= end_step and ckpt["step"] + 1 != args.max_steps:
-        raise UsageError(f"{path} is at step {ckpt['step']}: --max_steps {args.max_steps}"
-                         + (f" / --stop_step {args.stop_step}" if args.stop_step is not None else "")
-                         + " leave nothing to train")
-    return path, ckpt, resumed_config(args, ckpt, path)
+def print_samples(raw_model, enc, args, proc, autocast_ctx):
+    """num_samples continuations of the sample prompt from each rank (its own seed), one line each."""
+    gen = torch.Generator(device=proc.device).manual_seed(args.seed + proc.rank)
+    tokens = encode_prompt(enc, args.sample_prompt)
+    prompt = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=proc.device)
+    with autocast_ctx:
+        out = raw_model.generate(prompt, args.sample_tokens, top_k=50, generator=gen)
+    for i, row in enumerate(out.tolist()):
+        text = " ".join(decode_sample(enc, row, len(tokens)).split())  # a log line: newlines as spaces
+        print(f"rank {proc.rank} sample {i}: {text}", flush=True)
 
 
-def resolve_settings(args, dist):
-    """Phase 1: check every flag, find the checkpoint to resume, and work out the run's settings."""
-    check_flags(args)  # the flags as given, before anything is read
-    resume_path, ckpt, pretrained = None, None, None
-    if args.resume:
-        resume_path, ckpt, config = open_resumed_run(args, dist.print0)
-    elif args.init_from:
-        pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
-        config = pretrained.config
+# =============================================================================
+# train(): the whole run, from the flags to the last checkpoint
+# =============================================================================
+
+def train(args):
+    """One training run, start to end; returns the exit status (0, or 128 + the signal that stopped it)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    proc = setup_distributed(args)
+    ckpt = read_checkpoint(args.resume, keys=CKPT_KEYS) if args.resume else None  # the checkpoint resumed
+    for warning in check_flags(args, ckpt):
+        proc.print0(f"warning: {warning}")
+    pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout) if args.init_from else None
+    if ckpt is not None:
+        config = resumed_config(args, ckpt)
     else:
-        config = model_config_from_args(args)
-    warnings = check_flags(args)  # on the values the run will have (a resumed run's come from its checkpoint)
-    for warning in warnings + check_optimizer(args, ckpt, resume_path):  # after a resume adopted --optimizer
-        dist.print0(f"warning: {warning}")
-    grad_accum = check_batch(args, dist.world_size, config.block_size)
-    unit = args.micro_batch_size * args.sequence_length * dist.world_size
-    autocast_ctx, use_bf16 = autocast_for(args.dtype, dist.device_type)
-    hellaswag.enable_tf32(dist.device_type)  # TF32 for the fp32 matmuls that remain
-    return Settings(config=config, grad_accum=grad_accum, unit=unit,
-                    val_tokens=args.val_steps * unit if args.val_steps is not None else args.val_tokens,
-                    autocast_ctx=autocast_ctx, use_bf16=use_bf16,
-                    use_compile=args.compile if args.compile is not None else dist.device_type == "cuda",
-                    enc=sample_tokenizer(args, config.block_size), resume_path=resume_path, ckpt=ckpt,
-                    pretrained=pretrained)
+        config = pretrained.config if pretrained is not None else model_config_from_args(args)
+    # each rank runs micro-steps of B*T tokens, accumulated into optimizer steps of total_batch_size tokens
+    B, T = args.micro_batch_size, args.sequence_length
+    unit = B * T * proc.world_size  # tokens of one micro-step, all ranks together
+    grad_accum_steps = check_batch(args, proc.world_size, config.block_size)
+    val_tokens = args.val_steps * unit if args.val_steps is not None else args.val_tokens
+    end = end_step(args)  # the run stops before this step: --max_steps, or --stop_step if sooner
+    autocast_ctx, use_bf16 = autocast_for(args.dtype, proc.device_type)
+    use_compile = args.compile if args.compile is not None else proc.device_type == "cuda"
+    hellaswag.enable_tf32(proc.device_type)  # TF32 for the fp32 matmuls that remain
+    enc = sample_tokenizer(args, config.block_size)
+    run_config = {**run_flags(args), "device": proc.device, "world_size": proc.world_size,
+                  "grad_accum_steps": grad_accum_steps, "bf16": use_bf16, "compile": use_compile,
+                  "val_tokens": val_tokens, "model": asdict(config)}
+    proc.print0(format_run_config(run_config))
 
-
-# ---- phase 2: one run per log dir
-
-@contextlib.contextmanager
-def claim_log_dir(args, settings, dist):
-    """Rank 0 locks log_dir for the whole run and readies it; every rank stops if it cannot."""
-    lock, error = LogDirLock(args.log_dir), None
-    if dist.master:
+    with claim_log_dir(args, ckpt["step"] if ckpt else None, proc):  # one run per log dir, locked to the end
+        if proc.master:
+            save_run_config(args.log_dir, run_config)
+        # ---- data: shards prepared on first use (by rank 0; the others wait), one loader per split
         try:
-            lock.acquire()
-            for warning in clear_log_dir(args.log_dir, settings.ckpt["step"] if settings.ckpt else None, args.overwrite):
-                print(f"warning: {warning}", flush=True)
-        except UsageError as e:
-            error = e
-    if not dist.agree(error is None):
-        lock.release()
-        raise error or UsageError("rank 0 could not claim the log dir (see its message)")
-    try:
-        yield
-    finally:
-        lock.release()
+            fineweb.ensure_prepared(args.data_root, train_tokens=args.max_steps * args.total_batch_size,
+                                    val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
+                                    text_column=args.text_column, inputs_given="input" in args.given,
+                                    master=proc.master, agree=proc.agree, print0=proc.print0,
+                                    vocab_size=config.real_vocab_size)
+        except fineweb.DataPrepError as e:
+            raise UsageError(str(e)) from None
+        train_loader, val_loader = (DataLoaderLite(B, T, proc.rank, proc.world_size, split, args.data_root,
+                                                   args.seed, config.real_vocab_size)
+                                    for split in ("train", "val"))
+        val_tokens = check_data_size(args, train_loader, val_loader, val_tokens, proc.print0)
+
+        # ---- the model (raw: unwrapped and uncompiled, for saving, HellaSwag and samples) and its optimizer
+        torch.manual_seed(args.seed)
+        np.random.seed(args.seed)
+        random.seed(args.seed)
+        raw_model = (pretrained if pretrained is not None else GPT(config)).to(proc.device)
+        pretrained = None
+        proc.print0(f"model: {raw_model.get_num_params():,} parameters")
+        if args.fsdp:
+            shard_model(raw_model, use_bf16)
+        optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, proc.device_type,
+                                                   verbose=proc.master, muon=muon_settings(args))
+        state = TrainState()  # where the run stands: what a checkpoint holds besides the weights
+        if ckpt is not None:
+            state = restore_checkpoint(ckpt, raw_model, optimizer, train_loader)
+            proc.print0(f"resumed from {args.resume} at step {state.step + 1}")
+            ckpt = None  # the weights live in the model now
+        state.args = run_flags(args)
+        model = torch.compile(raw_model) if use_compile else raw_model
+        ddp = proc.ddp and not args.fsdp  # FSDP reduce-scatters every micro-step to keep gradients sharded
+        if ddp:
+            model = DDP(model, device_ids=[proc.local_rank] if proc.device_type == "cuda" else None)
+
+        metrics = Metrics(args, proc.master, run_config)  # log.txt, and W&B if asked
+        reporter = StepReporter(args, proc, raw_model, metrics, state.step + 1, end)
+        profiler = Profiler(args, proc) if args.profile else None
+        hellaswag_on = hellaswag_ready(args.hellaswag_every, proc)
+        last_saved = state.step
+
+        def save():  # every rank calls it: FSDP gathers the shards
+            nonlocal last_saved
+            path = checkpoint_path(args.log_dir, state.step)
+            save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, args.keep_last)
+            last_saved = state.step
+            proc.print0(f"saved {path}")
+            return path
+
+        def keep_last_step():  # after a failure: the last step taken, saved if it is not yet
+            if state.step < 0:
+                return None
+            return checkpoint_path(args.log_dir, state.step) if last_saved == state.step else save()
+
+        # ============================== training ==============================
+        stopped_by = None
+        with StopSignals() as stop:
+            for step in range(state.step + 1, args.max_steps + 1):
+                last_step = step == args.max_steps  # not trained: the final model is only evaluated
+                if step == end and not last_step:
+                    break
+
+                # the model after `step` updates: val loss, HellaSwag, samples; all of them at the end
+                def due(every):
+                    return every > 0 and (last_step or step % every == 0)
+
+                with saving_on_error("final evaluation" if last_step else "evaluation", step, keep_last_step):
+                    if due(args.eval_every):
+                        state.val_loss = evaluate_loss(model, val_loader, val_tokens, proc.device,
+                                                       autocast_ctx, proc.world_size)
+                        proc.print0(f"validation loss: {state.val_loss:.4f}")
+                        metrics.log(step, "val", state.val_loss)
+                    if hellaswag_on and due(args.hellaswag_every):
+                        acc = hellaswag_accuracy(raw_model, proc, args.hellaswag_limit, use_bf16)
+                        hellaswag_on = acc is not None
+                        if hellaswag_on:
+                            metrics.log(step, "hella", acc)
+                    if step > 0 and due(args.sample_every):
+                        print_samples(raw_model, enc, args, proc, autocast_ctx)
+                if last_step:
+                    break
+
+                # one optimizer step: gradients accumulated over the micro-steps, clipped, applied at the LR
+                t0 = time.time()
+                batch_size = batch_size_at(state.tokens_seen, args.batch_ramp_tokens, args.total_batch_size,
+                                           unit, args.batch_ramp_start)
+                micro_steps = batch_size // unit  # grad_accum_steps, or fewer during a batch ramp
+                optimizer.zero_grad(set_to_none=True)
+                loss_accum = torch.zeros((), device=proc.device)
+                for micro_step in range(micro_steps):
+                    x, y = train_loader.next_batch()
+                    x, y = x.to(proc.device, non_blocking=True), y.to(proc.device, non_blocking=True)
+                    if ddp:  # all-reduce the gradients once, on the last micro-step
+                        model.require_backward_grad_sync = micro_step == micro_steps - 1
+                    with autocast_ctx:
+                        _, loss = model(x, y)
+                    loss = loss / micro_steps  # a mean over B*T tokens each: their sum is the step's mean
+                    loss_accum += loss.detach()
+                    loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+                if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+                    norm = norm.full_tensor()
+                # one read-back a step: the loss (mean over ranks), the norm, whether any rank was signalled
+                stopping = torch.full((), float(stop.signum is not None), device=proc.device)
+                if proc.world_size > 1:
+                    both = torch.stack([loss_accum, stopping])
+                    dist.all_reduce(both, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+                    loss_accum, stopping = both[0] / proc.world_size, both[1]
+                loss_value, norm_value, stopping = torch.stack([loss_accum, norm.float(), stopping]).tolist()
+                if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                    raise diverged(step, loss_value, norm_value, last_saved, args.log_dir)
+                lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps,
+                            args.max_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group: --muon_lr / --max_lr
+                optimizer.step()
+                if proc.device_type == "cuda":
+                    torch.cuda.synchronize()  # so dt measures the GPU's work, not just the launches
+                dt = time.time() - t0
+                state.step, state.tokens_seen = step, state.tokens_seen + batch_size
+
+                with saving_on_error("logging", step, keep_last_step):
+                    reporter.report(step, loss_value, lr, norm_value, dt, batch_size)
+                if profiler is not None and profiler.step():
+                    break  # --profile exit
+                if step == end - 1 or stopping or (args.save_every and step and step % args.save_every == 0):
+                    save()  # model_{step}.pt includes this step's update
+                if stopping:
+                    stopped_by = stop.signum or signal.SIGTERM  # another rank's signal: the same exit status
+                    proc.print0(f"stopped by {signal.Signals(stopped_by).name} after step {step}: continue "
+                                f"with python train_gpt2.py --resume latest --log_dir {args.log_dir}")
+                    break
+        with saving_on_error("finishing W&B", state.step, keep_last_step):  # uploads: can fail after all
+            metrics.finish()
+        if args.fsdp:
+            raw_model.reshard()  # FSDP leaves the root's gathered parameters after an eval forward: free them
+        proc.agree(True)  # every rank done with its collectives before the process group goes away
+    return 0 if stopped_by is None else 128 + stopped_by
 
 
-# ---- phases 3-5: data, model and optimizer, restored state
+# =============================================================================
+# The machinery. A first reading can stop here: what follows keeps runs safe and usable (checkpoint
+# files and log.txt, the log-dir lock, flag checks, reporting, the command line), not how GPT-2 trains.
+# =============================================================================
 
-def open_data(args, settings, dist):
-    """Train and val loaders, the shards prepared first if data_root has none."""
-    ensure_data(args, args.max_steps * args.total_batch_size, settings.val_tokens, dist)
-    return [DataLoaderLite(args.micro_batch_size, args.sequence_length, dist.rank, dist.world_size, split,
-                           args.data_root, args.seed, settings.config.real_vocab_size) for split in ("train", "val")]
+# ---- checkpoints: model_{step:05d}.pt in the log dir, written after that step's update
+
+@dataclass
+class TrainState:
+    """Where a run stands: what a checkpoint holds besides the weights and the optimizer state, as its
+    top-level keys. With them a resumed run gets the same batches, random numbers and schedule."""
+    step: int = -1  # the last optimizer step taken (and included in a checkpoint); -1 before the first
+    tokens_seen: int = 0  # train tokens consumed so far (the batch-size ramp depends on it)
+    val_loss: float | None = None  # the latest val loss
+    loader: dict | None = None  # the train loader's position, DataLoaderLite.state_dict()
+    rng: dict | None = None  # python, numpy, torch (and CUDA) generator states
+    args: dict | None = None  # the run's flags
+
+    @classmethod
+    def from_checkpoint(cls, ckpt):
+        fields = {k: ckpt[k] for k in ("step", "val_loss", "loader", "rng", "args")}
+        # checkpoints written before the batch ramp existed have no tokens_seen: every step was a full batch
+        fields["tokens_seen"] = ckpt.get("tokens_seen", (ckpt["step"] + 1) * ckpt["args"]["total_batch_size"])
+        return cls(**fields)
 
 
-def build_model(args, settings, dist):
-    """The raw model (a seeded init or OpenAI's weights) on its device, sharded under --fsdp, and its optimizer."""
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    random.seed(args.seed)
-    raw_model = settings.pretrained if settings.pretrained is not None else GPT(settings.config)
-    raw_model = raw_model.to(dist.device)
-    settings.pretrained = None
-    dist.print0(f"model: {raw_model.get_num_params():,} parameters")
-    if args.fsdp:
-        shard_model(raw_model, settings.use_bf16)
-    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, dist.device_type, verbose=dist.master,
-                                               muon=muon_settings(args))
-    return raw_model, optimizer
+CKPT_RE = re.compile(r"model_(\d+)\.pt$")
+# what resuming needs (tokens_seen may be missing in older files); sample, export and eval need the first two
+CKPT_KEYS = ("model", "config", "optimizer", "step", "val_loss", "loader", "rng", "args")
 
 
-def restore_state(args, settings, raw_model, optimizer, train_loader, dist):
-    """The checkpoint's TrainState loaded into model, optimizer, loader and RNGs; a fresh one otherwise."""
-    state = TrainState()
-    if settings.ckpt is not None:
-        state = restore_checkpoint(settings.ckpt, raw_model, optimizer, train_loader)
-        dist.print0(f"resumed from {settings.resume_path} at step {state.step + 1}")
-        settings.ckpt = None  # the weights live in the model now
-    state.args = run_flags(args)
+def checkpoint_path(log_dir, step):
+    return os.path.join(log_dir, f"model_{step:05d}.pt")
+
+
+def checkpoint_step(path):
+    return int(CKPT_RE.search(os.path.basename(path)).group(1))
+
+
+def find_checkpoints(log_dir):
+    """Checkpoint paths in log_dir, oldest step first."""
+    found = [p for p in glob.glob(os.path.join(log_dir, "model_*.pt")) if CKPT_RE.search(os.path.basename(p))]
+    return sorted(found, key=checkpoint_step)
+
+
+def rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-# ---- phase 6: the loop
-
-@dataclass
-class Run:
-    """What the loop works with, built by train()'s phases."""
-    args: argparse.Namespace
-    dist: Dist
-    settings: Settings
-    raw_model: GPT  # unwrapped, uncompiled: saved, evaluated on HellaSwag, sampled
-    model: nn.Module  # what the training step calls: compiled and/or DDP-wrapped
-    sync_once: bool  # DDP: all-reduce gradients on the last micro-step only
-    optimizer: torch.optim.Optimizer
-    train_loader: DataLoaderLite
-    val_loader: DataLoaderLite
-    metrics: Metrics
-    hellaswag_on: bool
-    last_saved: int = -1  # the step of the newest checkpoint this run has (or resumed from)
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def start_run(args, settings, dist, raw_model, optimizer, loaders, state):
-    """The compiled / DDP-wrapped model and the run's outputs (log.txt, W&B, HellaSwag) around the raw one."""
-    model, sync_once = wrap_for_training(raw_model, settings.use_compile, dist, args.fsdp)
-    run_config = {**run_flags(args), "world_size": dist.world_size, "model": asdict(settings.config)}
-    wandb_run = init_wandb(args, run_config) if args.wandb_project and dist.master else None
-    metrics = Metrics(os.path.join(args.log_dir, "log.txt"), dist.master, wandb_run)
-    return Run(args, dist, settings, raw_model, model, sync_once, optimizer, *loaders, metrics,
-               hellaswag_on=hellaswag_ready(args.hellaswag_every, dist), last_saved=state.step)
+def per_part(optimizer, fn, *states):
+    """fn(optimizer, *states), or {name: fn(part, *states[name])} for a CombinedOptimizer: a checkpoint's
+    "optimizer" is AdamW's state dict, or with Muon {"adamw": ..., "muon": ...}."""
+    if isinstance(optimizer, CombinedOptimizer):
+        return {name: fn(opt, *(s[name] for s in states)) for name, opt in optimizer.parts.items()}
+    return fn(optimizer, *states)
 
 
-def forward_backward(model, loader, grad_accum_steps, device, autocast_ctx, ddp=False):
-    """Accumulate the gradients of one optimizer step; returns the mean micro-batch loss (detached)."""
-    loss_accum = torch.zeros((), device=device)
-    for micro_step in range(grad_accum_steps):
-        x, y = loader.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if ddp:
-            # all-reduce the gradients only once, on the last micro-step
-            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
-        with autocast_ctx:
-            _, loss = model(x, y)
-        # each micro-step's loss is a mean over B*T tokens: scale so the sum over steps is the mean
-        loss = loss / grad_accum_steps
-        loss_accum += loss.detach()
-        loss.backward()
-    return loss_accum
+def full_state_dicts(raw_model, optimizer):
+    """Unsharded model and optimizer state on CPU, keyed by parameter name, the same from a plain, DDP or
+    FSDP model, so checkpoints move freely between them. Under FSDP every rank calls it (it gathers)."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optim_sd = per_part(optimizer, lambda opt: sd.get_optimizer_state_dict(raw_model, opt, options=opts))
+    return sd.get_model_state_dict(raw_model, options=opts), optim_sd
 
 
+def load_full_state_dicts(raw_model, optimizer, model_sd, optim_sd):
+    """Inverse of full_state_dicts; under FSDP each rank keeps its own shard of what it is given."""
+    from torch.distributed.checkpoint import state_dict as sd
 
-@dataclass
-class StepStats:
-    loss: float  # mean over the step's tokens, all ranks
-    norm: float  # global gradient norm before clipping
-    lr: float
-    dt: float  # seconds, the GPU's work included
-    batch_size: int  # tokens in this step, all ranks
+    opts = sd.StateDictOptions(full_state_dict=True)
+    sd.set_model_state_dict(raw_model, model_sd, options=opts)
 
+    def load(opt, state):
+        # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags
+        keep = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g} for g in opt.param_groups]
+        sd.set_optimizer_state_dict(raw_model, opt, state, options=opts)
+        for group, kept in zip(opt.param_groups, keep):
+            group.update(kept)
 
-def train_step(run, state, step):
-    """One optimizer step: accumulate the batch's gradients, clip, set the scheduled LR, update."""
-    args, s, dist = run.args, run.settings, run.dist
-    t0 = time.time()
-    batch_size = batch_size_at(state.tokens_seen, args.batch_ramp_tokens, args.total_batch_size, s.unit,
-                               args.batch_ramp_start)
-    run.optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(run.model, run.train_loader, batch_size // s.unit, dist.device, s.autocast_ctx, run.sync_once)
-    loss = all_reduce_mean(loss, dist.world_size)
-    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
-        norm = norm.full_tensor()
-    lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps, args.max_steps)
-    set_lr(run.optimizer, lr)
-    run.optimizer.step()
-    if dist.device_type == "cuda":
-        torch.cuda.synchronize()  # so dt measures the GPU work, not just the launches
-    dt = time.time() - t0
-    state.step, state.tokens_seen = step, state.tokens_seen + batch_size
-    return StepStats(loss.item(), norm.item(), lr, dt, batch_size)
+    per_part(optimizer, load, optim_sd)
 
 
-def evaluate_due(run, state, step, final=False):
-    """The every-N actions due at `step`, side by side: val loss, HellaSwag, samples (all of them when final)."""
-    args, dist, s = run.args, run.dist, run.settings
-
-    def due(every):
-        return every > 0 and (final or step % every == 0)
-
-    if due(args.eval_every):
-        state.val_loss = evaluate_loss(run.model, run.val_loader, s.val_tokens, dist.device, s.autocast_ctx, dist.world_size)
-        dist.print0(f"validation loss: {state.val_loss:.4f}")
-        run.metrics.log(step, "val", state.val_loss)
-    if run.hellaswag_on and due(args.hellaswag_every):
-        run_hellaswag(run, step)
-    if due(args.sample_every) and step > 0:
-        print_samples(run.raw_model, s.enc, args, dist, s.autocast_ctx)
+def non_finite(model_sd):
+    """The name of the first weight holding a NaN or inf, or None."""
+    return next((k for k, v in model_sd.items() if v.is_floating_point() and not v.isfinite().all()), None)
 
 
-def run_hellaswag(run, step):
-    """HellaSwag acc_norm of the raw model, split over the ranks; logged as `hella`."""
-    dist = run.dist
+def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_last=0):
+    """Write model, optimizer and TrainState to path atomically, then keep the newest keep_last (0: all).
+    Every rank calls it (FSDP gathers), and every rank stops if rank 0 cannot write (e.g. a full disk)."""
+    model_sd, optim_sd = full_state_dicts(raw_model, optimizer)
+    error = None
+    if proc.master:
+        try:
+            if non_finite(model_sd):
+                raise UsageError(f"{non_finite(model_sd)} holds NaN or inf")
+            state.loader, state.rng = train_loader.state_dict(), rng_state()
+            ckpt = {"model": model_sd, "config": asdict(raw_model.config), "optimizer": optim_sd,
+                    **asdict(state)}
+            atomic_write(path, lambda f: torch.save(ckpt, f))  # never a truncated model_*.pt, even on a crash
+            for old in find_checkpoints(os.path.dirname(path))[:-keep_last] if keep_last > 0 else []:
+                os.remove(old)  # the newest is this one: a resumed run set later ones aside when it started
+        except (UsageError, OSError) as e:
+            error = e
+    if not proc.agree(error is None):
+        raise UsageError(f"saving {path} failed: {one_line(error)}" if error else "saving failed on rank 0")
+
+
+def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
+    """Load a checkpoint dict into the model, optimizer, loader and RNGs; returns its TrainState."""
+    state = TrainState.from_checkpoint(ckpt)
+    load_full_state_dicts(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])
+    train_loader.load_state_dict(state.loader)
+    set_rng_state(state.rng)
+    return state
+
+
+def read_checkpoint(path, keys=("model", "config")):
+    """The dict in one of our checkpoints (memory-mapped), or a UsageError saying why it cannot be used."""
+    if not os.path.isfile(path):
+        raise UsageError(f"checkpoint not found: {path}")
     try:
-        res = hellaswag.evaluate(run.raw_model, dist.device, limit=run.args.hellaswag_limit, rank=dist.rank,
-                                 world_size=dist.world_size, device_type=dist.device_type,
-                                 autocast_dtype=torch.bfloat16 if run.settings.use_bf16 else None)
-    except hellaswag.HellaSwagUnavailable as e:  # e.g. the file went away mid-run
-        dist.print0(f"warning: HellaSwag evaluation turned off: {e}")
-        run.hellaswag_on = False
-        return
-    dist.print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
-    run.metrics.log(step, "hella", res["acc_norm"])
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # truncated, or not a torch file at all
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
+    if non_finite(ckpt["model"]):
+        raise UsageError(f"{path} holds NaN or inf weights ({non_finite(ckpt['model'])}): a diverged run's")
+    return ckpt
 
 
-def save(run, state):
-    """Checkpoint the model after step state.step, then prune old ones (--keep_last)."""
-    path = checkpoint_path(run.args.log_dir, state.step)
-    save_checkpoint(path, run.raw_model, run.optimizer, state, run.train_loader, run.dist.master)
-    run.last_saved = state.step
-    if run.dist.master:
-        prune_checkpoints(run.args.log_dir, run.args.keep_last)
-    run.dist.print0(f"saved {path}")
-    return path
+def find_resume_checkpoint(resume, log_dir, print0):
+    """(path, checkpoint) for --resume latest|PATH; latest skips unusable newer files with a warning."""
+    if resume != "latest":
+        return resume, read_checkpoint(resume, keys=CKPT_KEYS)
+    found = find_checkpoints(log_dir)
+    for path in reversed(found):
+        try:
+            return path, read_checkpoint(path, keys=CKPT_KEYS)
+        except UsageError as e:
+            print0(f"warning: skipping {e}")
+    raise UsageError(f"--resume latest: none of the {len(found)} checkpoints in {log_dir} is usable" if found
+                     else f"--resume latest: no model_*.pt checkpoint in {log_dir}")
 
 
-def guarded(run, state, what, step, action):
-    """Run an every-N action; if it fails, keep what was trained: checkpoint the last step, then stop."""
+def model_from_checkpoint(path):
+    """The GPT stored in one of our checkpoints (model_*.pt), in fp32 on the CPU."""
+    ckpt = read_checkpoint(path)
+    model = GPT(GPTConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def diverged(step, loss, norm, last_saved, log_dir):
+    """The error that stops a run whose loss or gradient norm is no longer finite."""
+    what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm}"
+    newest = f"the newest checkpoint is {checkpoint_path(log_dir, last_saved)}" if last_saved >= 0 \
+        else "no checkpoint was written"
+    return UsageError(f"step {step}: {what}: the run diverged and stopped before this update; {newest} "
+                      f"(lower --max_lr or raise --warmup_steps, and resume from it)")
+
+
+@contextlib.contextmanager
+def saving_on_error(what, step, keep_last_step):
+    """Around an every-N action (evaluation, logging): if it fails, keep what was trained, then stop."""
     try:
-        action()
+        yield
     except UsageError:
         raise
     except Exception as e:
-        saved = None
-        if state.step >= 0:
-            saved = checkpoint_path(run.args.log_dir, state.step) if run.last_saved == state.step else save(run, state)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UsageError(f"{what} at step {step} failed ({type(e).__name__}: {first})"
-                         + (f"; {saved} holds step {state.step}: continue with --resume latest" if saved else "")) from None
+        saved = keep_last_step()
+        raise UsageError(f"{what} at step {step} failed ({type(e).__name__}: {one_line(e)})"
+                         + (f"; {saved} holds step {checkpoint_step(saved)}: continue with --resume latest"
+                            if saved else "")) from None
 
 
-def training_loop(run, state):
-    args = run.args
-    end_step = args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
-    reporter = StepReporter(run, state.step + 1, end_step)
-    profiler = Profiler(args, run.dist) if args.profile else None
-    if state.step == args.max_steps - 1:
-        # resumed from the last step's checkpoint: the final evaluation failed or died after it was saved (and
-        # the resume dropped its log lines), so running it is all that is left to do
-        guarded(run, state, "final evaluation", args.max_steps,
-                lambda: evaluate_due(run, state, args.max_steps, final=True))
-    for step in range(state.step + 1, end_step):
-        last_step = step == args.max_steps - 1
-        guarded(run, state, "evaluation", step, lambda: evaluate_due(run, state, step))  # the model after `step` updates
+# ---- the log dir: one run at a time (a filelock), an earlier run never overwritten by accident
 
-        # ==================== training step ====================
-        stats = train_step(run, state, step)
-        guarded(run, state, "logging", step, lambda: reporter.report(step, stats))
-        if profiler is not None and profiler.step():
-            break  # --profile exit
-        if last_step or step == end_step - 1 or (args.save_every > 0 and step > 0 and step % args.save_every == 0):
-            save(run, state)  # model_{step}.pt includes step `step`
-        if last_step:  # the final model, evaluated once its checkpoint is safe
-            guarded(run, state, "final evaluation", args.max_steps,
-                    lambda: evaluate_due(run, state, args.max_steps, final=True))
+@contextlib.contextmanager
+def claim_log_dir(args, resume_step, proc):
+    """Rank 0 locks log_dir for the whole run and readies it; every rank stops if it cannot."""
+    lock, error = None, None
+    if proc.master:
+        try:
+            lock = lock_log_dir(args.log_dir)
+            for warning in prepare_log_dir(args.log_dir, resume_step, args.overwrite):
+                print(f"warning: {warning}", flush=True)
+        except UsageError as e:
+            error = e
+    try:
+        if not proc.agree(error is None):
+            raise error or UsageError("rank 0 could not claim the log dir (see its message)")
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
-def train(args):
-    """A training run, phase by phase."""
-    dist = setup_distributed(args)  # processes: torchrun's ranks, this rank's device
-    settings = resolve_settings(args, dist)  # every flag checked; the checkpoint to resume read
-    dist.print0("run config:", {**run_flags(args), "device": dist.device, "world_size": dist.world_size,
-                                "grad_accum_steps": settings.grad_accum, "bf16": settings.use_bf16,
-                                "compile": settings.use_compile, "val_tokens": settings.val_tokens,
-                                "model": asdict(settings.config)})
-    with claim_log_dir(args, settings, dist):  # one run per log dir, locked until the end
-        loaders = open_data(args, settings, dist)  # shards, prepared on first use
-        raw_model, optimizer = build_model(args, settings, dist)
-        state = restore_state(args, settings, raw_model, optimizer, loaders[0], dist)
-        run = start_run(args, settings, dist, raw_model, optimizer, loaders, state)
-        training_loop(run, state)
-        guarded(run, state, "finishing W&B", state.step, run.metrics.finish)  # uploads: can fail after all
-        if args.fsdp:
-            raw_model.reshard()  # FSDP leaves the root's gathered parameters after an eval forward: free them
-        dist.agree(True)  # every rank done with its collectives before the process group goes away
+def lock_log_dir(log_dir, wait_for_owner=10.0):
+    """A filelock on log_dir/.lock (the OS drops it when its process dies, kill -9 included), or a
+    UsageError naming the live run that holds it. The holder writes `pid N on HOST` to .lock.owner just
+    after taking it, so a second run retries for a moment until the line there names a live process."""
+    import filelock
+
+    owner_file = os.path.join(log_dir, ".lock.owner")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        lock = filelock.FileLock(os.path.join(log_dir, ".lock"), thread_local=False, is_singleton=False)
+        deadline = time.monotonic() + wait_for_owner
+        while True:
+            try:
+                lock.acquire(timeout=0)
+                break
+            except filelock.Timeout:
+                owner = live_owner(owner_file)
+            if owner or time.monotonic() > deadline:
+                raise UsageError(f"{log_dir} is in use by a live run ({owner or 'another process'}): wait "
+                                 f"for it to end, or choose another --log_dir")
+            time.sleep(0.02)
+        try:
+            line = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
+            atomic_write(owner_file, lambda f: f.write(line))
+        except OSError:
+            lock.release()
+            raise
+    except OSError as e:  # a file in the way, no permission, a read-only or full filesystem
+        raise UsageError(f"--log_dir {log_dir}: cannot write there ({one_line(e)})") from None
+    return lock
 
 
-# ---- what a run reports: the step line, log.txt, W&B, the profiler
+def live_owner(owner_file):
+    """'pid N on HOST' from .lock.owner when it names a live process (as far as this host can tell)."""
+    try:
+        with open(owner_file) as f:
+            text = f.read()
+    except OSError:
+        return None
+    m = re.fullmatch(r"pid (\d+) on (.+)\n", text)
+    if m and m.group(2) == socket.gethostname():
+        try:
+            os.kill(int(m.group(1)), 0)
+        except (ProcessLookupError, OverflowError):
+            return None  # a killed run's line, not yet replaced by the owner's
+        except PermissionError:
+            pass  # alive, another user's
+    return text.strip() if m else None
+
+
+def prepare_log_dir(log_dir, resume_step, overwrite):
+    """Ready log_dir for this run (the lock is held); returns the warnings to print. Removes a crash's temp
+    files; a resumed run sets later checkpoints aside and cuts log.txt back to its checkpoint; --overwrite
+    deletes an earlier run's log and checkpoints; otherwise an earlier run there is refused."""
+    for tmp in glob.glob(os.path.join(log_dir, "*.tmp")):
+        os.remove(tmp)
+    log_file = os.path.join(log_dir, "log.txt")
+    if resume_step is not None:
+        moved = set_aside_later_checkpoints(log_dir, resume_step)
+        damaged = truncate_log(log_file, resume_step)
+        return [w for w in (moved, damaged and f"dropped {damaged} damaged line(s) from {log_file}") if w]
+    earlier = (os.path.exists(log_file) and os.path.getsize(log_file) > 0) or find_checkpoints(log_dir)
+    if earlier and not overwrite:
+        raise UsageError(f"{log_dir} holds an earlier run (log.txt or model_*.pt): pass --resume latest "
+                         f"to continue it, --overwrite to start afresh, or another --log_dir")
+    for path in find_checkpoints(log_dir):
+        os.remove(path)
+    open(log_file, "w").close()
+    return []
+
+
+def set_aside_later_checkpoints(log_dir, resume_step):
+    """Move checkpoints after the resumed step (a rollback, or newer damaged files) and a copy of log.txt to
+    log_dir/after_step_N: left in place, --resume latest could pick up an abandoned step. Returns a
+    warning, or None."""
+    later = [p for p in find_checkpoints(log_dir) if checkpoint_step(p) > resume_step]
+    if not later:
+        return None
+    base = dest = os.path.join(log_dir, f"after_step_{resume_step:05d}")
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = f"{base}_{n}"
+    os.makedirs(dest)
+    if os.path.exists(os.path.join(log_dir, "log.txt")):
+        shutil.copy2(os.path.join(log_dir, "log.txt"), os.path.join(dest, "log.txt"))
+    for path in later:
+        os.replace(path, os.path.join(dest, os.path.basename(path)))
+    return (f"resuming at step {resume_step}: {len(later)} later checkpoint(s) and a copy of log.txt moved "
+            f"to {dest}")
+
+
+def save_run_config(log_dir, run_config):
+    """The whole run config, printed in short at the start, as log_dir/run_config.json."""
+    data = (json.dumps(run_config, indent=1, default=str) + "\n").encode()
+    atomic_write(os.path.join(log_dir, "run_config.json"), lambda f: f.write(data))
+
+
+# ---- log.txt: one `step kind value` line per number, written and parsed only here
+
+LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
+
+
+def append_log(path, step, kind, value):
+    with open(path, "a") as f:
+        f.write(f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n")
+
+
+def parse_log_line(line):
+    """(step, kind, value) of a log.txt line, or None for a damaged one (a crash can leave NUL bytes)."""
+    parts = line.split()
+    if len(parts) != 3 or parts[1] not in LOG_FORMATS:
+        return None
+    try:
+        return int(parts[0]), parts[1], float(parts[2])
+    except ValueError:
+        return None
+
+
+def read_log(path):
+    """{kind: (steps, values)} for the kinds in a log.txt ('train', 'val', 'hella'); bad lines skipped."""
+    series = {}
+    with open(path, errors="replace") as f:
+        for parsed in filter(None, map(parse_log_line, f)):
+            steps, values = series.setdefault(parsed[1], ([], []))
+            steps.append(parsed[0])
+            values.append(parsed[2])
+    return series
+
+
+def truncate_log(path, last_step):
+    """Keep the lines up to last_step; returns how many damaged lines were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, errors="replace") as f:
+        lines = [(line, parse_log_line(line)) for line in f if line.strip()]
+    kept = [line for line, parsed in lines if parsed is not None and parsed[0] <= last_step]
+    atomic_write(path, lambda f: f.writelines(line.encode() for line in kept))
+    return sum(parsed is None for _, parsed in lines)
+
 
 class Metrics:
     """Where a run's numbers go: log.txt on the master process, and W&B when --wandb_project is set."""
 
-    def __init__(self, log_file, master, wandb_run=None):
-        self.log_file, self.master, self.wandb_run = log_file, master, wandb_run
+    def __init__(self, args, master, run_config):
+        self.log_file, self.master, self.wandb_run = os.path.join(args.log_dir, "log.txt"), master, None
+        if args.wandb_project and master:
+            try:
+                import wandb
+            except ImportError:
+                raise UsageError("--wandb_project needs the wandb package: pip install wandb") from None
+            self.wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name,
+                                        config=run_config)
 
     def log(self, step, kind, value, **extra):
         """kind is a log.txt series (train/val/hella); extra numbers (lr, norm, ...) go to W&B only."""
-        if not self.master:
-            return
-        append_log(self.log_file, step, kind, value)
+        if self.master:
+            append_log(self.log_file, step, kind, value)
         if self.wandb_run is not None:
             self.wandb_run.log({kind: value, **{f"{kind}/{k}": v for k, v in extra.items()}}, step=step)
 
@@ -1704,38 +1338,220 @@ class Metrics:
             self.wandb_run.finish()
 
 
-def init_wandb(args, config):
+# ---- flag checks: what argparse cannot check alone, all before any work
+
+# flags of one invocation: a resumed run takes every other flag it is not given from its checkpoint
+PER_INVOCATION = {"resume", "overwrite", "stop_step", "device", "dtype", "compile", "profile", "profile_schedule",
+                  "wandb_project", "wandb_run_name", "log_dir", "init_from", "peak_flops", "fsdp"}
+SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_batch_size",
+                  "batch_ramp_tokens", "batch_ramp_start", "seed")
+
+
+def run_flags(args):
+    """The flags as a plain dict, as logged and stored in checkpoints."""
+    return {k: v for k, v in vars(args).items() if k != "given"}
+
+
+def end_step(args):
+    """The step the run stops before: --max_steps, or --stop_step when that comes first."""
+    return args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
+
+
+def check_flags(args, ckpt=None):
+    """One-line UsageErrors for flags that cannot work together, or (ckpt) with the checkpoint resumed;
+    returns warnings for settings that work but look like mistakes."""
+    shape = sorted(f"--{k}" if k != "bias" else "--[no-]bias" for k in SHAPE_FLAGS if k in args.given)
+    if args.init_from and shape:
+        raise UsageError(f"--init_from takes the model's shape from the weights: drop {', '.join(shape)}")
+    for key in ("log_dir", "data_root"):  # a file where a folder goes: found now, not once the run started
+        if os.path.exists(getattr(args, key)) and not os.path.isdir(getattr(args, key)):
+            raise UsageError(f"--{key} {getattr(args, key)} is a file, not a folder")
+    warnings = []
+    if args.warmup_steps >= args.max_steps:
+        warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: "
+                        f"the LR never leaves warmup")
+    if args.init_from and "preset" in args.given:
+        warnings.append(f"--init_from {args.init_from}: --preset {args.preset} gives only run settings, "
+                        f"not the shape")
+    # flags given for a part of the run that is off: stated, not dropped in silence
+    off = {"--eval_every 0": ["val_tokens", "val_steps"] * (args.eval_every <= 0),
+           "--sample_every 0": ["sample_prompt", "num_samples", "sample_tokens"] * (args.sample_every <= 0),
+           "--hellaswag_every 0": ["hellaswag_limit"] * (args.hellaswag_every <= 0),
+           "no --batch_ramp_tokens": ["batch_ramp_start"] * (args.batch_ramp_tokens <= 0),
+           "no --profile": ["profile_schedule"] * (not args.profile),
+           "no --wandb_project": ["wandb_run_name"] * (not args.wandb_project),
+           "no --optimizer muon": [k for k in args.given if k[:5] == "muon_"] * (args.optimizer != "muon")}
+    for why, keys in off.items():
+        unused = sorted(f"--{k}" for k in keys if k in args.given)
+        if unused:
+            verb = "has" if len(unused) == 1 else "have"
+            warnings.append(f"{', '.join(unused)} {verb} no effect with {why}")
+    if ckpt is None:
+        return warnings
+    saved, step = ckpt["args"], ckpt["step"]
+    kind = saved.get("optimizer", "adamw")  # checkpoints from before --optimizer hold AdamW's state
+    if args.optimizer != kind:
+        raise UsageError(f"{args.resume} holds {kind} optimizer state but --optimizer {args.optimizer} was "
+                         f"given: resume with --optimizer {kind} (or without the flag), or start a new run")
+    # nothing left but the final evaluation (a checkpoint of step max_steps - 1) is fine; nothing is not
+    if step + 1 >= end_step(args) and step + 1 != args.max_steps:
+        raise UsageError(f"{args.resume} is at step {step}: --max_steps {args.max_steps}"
+                         + (f" / --stop_step {args.stop_step}" if args.stop_step else "")
+                         + " leave nothing to train")
+    changed = [k for k in SCHEDULE_FLAGS if k in args.given and k in saved and getattr(args, k) != saved[k]]
+    warnings += [f"--{k} is {getattr(args, k)} now but was {saved[k]} in the checkpoint" for k in changed]
+    old, new = ({**run_flags(args), **saved}, run_flags(args))
+    lrs = [get_lr(step + 1, f["max_lr"], f["max_lr"] * f["min_lr_ratio"], f["warmup_steps"], f["max_steps"])
+           for f in (old, new)]
+    if not math.isclose(*lrs, rel_tol=1e-9):
+        warnings.append(f"the schedule changed: step {step + 1} gets LR {lrs[1]:.4e} "
+                        f"(the checkpoint's schedule would give {lrs[0]:.4e})")
+    return warnings
+
+
+def model_config_from_args(args):
+    shape = {**MODEL_PRESETS[args.preset], "dropout": args.dropout, "bias": args.bias}
+    shape.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head")
+                  if getattr(args, k) is not None})
     try:
-        import wandb
-    except ImportError:
-        raise UsageError("--wandb_project needs the wandb package: pip install wandb") from None
-    return wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=config)
+        return GPTConfig(**shape)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
-def parse_profile_schedule(text):
+def resumed_config(args, ckpt):
+    """The checkpoint's model shape; shape flags (and -T, --preset) given now must agree with it."""
+    config, saved = GPTConfig(**ckpt["config"]), ckpt["args"]
+    asked = {**asdict(model_config_from_args(args)), **{k: getattr(args, k) for k in ("sequence_length", "preset")}}
+    had = {**asdict(config), **{k: saved.get(k, getattr(args, k)) for k in ("sequence_length", "preset")}}
+    keys = set(SHAPE_FLAGS + ("dropout", "sequence_length", "preset")) & args.given
+    differ = sorted(k for k in keys if asked[k] != had[k])
+    if differ:
+        had_s, asked_s = (", ".join(f"{k}={d[k]}" for k in differ) for d in (had, asked))
+        raise UsageError(f"{args.resume} holds a model trained with {had_s}; the flags ask for {asked_s} "
+                         f"(a resumed run needs no shape flags)")
+    return config
+
+
+def check_batch(args, world_size, block_size):
+    """Gradient-accumulation steps per optimizer step, or a UsageError naming what does not fit."""
+    B, T = args.micro_batch_size, args.sequence_length
+    if T > block_size:
+        raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
+    if args.total_batch_size % (B * T * world_size) != 0:
+        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by B*T*world_size = "
+                         f"{B}*{T}*{world_size} = {B * T * world_size}: make it a multiple, or change -B")
+    return args.total_batch_size // (B * T * world_size)
+
+
+def check_prompt_fits(n_prompt, n_new, block_size, prompt_flag, new_flag, hint=""):
+    if n_prompt + n_new > block_size:
+        raise UsageError(f"{prompt_flag} ({n_prompt} tokens) + {new_flag} ({n_new}) exceeds the model's "
+                         f"block_size {block_size}{hint}")
+
+
+def sample_tokenizer(args, block_size):
+    """The GPT-2 tokenizer when samples are on, once the prompt and sample length are known to fit."""
+    if args.sample_every <= 0:
+        return None
+    enc = fineweb.get_encoding()
+    check_prompt_fits(len(encode_prompt(enc, args.sample_prompt)), args.sample_tokens, block_size,
+                      "--sample_prompt", "--sample_tokens",
+                      ": shorten them, or turn samples off with --sample_every 0")
+    return enc
+
+
+def check_data_size(args, train_loader, val_loader, val_tokens, print0):
+    """Notes a run that reads its train data more than once; returns the val size the val shards can give."""
+    reads, have = args.max_steps * args.total_batch_size, train_loader.epoch_tokens
+    if reads > have:
+        print0(f"note: the run reads {reads:,} train tokens and {args.data_root} holds {have:,}: it passes "
+               f"over them {reads / have:.1f} times")
+    if args.eval_every > 0 and val_tokens >= val_loader.epoch_tokens:  # targets: every token but the first
+        print0(f"warning: the val loss is asked over {val_tokens:,} tokens but the val shards hold "
+               f"{val_loader.epoch_tokens - 1:,} targets: it is taken over those")
+        return val_loader.epoch_tokens - 1
+    return val_tokens
+
+
+def format_run_config(run_config):
+    """The run config in short: a line per flag group, then what the run worked out, then the model."""
+    lines, shown = ["run config:"], {"model"}
+    for group in build_parser()._action_groups:
+        keys = [a.dest for a in group._group_actions if a.dest in run_config]
+        shown.update(keys)
+        values = " ".join(f"{k}={run_config[k]}" for k in keys if run_config[k] not in (None, False))
+        if values:
+            lines.append(f"  {group.title.split(' (')[0]}: {values}")
+    lines.append("  this run: " + " ".join(f"{k}={v}" for k, v in run_config.items() if k not in shown))
+    lines.append("  model: " + " ".join(f"{k}={v}" for k, v in run_config["model"].items()))
+    return "\n".join(lines)
+
+
+# ---- reporting: the step line, the profiler, stop signals
+
+class StepReporter:
+    """The line printed after each step (loss, lr, norm, speed, MFU, memory, ETA) and the train series."""
+
+    def __init__(self, args, proc, raw_model, metrics, first_step, end):
+        self.args, self.proc, self.metrics, self.first_step, self.end = args, proc, metrics, first_step, end
+        n_params = raw_model.get_num_params(non_embedding=True)
+        self.flops_tok = flops_per_token(raw_model.config, n_params, args.sequence_length)
+        self.peak = args.peak_flops or (peak_flops(torch.cuda.get_device_name(proc.device))
+                                        if proc.device_type == "cuda" else None)
+        self.dt_avg = None  # smoothed step time, for the ETA
+
+    def report(self, step, loss, lr, norm, dt, batch_size):
+        tokens_per_sec = batch_size / dt
+        if step > self.first_step:  # the first step compiles and warms up: keep it out of the ETA
+            self.dt_avg = dt if self.dt_avg is None else 0.9 * self.dt_avg + 0.1 * dt
+        extra = {"lr": lr, "norm": norm, "tok_per_sec": tokens_per_sec}
+        line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
+                f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}")
+        if self.args.batch_ramp_tokens > 0:
+            line += f" | batch {batch_size}"
+        if self.peak:
+            extra["mfu"] = self.flops_tok * tokens_per_sec / (self.peak * self.proc.world_size)
+            line += f" | mfu {100 * extra['mfu']:.1f}%"
+        if self.proc.device_type == "cuda":
+            extra["mem_gib"] = torch.cuda.max_memory_allocated(self.proc.device) / 2**30
+            line += f" | mem {extra['mem_gib']:.1f}GiB"
+        if self.dt_avg is not None:
+            line += f" | eta {format_eta((self.end - step - 1) * self.dt_avg)}"
+        self.proc.print0(line)
+        self.metrics.log(step, "train", loss, **extra)
+
+
+def format_eta(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def profile_schedule(text):
+    """argparse type of --profile_schedule: WAIT,WARMUP,ACTIVE steps."""
     try:
         wait, warmup, active = (int(v) for v in text.split(","))
     except ValueError:
-        raise UsageError(f"--profile_schedule {text!r}: expected three integers WAIT,WARMUP,ACTIVE") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected three integers WAIT,WARMUP,ACTIVE") from None
     if min(wait, warmup) < 0 or active < 1:
-        raise UsageError(f"--profile_schedule {text!r}: WAIT and WARMUP must be >= 0 and ACTIVE >= 1")
-    return wait, warmup, active
+        raise argparse.ArgumentTypeError(f"{text!r}: WAIT and WARMUP must be >= 0 and ACTIVE >= 1")
+    return text
 
 
 class Profiler:
     """torch.profiler over a few training steps (--profile_schedule): a trace, then the top ops."""
 
-    def __init__(self, args, dist):
+    def __init__(self, args, proc):
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-        wait, warmup, active = parse_profile_schedule(args.profile_schedule)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dist.device_type == "cuda" else [])
+        wait, warmup, active = (int(v) for v in args.profile_schedule.split(","))
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if proc.device_type == "cuda" else [])
         self.out = os.path.join(args.log_dir, "profile")
-        self.prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-                            on_trace_ready=tensorboard_trace_handler(self.out, worker_name=f"rank{dist.rank}"),
-                            record_shapes=True)
+        self.prof = profile(activities=activities, record_shapes=True,
+                            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                            on_trace_ready=tensorboard_trace_handler(self.out, f"rank{proc.rank}"))
         self.prof.start()
-        self.steps_left, self.exit_after, self.dist = wait + warmup + active, args.profile == "exit", dist
+        self.steps_left, self.exit_after, self.proc = wait + warmup + active, args.profile == "exit", proc
 
     def step(self):
         """Call after each training step; True when the run should stop here (--profile exit)."""
@@ -1746,316 +1562,322 @@ class Profiler:
         if self.steps_left > 0:
             return False
         self.prof.stop()  # the trace handler has written <log_dir>/profile/rank{r}.*.pt.trace.json
-        sort = "self_cuda_time_total" if self.dist.device_type == "cuda" else "self_cpu_time_total"
-        self.dist.print0(self.prof.key_averages().table(sort_by=sort, row_limit=20))
-        self.dist.print0(f"profiler trace in {self.out} (open in ui.perfetto.dev or TensorBoard)")
+        sort = "self_cuda_time_total" if self.proc.device_type == "cuda" else "self_cpu_time_total"
+        self.proc.print0(self.prof.key_averages().table(sort_by=sort, row_limit=20))
+        self.proc.print0(f"profiler trace in {self.out} (open in ui.perfetto.dev or TensorBoard)")
         self.prof = None
         return self.exit_after
 
 
-class StepReporter:
-    """The line printed after each step (loss, lr, norm, speed, MFU, memory, ETA) and the train series."""
+class StopSignals:
+    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before a time limit) while training: the run finishes its
+    step, saves a checkpoint and exits with 128 + the signal. A second Ctrl-C leaves at once."""
 
-    def __init__(self, run, first_step, end_step):
-        self.run, self.first_step, self.end_step = run, first_step, end_step
-        config, device = run.settings.config, run.dist.device
-        self.flops_tok = flops_per_token(config, run.raw_model.get_num_params(non_embedding=True), run.args.sequence_length)
-        self.peak = run.args.peak_flops or (peak_flops(torch.cuda.get_device_name(device))
-                                            if run.dist.device_type == "cuda" else None)
-        self.dt_avg = None  # smoothed step time, for the ETA
+    def __enter__(self):
+        self.signum, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+            self.previous = {s: signal.signal(s, self.handle) for s in signals}
+        return self
 
-    def report(self, step, s):
-        run = self.run
-        tokens_per_sec = s.batch_size / s.dt
-        if step > self.first_step:  # the first step compiles and warms up: keep it out of the ETA
-            self.dt_avg = s.dt if self.dt_avg is None else 0.9 * self.dt_avg + 0.1 * s.dt
-        extra = {"lr": s.lr, "norm": s.norm, "tok_per_sec": tokens_per_sec}
-        line = (f"step {step:5d} | loss {s.loss:.6f} | lr {s.lr:.4e} | norm {s.norm:.4f} | "
-                f"dt {s.dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}")
-        if run.args.batch_ramp_tokens > 0:
-            line += f" | batch {s.batch_size}"
-        if self.peak:
-            extra["mfu"] = self.flops_tok * tokens_per_sec / (self.peak * run.dist.world_size)
-            line += f" | mfu {100 * extra['mfu']:.1f}%"
-        if run.dist.device_type == "cuda":
-            extra["mem_gib"] = torch.cuda.max_memory_allocated(run.dist.device) / 2**30
-            line += f" | mem {extra['mem_gib']:.1f}GiB"
-        if self.dt_avg is not None:
-            line += f" | eta {format_eta((self.end_step - step - 1) * self.dt_avg)}"
-        run.dist.print0(line)
-        run.metrics.log(step, "train", s.loss, **extra)
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is not None and signum == signal.SIGINT:
+            os.write(2, f"error: {name} again: leaving now, without saving this step\n".encode())
+            os._exit(128 + signum)
+        self.signum = self.signum or signum
+        os.write(2, f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again: now)\n".encode())
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
-def format_eta(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+# ---- the command line: the training flags, main, and the sample / export / eval commands
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
 
 
+def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None):
+    """An argparse type: a finite int or float in [low, high], either end open if asked."""
+    what = what or ("positive" if low_open or (kind is int and low == 1) else f">= {low}")
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"not {text!r}") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low)
+                and (value < high if high_open else value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
+        return value
+    return parse
 
 
-# =============================================================================
-# Command line: the training flags, main, and the sample / export / eval commands
-# =============================================================================
+POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
+POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+COMMANDS_HELP = """commands (python train_gpt2.py COMMAND --help):
+  sample   text from a checkpoint or from OpenAI's GPT-2
+  export   a checkpoint as a transformers GPT2LMHeadModel directory
+  eval     HellaSwag accuracy of a checkpoint or of OpenAI's GPT-2"""
 
-def build_parser():
-    p = argparse.ArgumentParser(
-        description="Pretrain GPT-2 on FineWeb-Edu shards. One process: python train_gpt2.py; "
-                    "several: torchrun --standalone --nproc_per_node=8 train_gpt2.py.",
-        epilog="Other commands: `train_gpt2.py sample --help` (text from a checkpoint or GPT-2), "
-               "`train_gpt2.py export --help` (a checkpoint as a transformers model directory), "
-               "`train_gpt2.py eval --help` (HellaSwag accuracy of a checkpoint).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_flags(p.add_argument_group("model"))
-    add_optimisation_flags(p.add_argument_group("optimisation"))
-    add_evaluation_flags(p.add_argument_group("evaluation, sampling, checkpoints (0 turns a block off)"))
-    add_run_flags(p.add_argument_group("run"))
+
+def build_parser(command=None):
+    """The parser of the training flags (command None), or of the sample / export / eval command."""
+    shared = hellaswag.OneLineParser(add_help=False)  # defined once for the trainer, sample and eval
+    shared.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    shared.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
+    shared.add_argument("--init_from", default=None, metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
+                        help="OpenAI's GPT-2 weights (a hub name, or a save_pretrained directory)")
+    if command == "export":
+        p = hellaswag.OneLineParser(prog="train_gpt2.py export", formatter_class=HelpFormatter,
+                          description="Write a checkpoint as a transformers GPT2LMHeadModel directory.")
+        p.add_argument("--checkpoint", required=True, help="a model_*.pt written by training")
+        p.add_argument("--out", required=True, help="a new (or empty) directory to write")
+        return p
+    if command in ("sample", "eval"):
+        p = hellaswag.OneLineParser(prog=f"train_gpt2.py {command}", parents=[shared], formatter_class=HelpFormatter)
+        p.add_argument("--checkpoint", help="a model_*.pt written by training (or give --init_from)")
+    if command == "sample":
+        p.description = "Sample text from one of our checkpoints or from OpenAI's GPT-2."
+        p.add_argument("--prompt", default="Hello, I'm a language model,", help="text to continue")
+        p.add_argument("--num_samples", type=POSITIVE_INT, default=4, help="independent samples")
+        p.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64, help="new tokens per sample")
+        p.add_argument("--top_k", type=POSITIVE_INT, default=50, help="the k likeliest tokens (1: greedy)")
+        p.add_argument("--temperature", type=NONNEG, default=1.0, help="softmax temperature (0: greedy)")
+        p.add_argument("--seed", type=int, default=1337, help="sampling seed")
+        p.add_argument("--no_kv_cache", action="store_true", help="recompute the sequence each token (slow)")
+        return p
+    if command == "eval":
+        p.description = ("HellaSwag val accuracy (acc: lowest summed loss of the ending, acc_norm: lowest "
+                         "mean loss) of a checkpoint, or of OpenAI's GPT-2 run through our GPT.")
+        p.add_argument("--limit", type=POSITIVE_INT, default=None, help="only the first N examples")
+        p.add_argument("--batch_tokens", type=NONNEG_INT, default=8192, help="tokens a pass (0: one example)")
+        p.add_argument("--data_dir", help="folder of hellaswag_val.jsonl (default: hellaswag.py's)")
+        return p
+
+    p = hellaswag.OneLineParser(prog="train_gpt2.py", parents=[shared], formatter_class=HelpFormatter,
+                      usage="%(prog)s [flags]  |  %(prog)s {sample,export,eval} [flags]",
+                      description="Pretrain GPT-2 on FineWeb-Edu shards: python train_gpt2.py on one GPU, "
+                                  "torchrun --standalone --nproc_per_node=8 train_gpt2.py on a node.\n\n"
+                                  + COMMANDS_HELP)
+    g = p.add_argument_group("model")
+    add = g.add_argument
+    add("--preset", default="gpt2", choices=sorted(MODEL_PRESETS),
+        help="model shape and matching run settings; explicit flags override it")
+    add("--n_layer", type=POSITIVE_INT, help="blocks (default: the preset's)")
+    add("--n_head", type=POSITIVE_INT, help="attention heads (default: the preset's)")
+    add("--n_embd", type=POSITIVE_INT, help="embedding width (default: the preset's)")
+    add("--block_size", type=POSITIVE_INT, help="context length (default: the preset's, GPT-2's 1024)")
+    add("--n_kv_head", type=POSITIVE_INT, help="key/value heads, dividing n_head: GQA (1: MQA)")
+    add("--dropout", type=bounded(float, 0, 1, high_open=True, what="in [0, 1)"), default=0.0,
+        help="attention, residual and embedding dropout in training")
+    add("--bias", default=True, action=argparse.BooleanOptionalAction,
+        help="biases in Linear and LayerNorm layers, as GPT-2")
+
+    g = p.add_argument_group("optimisation")
+    add = g.add_argument
+    add("--optimizer", default="adamw", choices=["adamw", "muon"],
+        help="adamw (GPT-2's recipe), or muon: torch.optim.Muon for the 2-D weights in the blocks "
+             "and AdamW for the rest, on the same schedule")
+    add("--muon_lr", type=POSITIVE, help="Muon's peak LR (default: --max_lr), scheduled like it")
+    add("--muon_momentum", type=bounded(float, 0, 1, high_open=True, what="in [0, 1)"),
+        default=0.95, help="Muon's Nesterov momentum")
+    add("--muon_ns_steps", type=bounded(int, 1, 99, what="in 1..99"), default=5,
+        help="Newton-Schulz iterations per Muon update")
+    add("--muon_adjust_lr", default="match_rms_adamw", choices=["match_rms_adamw", "original"],
+        help="match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr")
+    add("--max_lr", type=POSITIVE, default=6e-4, help="peak learning rate")
+    add("--min_lr_ratio", type=bounded(float, 0, 1, what="in [0, 1]"), default=0.1,
+        help="final learning rate as a fraction of max_lr")
+    add("--warmup_steps", type=NONNEG_INT, default=715, help="linear warmup steps")
+    add("--max_steps", type=POSITIVE_INT, default=19073, help="optimizer steps (19073 x 2^19 = 10B tokens)")
+    add("--weight_decay", type=NONNEG, default=0.1, help="decoupled weight decay of matmuls and embeddings")
+    add("--grad_clip", type=NONNEG, default=1.0, help="clip the global gradient norm to this (0: off)")
+    add("--total_batch_size", type=POSITIVE_INT, default=524288,
+        help="tokens per optimizer step, all processes together: a multiple of B*T*processes")
+    add("--batch_ramp_tokens", type=NONNEG_INT, default=0,
+        help="GPT-3's ramp: grow the batch from --batch_ramp_start to --total_batch_size over the "
+             "first N train tokens (0: off)")
+    add("--batch_ramp_start", type=POSITIVE_INT, default=32768, help="first batch of the ramp, in tokens")
+    add("-B", "--micro_batch_size", type=POSITIVE_INT, default=64, help="sequences per forward, per process")
+    add("-T", "--sequence_length", type=POSITIVE_INT, default=1024, help="tokens per sequence")
+
+    g = p.add_argument_group("evaluation, sampling, checkpoints (0 turns a block off)")
+    add = g.add_argument
+    add("--eval_every", type=NONNEG_INT, default=250, help="val loss every N steps and at the end")
+    val = g.add_mutually_exclusive_group()
+    val.add_argument("--val_tokens", type=POSITIVE_INT, default=10_485_760,
+                     help="val loss over the first N val tokens, for any world size and -B "
+                          "(build-nanogpt's 20 x 64 x 1024 x 8)")
+    val.add_argument("--val_steps", type=POSITIVE_INT, help="instead: N batches of B*T tokens per process")
+    add("--sample_every", type=NONNEG_INT, default=250, help="samples every N steps (not 0) and at the end")
+    add("--sample_prompt", default="Hello, I'm a language model,", help="prompt for the samples")
+    add("--num_samples", type=POSITIVE_INT, default=4, help="samples per sampling block")
+    add("--sample_tokens", type=POSITIVE_INT, default=32, help="new tokens per sample")
+    add("--hellaswag_every", type=NONNEG_INT, default=250, help="HellaSwag every N steps and at the end")
+    add("--hellaswag_limit", type=POSITIVE_INT, help="only the first N HellaSwag val examples")
+    add("--save_every", type=NONNEG_INT, default=5000, help="checkpoint every N steps; the last is saved")
+    add("--keep_last", type=NONNEG_INT, default=0, help="keep only the newest N model_*.pt (0: all)")
+
+    g = p.add_argument_group("run")
+    add = g.add_argument
+    add("--seed", type=int, default=1337, help="seed for init, data order and sampling")
+    add("--data_root", default=fineweb.DEFAULT_DATA_ROOT,
+        help="folder of *_train_*.npy / *_val_*.npy shards; when it has none, rank 0 prepares them "
+             "(the tokens the run needs, at least 10M)")
+    add("--fineweb_name", default="sample-10BT", choices=["sample-10BT", "sample-100BT", "sample-350BT"],
+        help="FineWeb-Edu sample to prepare when data_root is empty")
+    add("--input", nargs="+", metavar="PATH",
+        help="prepare data_root from these .txt/.jsonl/.parquet files (or globs) instead of FineWeb-Edu")
+    add("--text_column", default="text", help="text field of --input .jsonl/.parquet files")
+    add("--log_dir", default="log", help="where log.txt, run_config.json and model_*.pt go")
+    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on CUDA only)")
+    add("--peak_flops", type=POSITIVE, help="peak bf16 FLOP/s of one GPU for MFU (default: A100/H100/H200)")
+    add("--fsdp", action="store_true", help="shard the model across torchrun processes (FSDP2)")
+    fresh = g.add_mutually_exclusive_group()
+    fresh.add_argument("--overwrite", action="store_true", help="start afresh: delete log.txt and model_*.pt")
+    fresh.add_argument("--resume", metavar="latest|PATH",
+                       help="continue from the newest usable checkpoint in log_dir, or PATH; the shape and "
+                            "every flag not given now come from it; later checkpoints move to after_step_N/")
+    add("--stop_step", type=POSITIVE_INT,
+        help="leave after N steps with a checkpoint, on --max_steps' schedule (for time-limited jobs)")
+    add("--profile", nargs="?", const="continue", choices=["continue", "exit"],
+        help="torch.profiler over a few steps: a trace in <log_dir>/profile/, the top ops, then go on")
+    add("--profile_schedule", type=profile_schedule, default="1,1,3", metavar="WAIT,WARMUP,ACTIVE",
+        help="profiler steps: skipped, warmed up, recorded")
+    add("--wandb_project", help="also log to this Weights & Biases project (pip install wandb)")
+    add("--wandb_run_name", help="W&B run name (default: W&B picks one)")
     return p
 
 
-def add_model_flags(g):
-    g.add_argument("--preset", default="gpt2", choices=sorted(MODEL_PRESETS),
-                   help="model shape and matching run settings; explicit flags override it")
-    g.add_argument("--n_layer", type=int, default=None, help="override the preset's number of blocks")
-    g.add_argument("--n_head", type=int, default=None, help="override the preset's attention heads")
-    g.add_argument("--n_embd", type=int, default=None, help="override the preset's embedding width")
-    g.add_argument("--block_size", type=int, default=None, help="override the preset's context length (default 1024)")
-    g.add_argument("--n_kv_head", type=int, default=None,
-                   help="key/value heads for grouped-query attention (must divide n_head; 1 = MQA; default n_head)")
-    g.add_argument("--dropout", type=float, default=0.0, help="attention, residual and embedding dropout while training")
-    g.add_argument("--bias", default=True, action=argparse.BooleanOptionalAction,
-                   help="biases in Linear and LayerNorm layers (GPT-2 has them)")
-    g.add_argument("--init_from", default=None, metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
-                   help="start from OpenAI's GPT-2 weights (hub name, or a save_pretrained directory) instead of "
-                        "a random init; the shape comes from those weights, so the shape flags above are refused")
-
-
-def add_optimisation_flags(g):
-    g.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
-                   help="adamw: GPT-2's recipe. muon: torch.optim.Muon for the 2-D weights inside the blocks, "
-                        "AdamW for embeddings, lm_head, biases and LayerNorms; same schedule, clipping and decay")
-    g.add_argument("--muon_lr", type=float, default=None,
-                   help="Muon's peak LR (default: --max_lr; with --muon_adjust_lr match_rms_adamw it is on "
-                        "AdamW's scale); the schedule scales it as it scales --max_lr")
-    g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
-    g.add_argument("--muon_ns_steps", type=int, default=5, help="Newton-Schulz iterations per Muon update")
-    g.add_argument("--muon_adjust_lr", default="match_rms_adamw", choices=["match_rms_adamw", "original"],
-                   help="Muon's per-matrix LR scaling: match_rms_adamw (Moonshot: AdamW's LR and decay carry "
-                        "over) or original (Keller Jordan's: needs a ~10-50x larger --muon_lr, e.g. 0.02)")
-    g.add_argument("--max_lr", type=float, default=6e-4, help="peak learning rate")
-    g.add_argument("--min_lr_ratio", type=float, default=0.1, help="final learning rate as a fraction of max_lr")
-    g.add_argument("--warmup_steps", type=int, default=715, help="linear warmup steps")
-    g.add_argument("--max_steps", type=int, default=19073, help="optimizer steps (19073 x 2^19 tokens = 10B)")
-    g.add_argument("--weight_decay", type=float, default=0.1,
-                   help="decoupled weight decay on matmul weights and embeddings (AdamW's and Muon's)")
-    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
-    g.add_argument("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, all processes together")
-    g.add_argument("--batch_ramp_tokens", type=int, default=0,
-                   help="GPT-3's batch-size ramp: grow the batch linearly from --batch_ramp_start tokens to "
-                        "--total_batch_size over the first N train tokens, by changing gradient accumulation; "
-                        "the LR schedule is unchanged (0: off)")
-    g.add_argument("--batch_ramp_start", type=int, default=32768, help="first batch of the ramp, in tokens")
-    g.add_argument("-B", "--micro_batch_size", type=int, default=64, help="sequences per forward pass per process")
-    g.add_argument("-T", "--sequence_length", type=int, default=1024, help="tokens per sequence")
-
-
-def add_evaluation_flags(g):
-    g.add_argument("--eval_every", type=int, default=250, help="val loss every N steps and of the final model")
-    g.add_argument("--val_tokens", type=int, default=10_485_760,
-                   help="val loss over the first N val tokens, split across processes: the same number for any "
-                        "world size and micro batch (the default is build-nanogpt's 20 x 64 x 1024 x 8)")
-    g.add_argument("--val_steps", type=int, default=None,
-                   help="instead of --val_tokens (give one of the two): N batches of B*T tokens per process "
-                        "(build-nanogpt's 20); the number of tokens then depends on B and the process count")
-    g.add_argument("--sample_every", type=int, default=250, help="print samples every N steps (not at step 0) and from the final model")
-    g.add_argument("--sample_prompt", default="Hello, I'm a language model,", help="prompt for the samples")
-    g.add_argument("--num_samples", type=int, default=4, help="samples per sampling block")
-    g.add_argument("--sample_tokens", type=int, default=32, help="new tokens per sample")
-    g.add_argument("--hellaswag_every", type=int, default=250, help="HellaSwag acc_norm every N steps and of the final model")
-    g.add_argument("--hellaswag_limit", type=int, default=None, help="evaluate only the first N HellaSwag val examples")
-    g.add_argument("--save_every", type=int, default=5000, help="checkpoint every N steps; the last step is always saved")
-    g.add_argument("--keep_last", type=int, default=0,
-                   help="after each checkpoint, delete all but the newest N model_*.pt in log_dir (0 keeps all)")
-
-
-def add_run_flags(g):
-    g.add_argument("--seed", type=int, default=1337, help="seed for init, data order and sampling")
-    g.add_argument("--data_root", default=fineweb.DEFAULT_DATA_ROOT,
-                   help="folder of *_train_*.npy / *_val_*.npy shards; when it has none, rank 0 prepares them "
-                        "with fineweb.py (just the tokens the run needs, at least 10M)")
-    g.add_argument("--fineweb_name", default="sample-10BT", choices=["sample-10BT", "sample-100BT", "sample-350BT"],
-                   help="FineWeb-Edu sample to prepare when data_root is empty")
-    g.add_argument("--input", nargs="+", default=None, metavar="PATH",
-                   help="prepare data_root from these local .txt/.jsonl/.parquet files (or globs) instead of "
-                        "downloading FineWeb-Edu")
-    g.add_argument("--text_column", default="text", help="text field of --input .jsonl/.parquet files")
-    g.add_argument("--log_dir", default="log", help="where log.txt and model_*.pt go")
-    g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
-    g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
-                   help="torch.compile the model (default: on for CUDA, off elsewhere)")
-    g.add_argument("--peak_flops", type=float, default=None,
-                   help="peak bf16 FLOP/s of one accelerator for the MFU figure (default: looked up for A100/H100/H200; no MFU elsewhere)")
-    g.add_argument("--fsdp", action="store_true",
-                   help="shard parameters, gradients and optimizer state across processes with FSDP2 "
-                        "(under torchrun; for models that do not fit one GPU with DDP, e.g. gpt2-xl)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start afresh in log_dir, deleting its log.txt and model_*.pt")
-    g.add_argument("--resume", default=None, metavar="latest|PATH",
-                   help="continue from the newest readable checkpoint in log_dir, or from PATH: the model shape and "
-                        "every flag not given now come from the checkpoint; checkpoints of later steps move to "
-                        "log_dir/after_step_N")
-    g.add_argument("--profile", default=None, choices=["continue", "exit"],
-                   help="run torch.profiler over a few training steps (--profile_schedule), write a trace to "
-                        "<log_dir>/profile/ (Perfetto / TensorBoard) and print the top ops, then continue or exit")
-    g.add_argument("--profile_schedule", default="1,1,3", metavar="WAIT,WARMUP,ACTIVE",
-                   help="profiler schedule in steps: skipped, warmed up (not recorded), recorded")
-    g.add_argument("--wandb_project", default=None,
-                   help="also log metrics to this Weights & Biases project (needs `pip install wandb`)")
-    g.add_argument("--wandb_run_name", default=None, help="W&B run name (default: W&B picks one)")
-    g.add_argument("--stop_step", type=int, default=None,
-                   help="leave after this many steps with a checkpoint, keeping the schedule of --max_steps "
-                        "(for jobs with a time limit; continue with --resume latest)")
-
-
-
 def parse_args(argv=None):
-    """Parse flags, applying the preset's run settings as defaults so that explicit flags still win.
-
-    args.given names the flags that are on the command line (not defaults): flag pairs are checked on it,
-    and a resumed run takes every other flag from its checkpoint.
-    """
+    """The training flags. Each takes the first value found on: the command line, the checkpoint resumed
+    (--resume), the preset's run settings, the parser's defaults. args.given names the flags given."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    parser.set_defaults(**RUN_PRESETS[args.preset])
-    args = parser.parse_args(argv)
-    probe = build_parser()
-    for action in probe._actions:  # a parser without defaults: its namespace holds only what argv sets
+    parser.parse_args(argv)  # --help, and any malformed flag, before anything is read
+    defaults = {a.dest: a.default for a in parser._actions if a.dest != "help"}
+    for action in parser._actions:
         action.default = argparse.SUPPRESS
-    args.given = set(vars(probe.parse_args(argv)))
+    given = vars(parser.parse_args(argv))  # only the flags on the command line
+    layers = {**defaults, **RUN_PRESETS[given.get("preset", defaults["preset"])]}
+    if "input" in given:  # local text is not FineWeb-Edu: it gets a folder of its own
+        layers["data_root"] = fineweb.LOCAL_DATA_ROOT
+    if "resume" in given and "init_from" in given:
+        raise UsageError("--resume continues a checkpoint, --init_from starts from OpenAI's: give one")
+    if "resume" in given:
+        print0 = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a, **k: None)
+        log_dir = given.get("log_dir", defaults["log_dir"])
+        path, ckpt = find_resume_checkpoint(given["resume"], log_dir, print0)
+        saved = {k: v for k, v in ckpt["args"].items() if k in defaults and k not in PER_INVOCATION}
+        if "val_tokens" in given:  # two ways to give one number: the one given now replaces the saved one
+            saved["val_steps"] = None
+        layers.update(saved, resume=path)
+    parser.set_defaults(**layers)
+    args = parser.parse_args(argv)
+    args.resume, args.given = layers["resume"], set(given)  # resume: the checkpoint found for `latest`
     return args
 
 
-def add_model_source(p):
-    """--checkpoint | --init_from, --device and --dtype, shared by the sample and eval commands."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="a model_*.pt written by training")
-    src.add_argument("--init_from", metavar="gpt2|...|DIR", help="OpenAI GPT-2 weights (hub name or save_pretrained dir)")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="bf16 on CUDA for auto")
-
-
-def load_model(args):
-    """(raw GPT in eval mode on its device, device, autocast context, uses bf16) for add_model_source's flags."""
+def model_for_command(args):
+    """(GPT in eval mode on its device, device, autocast context, uses bf16) of --checkpoint/--init_from."""
+    if (args.checkpoint is None) == (args.init_from is None):
+        raise UsageError("give one of --checkpoint (a model_*.pt) or --init_from (OpenAI's GPT-2)")
     device = resolve_device(args.device)
-    model = load_checkpoint_model(args.checkpoint) if args.checkpoint else GPT.from_pretrained(args.init_from)
+    model = model_from_checkpoint(args.checkpoint) if args.checkpoint else GPT.from_pretrained(args.init_from)
     ctx, use_bf16 = autocast_for(args.dtype, device.split(":")[0])
     return model.to(device).eval(), device, ctx, use_bf16
 
 
-def sample_main(argv):
-    import tiktoken
-
-    p = argparse.ArgumentParser(prog="train_gpt2.py sample", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="Sample text from one of our checkpoints or from OpenAI's GPT-2.")
-    add_model_source(p)
-    p.add_argument("--prompt", default="Hello, I'm a language model,", help="text to continue")
-    p.add_argument("--num_samples", type=int, default=4, help="independent samples")
-    p.add_argument("--max_new_tokens", type=int, default=64, help="tokens to generate per sample")
-    p.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens (1 = greedy, 0 = all)")
-    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0 = greedy)")
-    p.add_argument("--seed", type=int, default=1337, help="sampling seed")
-    p.add_argument("--no_kv_cache", action="store_true", help="recompute the whole sequence every token (slow; for comparison)")
-    args = p.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature < 0:
-        raise UsageError("--num_samples and --max_new_tokens must be positive, --temperature non-negative")
-    model, device, ctx, _ = load_model(args)
-    enc = tiktoken.get_encoding("gpt2")
+def sample_main(args):
+    model, device, ctx, _ = model_for_command(args)
+    enc = fineweb.get_encoding()
     tokens = encode_prompt(enc, args.prompt)
-    if len(tokens) + args.max_new_tokens > model.config.block_size:
-        raise UsageError(f"prompt ({len(tokens)} tokens) + --max_new_tokens ({args.max_new_tokens}) exceeds the "
-                         f"model's block_size {model.config.block_size}")
+    check_prompt_fits(len(tokens), args.max_new_tokens, model.config.block_size, "--prompt",
+                      "--max_new_tokens")
     idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
     with ctx:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             generator=gen, use_cache=not args.no_kv_cache)
-    for i in range(args.num_samples):
-        print(f"--- sample {i}\n{enc.decode(out[i].tolist())}")
+                             generator=torch.Generator(device=device).manual_seed(args.seed),
+                             use_cache=not args.no_kv_cache)
+    for i, row in enumerate(out.tolist()):
+        print(f"--- sample {i}\n{decode_sample(enc, row, len(tokens))}")
     return 0
 
 
-def export_main(argv):
-    p = argparse.ArgumentParser(prog="train_gpt2.py export",
-                                description="Write a checkpoint as a transformers GPT2LMHeadModel directory "
-                                            "(config.json + model.safetensors) for GPT2LMHeadModel.from_pretrained.")
-    p.add_argument("--checkpoint", required=True, help="a model_*.pt written by training")
-    p.add_argument("--out", required=True, help="new (or empty) directory to write")
-    args = p.parse_args(argv)
-    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+def export_main(args):
+    """Written into a temp folder beside --out, renamed at the end: a failed export leaves nothing behind."""
+    import tempfile
+
+    out, parent = os.path.abspath(args.out), os.path.dirname(os.path.abspath(args.out))
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out {args.out} exists and is not an empty directory: choose a new one")
-    model = load_checkpoint_model(args.checkpoint)
-    export_hf(model, args.out)
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out {args.out}: its parent {parent} is not an existing folder")
+    model = model_from_checkpoint(args.checkpoint)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot write there ({one_line(e)})") from None
+    try:
+        export_hf(model, tmp)
+        os.chmod(tmp, 0o777 & ~fineweb.umask())  # mkdtemp's folder is the owner's alone
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
 
-def eval_main(argv):
-    p = argparse.ArgumentParser(prog="train_gpt2.py eval", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="HellaSwag val accuracy (acc: lowest summed loss of the ending, acc_norm: "
-                                            "lowest mean loss) of one of our checkpoints, or of OpenAI's GPT-2 run "
-                                            "through our GPT. `python hellaswag.py -m gpt2` scores GPT-2 through "
-                                            "transformers instead.")
-    add_model_source(p)
-    p.add_argument("--limit", type=int, default=None, help="only the first N examples")
-    p.add_argument("--batch_tokens", type=int, default=8192, help="tokens per forward pass (0: one example each)")
-    p.add_argument("--data_dir", default=None, help="folder of hellaswag_val.jsonl (default: hellaswag.py's)")
-    args = p.parse_args(argv)
-    if (args.limit is not None and args.limit < 1) or args.batch_tokens < 0:
-        raise UsageError("--limit must be positive and --batch_tokens >= 0")
+def eval_main(args):
+    model, device, _, use_bf16 = model_for_command(args)  # a bad checkpoint fails before any download
     try:
-        hellaswag.download("val", args.data_dir)  # before loading a model: a missing file fails in seconds
-        model, device, _, use_bf16 = load_model(args)
+        hellaswag.download("val", args.data_dir)
         t0 = time.perf_counter()
-        res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens, data_dir=args.data_dir,
-                                 autocast_dtype=torch.bfloat16 if use_bf16 else None, progress=True)
+        res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
+                                 data_dir=args.data_dir, autocast_dtype=torch.bfloat16 if use_bf16 else None,
+                                 progress=True)
     except hellaswag.HellaSwagUnavailable as e:
         raise UsageError(str(e)) from None
-    print(f"{args.checkpoint or args.init_from} on {device} ({'bf16' if use_bf16 else 'fp32'}), hellaswag val: "
-          f"{res['n']} examples, acc {res['acc']:.4f} ({res['correct']}/{res['n']}), "
-          f"acc_norm {res['acc_norm']:.4f} ({res['correct_norm']}/{res['n']}) [{time.perf_counter() - t0:.1f} s]")
+    dtype = "bf16" if use_bf16 else "fp32"
+    print(f"{args.checkpoint or args.init_from} on {device} ({dtype}), hellaswag val: {res['n']} examples, "
+          f"acc {res['acc']:.4f} ({res['correct']}/{res['n']}), acc_norm {res['acc_norm']:.4f} "
+          f"({res['correct_norm']}/{res['n']}) [{time.perf_counter() - t0:.1f} s]")
     return 0
+
+
+COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"sample": sample_main, "export": export_main, "eval": eval_main}
     try:
-        if argv and argv[0] in commands:
-            return commands[argv[0]](argv[1:])
-        train(parse_args(argv))
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](build_parser(argv[0]).parse_args(argv[1:]))
+        return train(parse_args(argv))
     except UsageError as e:
         if int(os.environ.get("RANK", 0)) == 0 or e.rank_specific:
             print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a full disk under log.txt or an export: nothing partial is left under a final name
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (set-up, data prep, a command)
+        print("error: interrupted", file=sys.stderr)
+        return 130
     finally:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    return 0
 
 
 def exit_process(code):
-    """sys.exit(code); under torchrun, leave without Python's interpreter shutdown.
-
-    torch keeps process groups alive past destroy_process_group (torch.distributed.nn's functions hold the
-    default group as a default argument; under FSDP, DTensor's caches hold the device mesh), so their gloo
-    worker threads outlive main(). One that frees a finished collective's tensor while Python shuts down
-    needs the GIL, cannot get it, and aborts the process ("terminate called without an active exception")
-    after a run that went well. By now everything is written and closed (checkpoints and log.txt, W&B) and
-    the groups are destroyed: only the output buffers are left to flush.
-    """
+    """sys.exit(code); under torchrun, without Python's interpreter shutdown: torch keeps process groups
+    alive past destroy_process_group, and a gloo thread freeing a tensor during shutdown aborts a good run."""
     if "WORLD_SIZE" in os.environ:
         sys.stdout.flush()
         sys.stderr.flush()

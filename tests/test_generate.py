@@ -258,7 +258,7 @@ def test_eval_command_scores_a_checkpoint_like_hellaswag_evaluate(shard_dir, tmp
     ckpt = os.path.join(log, "model_00000.pt")
     r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--data_dir", data, "--batch_tokens", "256")
     assert r.returncode == 0, r.stderr
-    want = hellaswag.evaluate(tg.load_checkpoint_model(ckpt), "cpu", data_dir=data, batch_tokens=0)
+    want = hellaswag.evaluate(tg.model_from_checkpoint(ckpt), "cpu", data_dir=data, batch_tokens=0)
     assert f"acc_norm {want['acc_norm']:.4f} ({want['correct_norm']}/12)" in r.stdout
     assert f"acc {want['acc']:.4f} ({want['correct']}/12)" in r.stdout
     r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--data_dir", str(tmp_path / "none"))

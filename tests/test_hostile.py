@@ -6,12 +6,14 @@ step) and in-process, except where a real second process is the point: the concu
 Those go through HOOK below, which is `python train_gpt2.py` (tg.main()) plus test hooks that make the race and
 the kill points deterministic: a start gate, and pauses at a chosen point that the test then kill -9s.
 """
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -123,7 +125,15 @@ def pause():  # tell the test where we are, then wait for its kill -9
         time.sleep(1)
 
 mode, arg = os.environ.get("HOOK_MODE", ""), os.environ.get("HOOK_ARG", "")
-if mode == "pause_after_log":  # arg "5 train": pause once this log line is written
+if mode == "hold_after_log":  # arg "5 train": hold once this log line is written, until HOOK_RELEASE exists
+    real_append = tg.append_log
+    def append_log(path, step, kind, value):
+        real_append(path, step, kind, value)
+        if f"{step} {kind}" == arg:
+            open(os.environ["HOOK_MARKER"], "w").write(str(os.getpid()))
+            wait_for(os.environ["HOOK_RELEASE"])
+    tg.append_log = append_log
+elif mode == "pause_after_log":  # arg "5 train": pause once this log line is written
     real_append = tg.append_log
     def append_log(path, step, kind, value):
         real_append(path, step, kind, value)
@@ -141,11 +151,11 @@ elif mode == "pause_mid_save":  # arg: a checkpoint file name, paused when writt
         real_write(path, write_then_pause)
     tg.atomic_write = atomic_write
 elif mode == "hold_lock":  # arg: a file; the run waits for it after claiming the log dir
-    real_open = tg.open_data
-    def open_data(*a):
+    real_save_config = tg.save_run_config
+    def save_run_config(*a):
         wait_for(arg)
-        return real_open(*a)
-    tg.open_data = open_data
+        return real_save_config(*a)
+    tg.save_run_config = save_run_config
 if os.environ.get("HOOK_GATE"):  # start line: both racers are past their imports
     wait_for(os.environ["HOOK_GATE"])
 sys.exit(tg.main())
@@ -347,7 +357,7 @@ def failing_wandb(monkeypatch, fail_at_step):
         def finish(self):
             if fail_at_step is None:
                 raise ConnectionError("W&B server exploded")
-    monkeypatch.setattr(tg, "init_wandb", lambda args, config: Run())
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: Run()))
     return ["--wandb_project", "hostile"]
 
 
@@ -483,27 +493,24 @@ def test_resume_latest_takes_a_non_default_shape_from_the_checkpoint(data, tmp_p
 
 @pytest.mark.parametrize("left_in_file", ["", "killed"])
 def test_lock_message_names_the_live_owner_not_a_stale_or_missing_line(tmp_path, monkeypatch, left_in_file):
-    import fcntl
     import socket
+
+    import filelock
     log = tmp_path / "log"
     log.mkdir()
     with open("/proc/sys/kernel/pid_max") as f:
         dead = int(f.read()) + 1  # no process can have it
     # the instant after a new owner took the lock and before it wrote its line over a killed run's one
-    owner = open(log / ".lock", "a+")
-    fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    owner.write(f"pid {dead} on {socket.gethostname()}\n" if left_in_file else "")
-    owner.flush()
+    owner = filelock.FileLock(str(log / ".lock"), thread_local=False, is_singleton=False)
+    owner.acquire(timeout=0)
+    (log / ".lock.owner").write_text(f"pid {dead} on {socket.gethostname()}\n" if left_in_file else "")
 
     def owner_writes_its_line(seconds):  # while the second run waits, the owner catches up
-        owner.seek(0)
-        owner.truncate()
-        owner.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        owner.flush()
+        (log / ".lock.owner").write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
     monkeypatch.setattr(tg.time, "sleep", owner_writes_its_line)
     with pytest.raises(tg.UsageError, match=f"in use by a live run \\(pid {os.getpid()} on "):
-        tg.LogDirLock(str(log)).acquire()
-    owner.close()
+        tg.lock_log_dir(str(log))
+    owner.release()
 
 
 def test_keep_last_never_deletes_the_checkpoint_it_just_saved(reference, tmp_path):
@@ -556,4 +563,5 @@ def test_resume_flags_checked_against_the_checkpoint(data, tmp_path):
     r = run_cli(*resume_args(log), "--warmup_steps", "6", "--val_tokens", "128")
     assert r.returncode == 0, r.stderr
     assert any(line.startswith("warning:") and "--warmup_steps" in line for line in r.stdout.splitlines()), r.stdout
-    assert "'val_tokens': 128" in r.stdout.split("run config:")[1].splitlines()[0]
+    saved = json.load(open(os.path.join(log, "run_config.json")))
+    assert saved["val_tokens"] == 128 and saved["val_steps"] is None
