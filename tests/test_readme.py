@@ -1,0 +1,493 @@
+"""README.md's commands run as written: every invocation of train_gpt2.py, fineweb.py, hellaswag.py or
+bench.py (with python, or through torchrun) is parsed by the script's real argument parser, the names a
+`python -c` command takes from these modules exist, and no command holds a placeholder (`...`,
+`<name>`) or a glob on a variable that may be unset (`"$X"/*`).
+
+Commands are read from fenced code blocks marked bash, sh, shell, zsh, console (only `$ ` lines) or
+unmarked; from indented code blocks (only lines that start like a shell command: python, torchrun,
+pip, cp, ... or NAME=value); and from inline code in the text that starts with python, torchrun or
+pip. Output belongs in a ```text block."""
+
+import argparse
+import ast
+import contextlib
+import importlib
+import io
+import os
+import re
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(REPO, "README.md")
+
+SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
+TRAIN_COMMANDS = ("sample", "export", "eval")  # train_gpt2.build_parser(command) builds each one's parser
+SHELL_INFOS = {"", "bash", "sh", "shell", "zsh", "console", "shell-session"}
+SHELL_STARTERS = {"python", "python3", "torchrun", "pip", "pip3", "uv", "conda", "cp", "mv", "rm", "mkdir", "cd", "ls",
+                  "cat", "export", "git", "bash", "sh", "env", "nohup", "srun", "sbatch", "wget", "curl", "tar",
+                  "ln", "head", "tail", "nvidia-smi", "jupyter", "source"}
+INLINE_STARTERS = {"python", "python3", "torchrun", "pip", "pip3"}
+MODULES = {script[:-3] for script in SCRIPTS}
+WRAPPERS = {"env", "nohup", "time", "exec", "sudo"}
+LAUNCHERS = {"srun", "mpirun", "mpiexec"}  # their own options, then the command they start
+ALWAYS_SET = {"HOME", "PWD"}  # variables a shell always has
+SEPARATORS = {"&&", "||", ";", ";;", "|", "|&", "&", "(", ")"}
+REDIRECTS = {"<<<", "<<-", "<<", ">>", "&>", ">&", "<&", ">|", "<>", "<", ">"}
+OPERATORS = sorted(SEPARATORS | REDIRECTS, key=len, reverse=True)  # longest first
+PLACEHOLDER = re.compile(r"<[A-Za-z_][\w .-]*>")
+ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
+VARIABLE = re.compile(r"\$(?:\{(\w+)(:?[-?=+])?|(\w+))")
+
+
+class Word:
+    """A shell word: its parts, each (text, quoted); quotes removed, escapes resolved."""
+
+    def __init__(self):
+        self.parts = []
+
+    def add(self, text, quoted):
+        if self.parts and self.parts[-1][1] == quoted:
+            self.parts[-1] = (self.parts[-1][0] + text, quoted)
+        else:
+            self.parts.append((text, quoted))
+
+    @property
+    def text(self):
+        return "".join(t for t, _ in self.parts)
+
+    def unquoted(self):
+        return "".join(t for t, q in self.parts if not q)
+
+
+class ShellSyntaxError(ValueError):
+    pass
+
+
+def _substitution_end(s, i):
+    """Index of the ')' closing the '$(' whose '(' is at s[i]."""
+    depth = 0
+    for j in range(i, len(s)):
+        depth += {"(": 1, ")": -1}.get(s[j], 0)
+        if depth == 0:
+            return j
+    raise ShellSyntaxError("unterminated $(")
+
+
+def lex(cmd):
+    """A command line as shell words and operators (no expansion), and the line without its comment."""
+    tokens, word, i, n = [], None, 0, len(cmd)
+
+    def add(text, quoted):
+        nonlocal word
+        word = word or Word()
+        word.add(text, quoted)
+
+    def end():
+        nonlocal word
+        if word is not None:
+            tokens.append(word)
+        word = None
+
+    while i < n:
+        c = cmd[i]
+        if c in " \t\n":
+            end()
+            i += 1
+        elif c == "#" and word is None:
+            return tokens, cmd[:i]
+        elif c == "\\":
+            add(cmd[i + 1:i + 2], True)
+            i += 2
+        elif c == "'":
+            j = cmd.find("'", i + 1)
+            if j < 0:
+                raise ShellSyntaxError("unterminated ' quote")
+            add(cmd[i + 1:j], True)
+            i = j + 1
+        elif c == '"':
+            j, buf = i + 1, []
+            while j < n and cmd[j] != '"':
+                if cmd[j] == "\\" and j + 1 < n and cmd[j + 1] in '"\\$`':
+                    buf.append(cmd[j + 1])
+                    j += 2
+                elif cmd.startswith("$(", j):
+                    k = _substitution_end(cmd, j + 1)
+                    buf.append(cmd[j:k + 1])
+                    j = k + 1
+                else:
+                    buf.append(cmd[j])
+                    j += 1
+            if j >= n:
+                raise ShellSyntaxError('unterminated " quote')
+            add("".join(buf), True)
+            i = j + 1
+        elif cmd.startswith("$(", i):
+            k = _substitution_end(cmd, i + 1)
+            add(cmd[i:k + 1], False)
+            i = k + 1
+        else:
+            op = next((o for o in OPERATORS if cmd.startswith(o, i)), None)
+            if op is None:
+                add(c, False)
+                i += 1
+                continue
+            if op in REDIRECTS and word is not None and word.text.isdigit():
+                word = None  # a file descriptor number (2>&1), not an argument
+            end()
+            tokens.append(op)
+            i += len(op)
+    end()
+    return tokens, cmd
+
+
+def simple_commands(tokens):
+    """Split at ; && || | & ( ); drop redirections and their targets. Returns ([[Word]], heredoc
+    delimiter or None)."""
+    commands, current, heredoc, it = [], [], None, iter(tokens)
+    for tok in it:
+        if isinstance(tok, Word):
+            current.append(tok)
+        elif tok in SEPARATORS:
+            commands.append(current)
+            current = []
+        else:  # a redirection: its target is not an argument
+            target = next(it, None)
+            if tok in ("<<", "<<-") and isinstance(target, Word):
+                heredoc = target.text
+    commands.append(current)
+    return [c for c in commands if c], heredoc
+
+
+def command_lines(markdown):
+    """(line number, command line) of every shell command in the README, continuation lines joined."""
+    lines = markdown.splitlines()
+    found = []  # (lineno, text, kind): kind "fenced", "console" or "indented"
+    inline = []  # (lineno, text) of inline code that starts like a command
+    paragraph = []  # (lineno, line) of the prose paragraph being read
+
+    def end_paragraph():
+        text = "\n".join(line for _, line in paragraph)
+        for m in re.finditer(r"(`+)(.+?)(?<!`)\1(?!`)", text, re.S):
+            code = " ".join(m.group(2).split())
+            if code.split(" ")[0] in INLINE_STARTERS and " " in code:  # a command, not the name of a program
+                inline.append((paragraph[0][0] + text.count("\n", 0, m.start()), code))
+        paragraph.clear()
+
+    fence, kind, prev_blank, in_indented = None, None, True, False
+    for lineno, line in enumerate(lines, 1):
+        if fence is not None:
+            if re.match(r" {0,3}" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}\s*$", line):
+                fence, prev_blank = None, True
+            elif kind is not None:
+                found.append((lineno, line, kind))
+            continue
+        m = re.match(r" {0,3}(`{3,}|~{3,})\s*([^\s`]*)", line)
+        if m:
+            end_paragraph()
+            fence = m.group(1)
+            kind = ("console" if m.group(2).lower() == "console" else "fenced") \
+                if m.group(2).lower() in SHELL_INFOS else None
+            in_indented = False
+            continue
+        indented = line.startswith(("    ", "\t")) and line.strip()
+        if indented and (prev_blank or in_indented):
+            in_indented = True
+            found.append((lineno, line.strip(), "indented"))
+        elif line.strip():
+            in_indented = False
+            paragraph.append((lineno, line))
+        else:
+            end_paragraph()
+        prev_blank = not line.strip()
+    end_paragraph()
+
+    commands, i = [], 0
+    while i < len(found):
+        lineno, text, kind = found[i]
+        if kind == "console":
+            if not text.lstrip().startswith("$ "):
+                i += 1
+                continue
+            text = text.lstrip()[2:]
+        start_kind = kind
+        while text.rstrip().endswith("\\") and i + 1 < len(found) and found[i + 1][0] == found[i][0] + 1:
+            i += 1
+            text = text.rstrip()[:-1] + " " + found[i][1].strip()
+        i += 1
+        if not text.strip():
+            continue
+        if start_kind == "indented":
+            first = text.split()[0]
+            if first not in SHELL_STARTERS and not ASSIGNMENT.match(first) and not first.startswith("./"):
+                continue
+        commands.append((lineno, text.strip()))
+    return sorted(commands + inline)
+
+
+def script_call(words):
+    """(script, its arguments) when the command runs one of SCRIPTS, else None."""
+    while words and ASSIGNMENT.match(words[0]):
+        words = words[1:]  # NAME=value prefixes
+    while words and words[0] in WRAPPERS:
+        words = [w for w in words[1:] if not ASSIGNMENT.match(w)] if words[0] == "env" else words[1:]
+    if not words:
+        return None
+    prog = os.path.basename(words[0])
+    if prog in LAUNCHERS:
+        starts = [i for i, w in enumerate(words) if os.path.basename(w) in SCRIPTS or
+                  re.fullmatch(r"torchrun|python(3(\.\d+)?)?", os.path.basename(w))]
+        return script_call(words[starts[0]:]) if starts else None
+    if prog in SCRIPTS:
+        return prog, words[1:]
+    if prog == "torchrun":
+        return torchrun_call(words[1:])
+    if re.fullmatch(r"python(3(\.\d+)?)?", prog):
+        i = 1
+        while i < len(words) and words[i].startswith("-"):
+            if words[i] == "-c":
+                return None
+            if words[i] == "-m":
+                module = words[i + 1] if i + 1 < len(words) else ""
+                return torchrun_call(words[i + 2:]) if module == "torch.distributed.run" else None
+            i += 2 if words[i] in ("-X", "-W") else 1
+        if i < len(words) and os.path.basename(words[i]) in SCRIPTS:
+            return os.path.basename(words[i]), words[i + 1:]
+    return None
+
+
+def torchrun_call(args):
+    """torchrun's own parser finds the training script (and checks torchrun's flags)."""
+    from torch.distributed.run import get_args_parser
+    parser = get_args_parser()
+    ns = parse(parser, args)
+    if isinstance(ns, str):
+        raise ValueError(f"torchrun: {ns}")
+    if ns.module or ns.no_python or os.path.basename(ns.training_script) not in SCRIPTS:
+        return None
+    return os.path.basename(ns.training_script), list(ns.training_script_args)
+
+
+def parse(parser, args):
+    """parser.parse_args(args) with exact flag names (no abbreviations); the namespace, or argparse's
+    error message."""
+    parser.allow_abbrev = False
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return parser.parse_args(args)
+    except SystemExit as e:
+        if e.code == 0:  # --help
+            return argparse.Namespace()
+        lines = err.getvalue().strip().splitlines()
+        return lines[-1].split("error: ", 1)[-1] if lines else f"exit status {e.code}"  # without "PROG: error: "
+
+
+def missing_names(code):
+    """What a `python -c` program takes from this repository's modules and they do not have."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as e:
+        return [f"python -c: invalid Python ({e.msg})"]
+    aliases, problems = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in MODULES})
+        elif isinstance(node, ast.ImportFrom) and node.module in MODULES and not node.level:
+            module = importlib.import_module(node.module)
+            problems += [f"{node.module}.{a.name} does not exist" for a in node.names
+                         if a.name != "*" and not hasattr(module, a.name)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if not hasattr(importlib.import_module(aliases[node.value.id]), node.attr):
+                problems.append(f"{aliases[node.value.id]}.{node.attr} does not exist")
+    return problems
+
+
+def script_parser(script, command=None):
+    if script == "train_gpt2.py":
+        import train_gpt2
+        return train_gpt2.build_parser(command)
+    if script == "fineweb.py":
+        import fineweb
+        return fineweb.build_parser()
+    if script == "hellaswag.py":
+        import hellaswag
+        return hellaswag.build_parser()
+    import bench
+    return bench.build_parser()
+
+
+def check_call(script, args):
+    """None if `script args` parses, else what is wrong."""
+    command = None
+    if script == "train_gpt2.py" and args and not args[0].startswith("-"):
+        if args[0] not in TRAIN_COMMANDS:
+            return f"train_gpt2.py has no subcommand {args[0]!r} (it has {', '.join(TRAIN_COMMANDS)})"
+        command, args = args[0], args[1:]
+    try:
+        parser = script_parser(script, command)
+    except Exception as e:  # e.g. a build_parser that does not take the command
+        return f"cannot build its parser ({type(e).__name__}: {e})"
+    ns = parse(parser, args)
+    return ns if isinstance(ns, str) else None
+
+
+def check_command(text, assigned):
+    """Problems of one README command line; `assigned` collects the variables set so far in the README.
+    Returns (problems, calls, heredoc delimiter or None)."""
+    try:
+        tokens, code = lex(text)
+    except ShellSyntaxError as e:
+        return [str(e)], [], None
+    problems = []
+    if PLACEHOLDER.search(code):
+        problems.append(f"placeholder {PLACEHOLDER.search(code).group(0)}")
+    words = [t for t in tokens if isinstance(t, Word)]
+    if any("..." in w.unquoted() for w in words):
+        problems.append("'...' in a command")
+    commands, heredoc = simple_commands(tokens)
+    calls = []
+    for cmd in commands:
+        for w in cmd:
+            m = VARIABLE.match(w.text)
+            if m and w.text[m.end():].startswith("/") and any(g in w.unquoted() for g in "*?["):
+                name = m.group(1) or m.group(3)
+                if name not in assigned and name not in ALWAYS_SET and m.group(2) is None:
+                    problems.append(f"{w.text} globs / when ${name} is unset")
+        first = cmd[0].text
+        if ASSIGNMENT.match(first) and len(cmd) == 1 or first in ("export", "for", "read"):
+            assigned.update(m.group(0)[:-1] for w in cmd for m in [ASSIGNMENT.match(w.text)] if m)
+            if first in ("for", "read") and len(cmd) > 1:
+                assigned.add(cmd[1].text)
+        argv = [w.text for w in cmd]
+        if re.fullmatch(r"python(3(\.\d+)?)?", os.path.basename(argv[0])) and len(argv) > 2 and argv[1] == "-c":
+            problems += missing_names(argv[2])
+        try:
+            call = script_call(argv)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if call is not None:
+            calls.append(call)
+            problem = check_call(*call)
+            if problem:
+                problems.append(f"{call[0]}: {problem}")
+    return problems, calls, heredoc
+
+
+def check_readme(markdown, name="README.md"):
+    """Every problem found, as 'README.md:LINE: command: problem', and the script calls found."""
+    problems, calls, assigned, heredoc = [], [], set(), None
+    for lineno, text in command_lines(markdown):
+        if heredoc is not None:
+            if text.strip() == heredoc:
+                heredoc = None
+            continue
+        found, line_calls, heredoc = check_command(text, assigned)
+        with contextlib.suppress(ShellSyntaxError):
+            text = lex(text)[1].strip()  # shown without its comment
+        problems += [f"{name}:{lineno}: {text}: {p}" for p in found]
+        calls += line_calls
+    return problems, calls
+
+
+# -----------------------------------------------------------------------------
+# the README itself
+
+def test_readme_commands_run_as_written():
+    with open(README, encoding="utf-8") as f:
+        problems, _ = check_readme(f.read())
+    assert not problems, "README.md commands that do not run as written:\n" + "\n".join(problems)
+
+
+def test_readme_shows_commands_the_checker_sees():
+    # a README whose commands sit where this test cannot read them would pass the test above unchecked
+    with open(README, encoding="utf-8") as f:
+        lines = command_lines(f.read())
+    scripts = set()
+    for _, text in lines:
+        try:
+            commands, _ = simple_commands(lex(text)[0])
+        except ShellSyntaxError:
+            continue
+        for cmd in commands:
+            with contextlib.suppress(ValueError):
+                scripts.add((script_call([w.text for w in cmd]) or ("",))[0])
+    assert {"train_gpt2.py", "fineweb.py"} <= scripts
+
+
+# -----------------------------------------------------------------------------
+# the checker, on made-up READMEs
+
+def problems_of(markdown):
+    return check_readme(markdown)[0]
+
+
+def test_checker_accepts_good_commands():
+    md = "\n".join([
+        "Intro.", "",
+        "```bash",
+        "python fineweb.py --input 'my corpus'/*.jsonl --local_dir data --shard_size=1000000   # a comment: ...",
+        "python3 fineweb.py \\",
+        "    --max_tokens 50000000 \\",
+        "    --name sample-10BT",
+        "torchrun --standalone --nproc_per_node=2 fineweb.py --num_proc 2",
+        "python -m torch.distributed.run --standalone --nproc_per_node 2 fineweb.py --help",
+        "python bench.py --preset tiny --no-compile --only train 2>&1 | tee bench.txt",
+        "python hellaswag.py -m gpt2 -d cpu --limit 10",
+        "OUT=results; cp \"$OUT\"/* backup/",
+        "python -c \"import fineweb; fineweb.get_encoding()\"",
+        "```", "",
+        "```console",
+        "$ python fineweb.py --val_tokens 100",
+        "output with <angle> brackets and ... is not a command",
+        "```", "",
+        "```python",
+        "prepare(..., inputs=['<file>'])",
+        "```", "",
+        "    python fineweb.py --num_proc 1",
+        "    import fineweb; x = f(...)",
+        "",
+    ])
+    problems, calls = check_readme(md)
+    assert problems == []
+    assert [script for script, _ in calls] == ["fineweb.py"] * 4 + ["bench.py", "hellaswag.py", "fineweb.py", "fineweb.py"]
+    assert calls[0][1] == ["--input", "my corpus/*.jsonl", "--local_dir", "data", "--shard_size=1000000"]
+    assert calls[1][1] == ["--max_tokens", "50000000", "--name", "sample-10BT"]
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("python fineweb.py --no_such_flag 3", "fineweb.py: unrecognized arguments: --no_such_flag"),
+    ("python fineweb.py --shard_size=many", "fineweb.py: argument --shard_size: invalid int value"),
+    ("python fineweb.py --max_tok 10", "fineweb.py: unrecognized arguments: --max_tok"),  # no abbreviations
+    ("python bench.py --no-json", "bench.py: unrecognized arguments: --no-json"),  # --json is store_true
+    ("python hellaswag.py -d cpu", "hellaswag.py: the following arguments are required: -m/--model"),
+    ("torchrun --standalone ... fineweb.py", "'...' in a command"),
+    ("torchrun --no_such_torchrun_flag fineweb.py", "torchrun: "),
+    ("pip install torch==<version>+cpu", "placeholder <version>"),
+    ("python fineweb.py --input <your files>", "placeholder <your files>"),
+    ('mkdir -p c && cp "$TIKTOKEN_CACHE_DIR"/* c/', '$TIKTOKEN_CACHE_DIR/* globs / when $TIKTOKEN_CACHE_DIR is unset'),
+    ("cp $CACHE/*.bpe c/", "globs / when $CACHE is unset"),
+    ("python train_gpt2.py evaluate --checkpoint x.pt", "train_gpt2.py has no subcommand 'evaluate'"),
+    ("python fineweb.py --input 'unterminated", "unterminated ' quote"),
+    ('python -c "import fineweb as f; f.prepare; f.compare_with_naive([])"', "fineweb.compare_with_naive does not exist"),
+    ('python -c "from hellaswag import evaluate, no_such_name"', "hellaswag.no_such_name does not exist"),
+])
+def test_checker_finds_bad_commands(line, problem):
+    problems = problems_of(f"Text.\n\n```sh\n{line}\n```\n")
+    assert len(problems) == 1 and problems[0].startswith(f"README.md:4: {line}: ") and problem in problems[0], problems
+
+
+def test_checker_reads_every_kind_of_block():
+    bad = "python fineweb.py --bogus"
+    for md, line in [(f"```\n{bad}\n```\n", 2), (f"```bash\n{bad}\n```\n", 2), (f"~~~shell\n{bad}\n~~~\n", 2),
+                     (f"```console\n$ {bad}\n```\n", 2), (f"Text.\n\n    {bad}\n", 3),
+                     (f"```bash\npython fineweb.py \\\n  --bogus\n```\n", 2),
+                     ("```bash\nsrun -N 2 torchrun --nproc_per_node 8 fineweb.py --bogus\n```\n", 2),
+                     (f"Text.\n\nRun `{bad}` in prose.\n", 3), ("A paragraph\nwith `python fineweb.py\n--bogus` in it.\n", 2)]:
+        problems = problems_of(md)
+        assert len(problems) == 1 and problems[0].startswith(f"README.md:{line}: ") and "--bogus" in problems[0], md
+    for md in [f"```python\n{bad}\n```\n", f"```text\n{bad}\n```\n", f"Text\n    {bad}\n",  # not shell / not code
+               "Use `python` or `torchrun`, and `fineweb.py --bogus`.\n"]:  # not commands
+        assert problems_of(md) == [], md
