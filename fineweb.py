@@ -19,7 +19,7 @@ Usage:
     python fineweb.py --input my_corpus/*.jsonl        # your own / offline data, into local_text/
     python fineweb.py --input books.txt --local_dir data/books --shard_size 10000000
 
-Local inputs: .txt (one document per file), .jsonl (one JSON object per line, text in
+Local inputs: .txt and .md (one document per file), .jsonl (one JSON object per line, text in
 --text_column) and .parquet (text in --text_column). Quoted globs are expanded here. Shards
 made from local inputs are named text_val_000000.npy, text_train_000001.npy, ... and go to
 local_text/ unless --local_dir says otherwise.
@@ -76,7 +76,7 @@ EOT = 50256  # <|endoftext|>, the GPT-2 document delimiter
 MANIFEST = "manifest.json"
 LOCK = ".fineweb.lock"  # flock-ed by the one prep writing a directory; left in place (unlinking a held lock file breaks it)
 LOCK_HOLDER = LOCK + ".holder"  # pid, host and command of the lock's holder (filelock records none)
-INPUT_TYPES = (".txt", ".jsonl", ".parquet")
+INPUT_TYPES = (".txt", ".md", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 20  # ~1 MB of text (~250K tokens) per tokenizer task
 HUB_BATCH = 1000  # documents per read from a HF dataset
 
@@ -274,7 +274,7 @@ def _expand_inputs(patterns):
             if not os.path.exists(path):
                 raise DataPrepError(f"input file not found: {path}")
             if not path.endswith(INPUT_TYPES):
-                raise DataPrepError(f"unsupported input {path}: use .txt, .jsonl or .parquet files")
+                raise DataPrepError(f"unsupported input {path}: use .txt, .md, .jsonl or .parquet files")
             path = os.path.abspath(path)
             if path not in files:
                 files.append(path)
@@ -327,13 +327,13 @@ def _jsonl_text(path, lineno, line, text_column):
 
 
 def _iter_files(files, text_column):
-    """Documents of local files in order: a .txt file is one document, a .jsonl line or a
+    """Documents of local files in order: a .txt or .md file is one document, a .jsonl line or a
     .parquet row is one document. Files are streamed, never loaded whole (except .txt)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     for path in files:
         try:
-            if path.endswith(".txt"):
+            if path.endswith((".txt", ".md")):
                 with open(path, encoding="utf-8") as f:
                     yield f.read()
             elif path.endswith(".jsonl"):
@@ -371,7 +371,7 @@ def _is_network_error(e):
 def _hub_error(dataset, name, e):
     if _is_network_error(e):
         return DataPrepError(f"the Hugging Face hub is unreachable, cannot load {dataset} ({name}): {one_line(e, 160)}. "
-                             f"To prepare data offline, pass local .txt/.jsonl/.parquet files with --input PATH")
+                             f"To prepare data offline, pass local .txt/.md/.jsonl/.parquet files with --input PATH")
     return DataPrepError(f"cannot load {dataset} ({name}): {type(e).__name__}: {one_line(e)}")
 
 
@@ -1135,8 +1135,8 @@ def build_parser():
                    help="stop after this many tokens; streams the dataset so nothing more is downloaded")
     p.add_argument("--val_tokens", type=int, default=None, help="tokens in the val shard (see below)")
     p.add_argument("--input", dest="inputs", nargs="+", metavar="PATH", default=None,
-                   help="local .txt/.jsonl/.parquet files or globs to use instead of downloading "
-                        "(a .txt file is one document)")
+                   help="local .txt/.md/.jsonl/.parquet files or globs to use instead of downloading "
+                        "(a .txt or .md file is one document)")
     p.add_argument("--text_column", default="text", help="field holding the text in .jsonl/.parquet inputs")
     return p
 

@@ -106,11 +106,14 @@ def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
     log = str(tmp_path / "log")
     proc = start_hooked(tmp_path, "run", run_args(data, log), mode="hold_after_log", arg="4 train",
                         marker=tmp_path / "held", release=tmp_path / "never")
-    wait_until(lambda: (tmp_path / "held").exists(), [proc], "the hold at step 4")
-    proc.send_signal(signal.SIGINT)
-    wait_until(lambda: "SIGINT: finishing this step" in output(proc)[1], [proc], "the first Ctrl-C's line")
-    proc.send_signal(signal.SIGINT)  # the hold never ends: only the second Ctrl-C can end the run
-    assert proc.wait(timeout=300) == 130
+    try:
+        wait_until(lambda: (tmp_path / "held").exists(), [proc], "the hold at step 4")
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "SIGINT: finishing this step" in output(proc)[1], [proc], "the first Ctrl-C's line")
+        proc.send_signal(signal.SIGINT)  # the hold never ends: only the second Ctrl-C can end the run
+        assert proc.wait(timeout=300) == 130
+    finally:
+        proc.kill()  # a test that failed leaves no process behind
     out, err = output(proc)
     assert "Traceback" not in err and "SIGINT again: leaving now" in err
     assert newest_step(log) == 2  # what was saved before stays (step 4 was not saved yet); nothing half-written
@@ -209,7 +212,7 @@ def test_a_failed_export_leaves_nothing_and_a_retry_works(reference, tmp_path, m
     r = run_cli("export", "--checkpoint", ckpt, "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
-    assert oct(os.stat(out).st_mode & 0o777) == oct(0o777 & ~fineweb.UMASK)
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o777 & ~fineweb.umask())
 
 
 # ----------------------------------------------------------------------------- resume, sample, export edges

@@ -136,9 +136,10 @@ def test_round_trip_mixed_inputs(tmp_path, enc):
     a = write_jsonl(tmp_path / "a.jsonl", docs[:10])
     b = write_parquet(tmp_path / "b.parquet", docs[10:])
     # a quoted glob is expanded by fineweb itself, sorted
-    paths = prepare(tmp_path / "out", inputs=[a, b, str(tmp_path / "t*.txt")], shard_size=700, num_proc=1,
-                    progress=False)
-    all_docs = docs + txt_docs
+    (tmp_path / "notes.md").write_text("# Notes\n\nMarkdown is plain text: one document.\n", encoding="utf-8")
+    paths = prepare(tmp_path / "out", inputs=[a, b, str(tmp_path / "t*.txt"), str(tmp_path / "notes.md")],
+                    shard_size=700, num_proc=1, progress=False)
+    all_docs = docs + txt_docs + ["# Notes\n\nMarkdown is plain text: one document.\n"]
     tokens = load(paths)
     assert tokens[0] == EOT
     assert np.array_equal(tokens, expected_tokens(enc, all_docs))
@@ -525,6 +526,8 @@ def test_cli_input_defaults_to_the_local_text_folder(tmp_path, monkeypatch, enc)
     assert fineweb.main(["--input", src, "--shard_size", "600", "--num_proc", "1"]) == 0
     assert not fw.exists()
     names = sorted(os.listdir(local))
+    assert names[0] == fineweb.LOCK
+    names = names[1:]
     assert names[-1] == "text_val_000000.npy" and names[0] == "manifest.json"
     assert names[1:-1] == [f"text_train_{i:06d}.npy" for i in range(1, len(names) - 1)] and len(names) > 3
     assert fineweb.list_shards(str(local), "val") == [str(local / "text_val_000000.npy")]
@@ -532,7 +535,8 @@ def test_cli_input_defaults_to_the_local_text_folder(tmp_path, monkeypatch, enc)
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
     # an explicit --local_dir still wins, with the same local-text names
     assert fineweb.main(["--input", src, "--local_dir", str(tmp_path / "mine"), "--num_proc", "1"]) == 0
-    assert sorted(os.listdir(tmp_path / "mine")) == ["manifest.json", "text_train_000001.npy", "text_val_000000.npy"]
+    assert sorted(os.listdir(tmp_path / "mine")) == [".fineweb.lock", "manifest.json", "text_train_000001.npy",
+                                                     "text_val_000000.npy"]
 
 
 def test_cli_fineweb_keeps_its_default_folder(tmp_path, monkeypatch):
@@ -997,20 +1001,20 @@ def test_ensure_prepared_checks_headers_against_the_manifest_not_tokens(prepared
 
 
 def shard(root, index):
-    return os.path.join(root, fineweb.shard_name(index))
+    return os.path.join(root, fineweb.shard_name(index, prefix=fineweb.LOCAL_SHARD_PREFIX))
 
 
 @pytest.mark.parametrize("damage, message", [
     (lambda root: np.save(shard(root, 5), np.ones(50, np.uint16)), "(5 train shards on disk, 4 recorded; not "
-                                                                   "recorded: edufineweb_train_000005.npy)"),
+                                                                   "recorded: text_train_000005.npy)"),
     (lambda root: os.remove(shard(root, 2)), "(3 train shards on disk, 4 recorded; missing: "
-                                             "edufineweb_train_000002.npy)"),
-    (lambda root: np.save(shard(root, 3), np.ones(700, np.uint16)), "(edufineweb_train_000003.npy holds 700 tokens, "
+                                             "text_train_000002.npy)"),
+    (lambda root: np.save(shard(root, 3), np.ones(700, np.uint16)), "(text_train_000003.npy holds 700 tokens, "
                                                                     "1,000 recorded)"),
     (lambda root: edit_manifest(root, lambda m: m["args"].update(shard_size=2000)),
-     "(edufineweb_train_000001.npy holds 1,000 tokens; the recorded shard size is 2,000)"),
+     "(text_train_000001.npy holds 1,000 tokens; the recorded shard size is 2,000)"),
     (lambda root: edit_manifest(root, lambda m: m["args"].update(val_tokens=200)),
-     "(edufineweb_val_000000.npy holds 300 tokens; the recorded shard size is 1,000 and val size 200)"),
+     "(text_val_000000.npy holds 300 tokens; the recorded shard size is 1,000 and val size 200)"),
 ])
 def test_ensure_prepared_refuses_shards_that_do_not_match_the_manifest(prepared, damage, message):
     root, _ = prepared
@@ -1040,10 +1044,10 @@ def test_two_preps_with_different_shard_sizes_one_after_the_other(prepared, tmp_
     # what two runs at once left before there was a lock: shards of both, under the manifest of one
     other = str(tmp_path / "other")
     prepare(other, inputs=[src], shard_size=700, val_tokens=300, max_tokens=4000, num_proc=1, progress=False)
-    for name in (fineweb.MANIFEST, fineweb.shard_name(5), fineweb.shard_name(6)):
+    for name in (fineweb.MANIFEST, fineweb.shard_name(5, prefix=fineweb.LOCAL_SHARD_PREFIX), fineweb.shard_name(6, prefix=fineweb.LOCAL_SHARD_PREFIX)):
         os.replace(os.path.join(other, name), os.path.join(root, name))
     with pytest.raises(DataPrepError, match=f"^{re.escape(root)} does not match its manifest.json "
-                                            f"\\(edufineweb_train_000001.npy holds 1,000 tokens, 700 recorded\\)"):
+                                            f"\\(text_train_000001.npy holds 1,000 tokens, 700 recorded\\)"):
         ensure(root, [])
 
 
@@ -1184,10 +1188,10 @@ def test_prep_on_a_full_disk_says_one_line_and_resumes(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: no space left on device writing "
-                                                   f"{os.path.join(out, fineweb.shard_name(3))} ("), err
+                                                   f"{os.path.join(out, fineweb.shard_name(3, prefix=fineweb.LOCAL_SHARD_PREFIX))} ("), err
     assert " free on its filesystem, 1,006 B written of about 2.1 KiB); it was not written" in lines[0]
     # nothing partial under a shard name, no temp file; the manifest lists the three finished shards
-    assert sorted(os.listdir(out)) == sorted([fineweb.LOCK, fineweb.MANIFEST] + [fineweb.shard_name(i) for i in range(3)])
+    assert sorted(os.listdir(out)) == sorted([fineweb.LOCK, fineweb.MANIFEST] + [fineweb.shard_name(i, prefix=fineweb.LOCAL_SHARD_PREFIX) for i in range(3)])
     assert fineweb.prep_status(out).shards == 3
     assert fineweb.main(args) == 0  # space freed: the same command finishes it
     reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1, progress=False)
@@ -1201,7 +1205,7 @@ def test_ensure_prepared_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(DataPrepError) as e:
         ensure(root, [], inputs=[src])
     assert str(e.value).startswith(f"preparing {root} failed: no space left on device writing "
-                                   f"{os.path.join(root, fineweb.shard_name(0))} (")
+                                   f"{os.path.join(root, fineweb.shard_name(0, prefix=fineweb.LOCAL_SHARD_PREFIX))} (")
     assert "\n" not in str(e.value) and not fineweb.list_shards(root, "val")
 
 
