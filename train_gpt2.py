@@ -819,14 +819,11 @@ def train(args):
         if proc.master:
             save_run_config(args.log_dir, run_config)
         # ---- data: shards prepared on first use (by rank 0; the others wait), one loader per split
-        try:
-            fineweb.ensure_prepared(args.data_root, train_tokens=args.max_steps * args.total_batch_size,
-                                    val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
-                                    text_column=args.text_column, inputs_given="input" in args.given,
-                                    master=proc.master, agree=proc.agree, print0=proc.print0,
-                                    vocab_size=config.real_vocab_size)
-        except fineweb.DataPrepError as e:
-            raise UsageError(str(e)) from None
+        fineweb.ensure_prepared(args.data_root, train_tokens=args.max_steps * args.total_batch_size,
+                                val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
+                                text_column=args.text_column, inputs_given="input" in args.given,
+                                master=proc.master, agree=proc.agree, print0=proc.print0,
+                                vocab_size=config.real_vocab_size)
         train_loader, val_loader = (DataLoaderLite(B, T, proc.rank, proc.world_size, split, args.data_root,
                                                    args.seed, config.real_vocab_size)
                                     for split in ("train", "val"))
@@ -1858,8 +1855,8 @@ def main(argv=None):
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](build_parser(argv[0]).parse_args(argv[1:]))
         return train(parse_args(argv))
-    except UsageError as e:
-        if int(os.environ.get("RANK", 0)) == 0 or e.rank_specific:
+    except (UsageError, fineweb.DataPrepError) as e:  # DataPrepError: the data, or a damaged gpt2_bpe/
+        if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_specific", False):
             print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk under log.txt or an export: nothing partial is left under a final name
