@@ -349,12 +349,30 @@ def _device_type(device, device_type=None):
 
 
 def autocast(device_type, dtype):
-    """``torch.autocast(device_type, dtype)``, or a do-nothing context when ``dtype`` is None (fp32)."""
+    """``torch.autocast(device_type, dtype)``, or a do-nothing context when ``dtype`` is None (fp32).
+
+    An autocast torch cannot honour (CUDA unavailable, a dtype the device lacks) turns itself off with
+    only a warning, and everything would run in fp32 while bf16 was asked for: a ValueError (one line,
+    with torch's reason) instead."""
     if dtype is None:
         return contextlib.nullcontext()
+    import warnings
+
     import torch
 
-    return torch.autocast(device_type=_device_type(device_type), dtype=dtype)
+    device_type = _device_type(device_type)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx = torch.autocast(device_type=device_type, dtype=dtype)
+        with ctx:
+            enabled = torch.is_autocast_enabled(device_type)
+    if not enabled:
+        why = "; ".join(_one_line(w.message, 100) for w in caught) or "torch turned it off"
+        raise ValueError(f"autocast to {str(dtype).replace('torch.', '')} on {device_type} is not available here "
+                         f"({why})")
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return ctx
 
 
 def enable_tf32(device_type):
