@@ -203,6 +203,36 @@ def test_ddp_rank_0_of_8_wraps_the_model_and_trains(lib):
         assert (s["forwards"], s["clipped"], s["grad_devices"]) == (2, True, ["cuda:0"]), s
 
 
+# ----------------------------------------------------------------------------- estimates from the code
+
+def test_gpu_estimate_of_gpt2_memory_and_flops(lib):
+    """`bench.py --suite gpu-estimate`: GPT-2 124M's eager bf16 step at T=1024 on a simulated H100. Peak tensor
+    memory in the ranges a real H100 run of this configuration would have to land in; FLOPs counted op by op
+    against 6N from the parameter count (every parameter in one matmul: forward, and twice in backward) and
+    against flops_per_token (flash's backward recomputes Q·Kᵀ: a little more attention than 12·L·H·Q·T)."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
+                        "--estimate_batch_sizes", "16,64", "--sim_lib", lib, "--json"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["setting"]["preset"] == "gpt2" and out["setting"]["T"] == 1024 and out["setting"]["dtype"] == "bf16"
+    est = out["estimate"]
+    assert 12 < est["16"]["peak_mem_gib"] < 20 and 50 < est["64"]["peak_mem_gib"] < 68, est
+    for B, row in est.items():
+        assert abs(row["matmul_flops_over_6n"] - 1) < 0.002, (B, row)
+        assert 1.00 <= row["flops_over_formula"] <= 1.03, (B, row)
+        assert row["all_at_peak_ms"] < row["roofline_ms"] and 0 < row["mfu_ceiling"] < 1, (B, row)
+    assert any(line.startswith("roofline:") for line in out["method"])
+
+
+def test_gpu_estimate_refuses_bad_sizes_in_one_line(capsys):
+    import bench
+
+    assert bench.main(["--suite", "gpu-estimate", "--estimate_batch_sizes", "16,x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
 # ----------------------------------------------------------------------------- negative controls
 
 def drop_device_argument(line):
