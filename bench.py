@@ -401,15 +401,15 @@ def run_gpu_estimate(args):
         except simcuda.SimCUDAError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        cmd = [sys.executable, os.path.join(REPO, "tests", "simcuda_checks.py"), lib, "estimate", args.preset,
-               ",".join(map(str, sizes)), str(T)]
+        cmd = [sys.executable, os.path.join(REPO, "tests", "simcuda_checks.py"), lib,
+               f"estimate:{args.preset}:{','.join(map(str, sizes))}:{T}"]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    found = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    if r.returncode != 0 or not found:
-        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"error: the estimate failed ({last}); run `{' '.join(cmd[1:])}` for the whole traceback", file=sys.stderr)
+    found = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode != 0 or not found or not found[-1]["ok"]:
+        why = (found[-1]["error"] if found else r.stderr).strip().splitlines() or ["no output"]
+        print(f"error: the estimate failed: {why[-1]}", file=sys.stderr)
         return 1
-    est = json.loads(found[-1][len("RESULT "):])
+    est = found[-1]["result"]
     results = {"setting": {"preset": args.preset, "T": T, "dtype": "bf16" if est["bf16"] else "fp32", "compile": False,
                            "gpu": simcuda.H100, "peak_flops": est["peak_flops"], "bytes_per_s": est["bytes_per_s"],
                            "non_embedding_params": est["non_embedding_params"], "torch": torch.__version__,

@@ -91,6 +91,13 @@ def project_caller(depth=2, nearest=False):
     return None
 
 
+def placeholder(dtype):
+    """What a value read back from a fake tensor of this dtype is: one."""
+    import torch
+
+    return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+
+
 def flash_eligible(q, attn_mask, enable_gqa):
     """Whether CUDA's SDPA dispatcher would give these inputs to the flash kernel (torch 2.13, sm90)."""
     import torch
@@ -144,13 +151,14 @@ class SimulatedCUDA:
 
     Every public function of torch.cuda is wrapped: a call from a project file is counted in
     cuda_calls ({function: {"file:caller": n}}); the ones a CPU build cannot answer are answered here
-    (patched lists them with the reason). Values read back from fake tensors are counted in reads.
+    (patched lists them with the reason). Reads back from the device (.item(), int(), float(), .tolist(): a
+    sync on a GPU each) are counted in reads, by the project function that made them.
     """
 
     def __init__(self, device_name=H100, total_memory=80 * 2**30):
         self.device_name, self.total_memory = device_name, total_memory
         self.cuda_calls = collections.defaultdict(collections.Counter)
-        self.reads = collections.Counter()  # "file:caller" -> values read back there
+        self.reads = collections.Counter()  # "file:caller" -> reads back from the device there
         self.patched = []  # (what, why)
         self._undo = contextlib.ExitStack()
         self.mode = None
@@ -210,11 +218,16 @@ class SimulatedCUDA:
         return wrapper
 
     def _read_back(self, fake_mode, func, arg):
-        import torch
+        self.reads[project_caller(nearest=True) or "torch"] += 1
+        return placeholder(arg.dtype)
 
-        where = project_caller(nearest=True)
-        self.reads[where or "torch"] += 1
-        return True if arg.dtype == torch.bool else 1 if not arg.dtype.is_floating_point else 1.0
+    def _tolist(self, t):
+        self.reads[project_caller(nearest=True) or "torch"] += 1  # one transfer, however many elements
+
+        def fill(shape):
+            return [fill(shape[1:]) for _ in range(shape[0])] if shape else placeholder(t.dtype)
+
+        return fill(list(t.shape))
 
     def __enter__(self):
         import torch
@@ -243,6 +256,7 @@ class SimulatedCUDA:
             return arg.new_empty((arg.numel(), arg.dim()), dtype=torch.int64)
 
         self._set_item(impls, aten.nonzero.default, nonzero)
+        self._set(FakeTensor, "tolist", lambda t: self._tolist(t), "a tensor read back as a list: one read")
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         swap = torch.utils.swap_tensors
 

@@ -1,11 +1,12 @@
 """The checks behind tests/test_cuda_simulated.py and `bench.py --suite gpu-estimate`, on simulated CUDA.
 
-    python tests/simcuda_checks.py LIB [--project DIR] CHECK [ARG ...]
+    python tests/simcuda_checks.py LIB CHECK[:ARG...][@DIR] ...
 
-runs one check in this process (the preload library LIB must be loaded before torch is imported, hence a
-process per check) and prints one line `RESULT {json}`; a failed check is a traceback and a non-zero exit.
---project DIR imports train_gpt2.py / hellaswag.py from DIR first: the negative controls run these same
-checks against copies of them with a device bug seeded in.
+runs the checks one after the other in this process (the preload library LIB must be loaded before torch
+is imported: one process for all of them) and prints one line `RESULT {json}` per check: {"spec", "ok",
+"result"} or, for a check that raised, {"spec", "ok": false, "error": traceback}. @DIR runs the check
+against the train_gpt2.py / hellaswag.py in DIR instead of the project's: the negative controls run these
+same checks on copies of them with a device bug seeded in.
 
 Each check drives the project through its stable entry points (train_gpt2.main, GPT, generate,
 hellaswag.evaluate, ...) and watches it from outside, through torch: global module and optimizer hooks,
@@ -13,25 +14,23 @@ and stand-ins for torch functions (torch.cuda.*, torch.save/load, torch.compile,
 """
 import collections
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import sys
 import tempfile
+import traceback
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 if __name__ == "__main__":
-    LIB, argv = sys.argv[1], sys.argv[2:]
-    project = REPO
-    if argv[:1] == ["--project"]:
-        project, argv = argv[1], argv[2:]
-    sys.path[:0] = [project, REPO, HERE]
+    sys.path[:0] = [REPO, HERE]
     import simcuda
 
-    simcuda.preload(LIB)
+    simcuda.preload(sys.argv[1])
     os.environ["HELLASWAG_OFFLINE"] = "1"  # never a download: the checks write their own HellaSwag file
 else:
     import simcuda
@@ -91,42 +90,44 @@ def names(values):
 # ----------------------------------------------------------------------------- watching a run from outside
 
 class Watch:
-    """What a run does on its device, seen through torch's global hooks (no project function is touched).
+    """What a run does on its device, seen through torch: global module and optimizer hooks, and wrappers
+    around the torch functions that every way of clipping or of calling backward goes through.
 
     forwards: one entry per GPT forward (mode, device of the input, dtypes of logits and loss, autocast);
-    steps: one entry per optimizer step (the training forwards and backwards since the previous step,
-    clipping, gradient dtypes and devices, fused or not, optimizer state, weight tying).
+    steps: one entry per optimizer step (the training forwards and backwards since the previous step, the
+    reads back from the device since the first of those forwards, clipping, gradient dtypes and devices,
+    fused or not, optimizer state, weight tying).
     """
 
-    def __init__(self):
+    def __init__(self, reads=lambda: 0):
         self.forwards, self.steps, self.clips = [], [], []
-        self.backwards = 0
         self.models = []
+        self.reads, self._reads_at = reads, 0  # reads back from the device so far (SimulatedCUDA.reads)
         self._since = collections.Counter()
         self._undo = contextlib.ExitStack()
 
     def __enter__(self):
+        import torch.nn.utils.clip_grad as clip_grad
         from torch.nn.modules.module import register_module_forward_hook
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._undo.callback(register_module_forward_hook(self._forward).remove)
         self._undo.callback(register_optimizer_step_pre_hook(self._step).remove)
-        clip, backward = torch.nn.utils.clip_grad_norm_, torch.Tensor.backward
+        clip, backward = clip_grad._clip_grads_with_norm_, torch.autograd.backward
 
-        def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-            parameters = list(parameters)
-            norm = clip(parameters, max_norm, *args, **kwargs)
-            self.clips.append({"max_norm": float(max_norm), "params": len(parameters), "norm_device": str(norm.device),
-                               "after_backwards": self._since["backward"]})
-            return norm
+        def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            self.clips.append({"max_norm": float(max_norm), "params": len(parameters),
+                               "norm_device": str(total_norm.device), "after_backwards": self._since["backward"]})
+            return clip(parameters, max_norm, total_norm, *args, **kwargs)
 
-        def tensor_backward(t, *args, **kwargs):
+        def autograd_backward(*args, **kwargs):
             self._since["backward"] += 1
-            return backward(t, *args, **kwargs)
+            return backward(*args, **kwargs)
 
-        torch.nn.utils.clip_grad_norm_, torch.Tensor.backward = clip_grad_norm_, tensor_backward
-        self._undo.callback(setattr, torch.nn.utils, "clip_grad_norm_", clip)
-        self._undo.callback(setattr, torch.Tensor, "backward", backward)
+        clip_grad._clip_grads_with_norm_, torch.autograd.backward = clip_grads_with_norm_, autograd_backward
+        self._undo.callback(setattr, clip_grad, "_clip_grads_with_norm_", clip)
+        self._undo.callback(setattr, torch.autograd, "backward", backward)
         return self
 
     def __exit__(self, *exc):
@@ -147,6 +148,8 @@ class Watch:
                               "loss": None if loss is None else str(loss.dtype),
                               "autocast": torch.is_autocast_enabled("cuda")})
         if module.training and torch.is_grad_enabled():
+            if not self._since["forward"]:
+                self._reads_at = self.reads()
             self._since["forward"] += 1
 
     def _step(self, optimizer, args, kwargs):
@@ -157,6 +160,7 @@ class Watch:
             and sum(p is model.lm_head.weight for p in params) == 1
         self.steps.append({
             "forwards": self._since["forward"], "backwards": self._since["backward"],
+            "reads": self.reads() - self._reads_at if self._since["forward"] else None,
             "clipped": bool(self.clips) and self.clips[-1]["after_backwards"] == self._since["backward"] > 0,
             "max_norm": self.clips[-1]["max_norm"] if self.clips else None,
             "grads": names(p.grad.dtype for p in params if p.grad is not None),
@@ -267,10 +271,11 @@ def check_train():
     data, log = scratch()
     args = tiny_args(data, log, "--no-compile")
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA() as sim, CheckpointsInMemory() as ckpts:
-        with Watch() as first:
+        reads = lambda: sum(sim.reads.values())  # noqa: E731
+        with Watch(reads) as first:
             out, err = run_main(args)
         saved = [ckpts.describe(obj) for obj in ckpts.saved.values()]
-        with Watch() as resumed:
+        with Watch(reads) as resumed:
             out2, err2 = run_main(args[:args.index("--max_steps") + 1] + ["4"]
                                          + args[args.index("--max_steps") + 2:] + ["--resume", "latest"])
     return {"stdout": out, "stderr": err, "forwards": first.forwards, "steps": first.steps,
@@ -320,9 +325,11 @@ def check_inference():
         out["chunks"] = {"shapes": [list(first.shape), list(second.shape)], "cached": cache.pos,
                          "forwards": watch.forwards}
         for batch_tokens in (512, 0):
+            before = collections.Counter(sim.reads)
             with Watch() as watch:
                 r = hellaswag.evaluate(model, "cuda", batch_tokens=batch_tokens, autocast_dtype=torch.bfloat16)
-            out[f"hellaswag_{batch_tokens}"] = {"n": r["n"], "forwards": watch.forwards}
+            out[f"hellaswag_{batch_tokens}"] = {"n": r["n"], "forwards": watch.forwards,
+                                                "reads": dict(sim.reads - before)}
     return {**out, "reads": dict(sim.reads)}
 
 
@@ -453,13 +460,46 @@ def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
             "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
 
 
-def main(argv):
+@contextlib.contextmanager
+def project_from(folder):
+    """train_gpt2 and hellaswag as the checks see them, taken from folder where it has them."""
+    global tg, hellaswag
+    before = {"train_gpt2": tg, "hellaswag": hellaswag}
+    loaded = dict(before)
+    for name in before:
+        path = os.path.join(folder, f"{name}.py")
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location(name, path)
+            loaded[name] = importlib.util.module_from_spec(spec)
+            sys.modules[name] = loaded[name]  # dataclasses look their module up there
+            spec.loader.exec_module(loaded[name])
+    tg, hellaswag = loaded["train_gpt2"], loaded["hellaswag"]
+    try:
+        yield
+    finally:
+        tg, hellaswag = before["train_gpt2"], before["hellaswag"]
+        sys.modules.update(before)
+
+
+def run(spec):
+    """One check, as {"spec", "ok", "result" | "error"}."""
+    name, _, folder = spec.partition("@")
+    check, *args = name.split(":")
+    fn = globals().get(f"check_{check}")
+    if fn is None:
+        return {"spec": spec, "ok": False, "error": f"no check {check!r}"}
+    try:
+        with project_from(folder) if folder else contextlib.nullcontext():
+            return {"spec": spec, "ok": True, "result": fn(*args)}
+    except Exception:
+        return {"spec": spec, "ok": False, "error": traceback.format_exc()}
+
+
+def main(specs):
     warnings.filterwarnings("ignore")
-    check = globals().get(f"check_{argv[0]}")
-    if check is None:
-        raise SystemExit(f"error: no check {argv[0]!r}")
-    print("RESULT " + json.dumps(check(*argv[1:])), flush=True)
+    for spec in specs:
+        print("RESULT " + json.dumps(run(spec)), flush=True)
 
 
 if __name__ == "__main__":
-    main(argv)
+    main(sys.argv[2:])

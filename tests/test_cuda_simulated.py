@@ -42,28 +42,82 @@ def lib(tmp_path_factory):
     return simcuda.build(str(tmp_path_factory.mktemp("simcuda")))
 
 
-def run_check(lib, check, *args, project=None, timeout=240):
-    """(exit code, parsed RESULT or None, stdout, stderr) of `simcuda_checks.py LIB [--project DIR] CHECK ARGS`."""
-    cmd = [sys.executable, CHECKS, lib, *(["--project", project] if project else []), check, *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    return r.returncode, json.loads(lines[-1][len("RESULT "):]) if lines else None, r.stdout, r.stderr
+class Children:
+    """Child processes started together (the checks are single-threaded: two cores run two at a time);
+    result(spec) waits for the one that runs spec and returns its RESULT entry."""
 
+    def __init__(self, timeout=600):
+        self.procs, self.owner, self.done, self.timeout = [], {}, {}, timeout
 
-def passed(lib, check, *args):
-    code, result, out, err = run_check(lib, check, *args)
-    assert code == 0 and result is not None, f"{check} failed:\n{err[-4000:]}"
-    return result
+    def start(self, cmd, specs):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        self.procs.append(proc)
+        for spec in specs:
+            self.owner[spec] = proc
+        return proc
+
+    def output(self, proc):
+        if proc not in self.done:
+            try:
+                out, err = proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                err += f"\nkilled after {self.timeout} s"
+            self.done[proc] = (proc.returncode, out, err)
+        return self.done[proc]
+
+    def result(self, spec):
+        code, out, err = self.output(self.owner[spec])
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                entry = json.loads(line[len("RESULT "):])
+                if entry["spec"] == spec:
+                    return entry
+        pytest.fail(f"no result for {spec} (exit {code}):\n{err[-4000:]}")
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
 
 
 @pytest.fixture(scope="module")
-def train(lib):
-    return passed(lib, "train")
+def children(lib, tmp_path_factory):
+    """Every check of this file, in three processes started at once: the training-side checks and the
+    seeded copies; compile and distributed; bench.py's estimate."""
+    seeds = {}
+    for what, filename, find, change, check in SEEDS:
+        seeds[what] = seeded_copies(tmp_path_factory.mktemp("seeds"), what, filename, find, change)
+    seeded = [f"{check}@{folder}" for what, *_, check in SEEDS if isinstance(seeds[what], list)
+              for folder, _, _ in seeds[what]]
+    runs = Children()
+    first = ["train", "inference", *seeded]
+    runs.start([sys.executable, CHECKS, lib, *first], first)
+    second = ["compile", "distributed:fsdp", "distributed:ddp"]
+    runs.start([sys.executable, CHECKS, lib, *second], second)
+    runs.start([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate", "--estimate_batch_sizes",
+                "16,64", "--sim_lib", lib, "--json"], ["estimate"])
+    runs.seeds = seeds
+    yield runs
+    runs.stop()
+
+
+def passed(children, spec):
+    entry = children.result(spec)
+    assert entry["ok"], f"{spec} failed:\n{entry['error'][-4000:]}"
+    return entry["result"]
 
 
 @pytest.fixture(scope="module")
-def inference(lib):
-    return passed(lib, "inference")
+def train(children):
+    return passed(children, "train")
+
+
+@pytest.fixture(scope="module")
+def inference(children):
+    return passed(children, "inference")
 
 
 def step_lines(stdout):
@@ -75,7 +129,8 @@ def step_lines(stdout):
 def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train):
     """--dtype auto on cuda: bf16 logits and fp32 loss in every training forward; two micro-steps (forward and
     backward each) per optimizer step, then clipping to --grad_clip, then fused AdamW, with fp32 gradients and
-    fp32 AdamW state on cuda:0 and wte/lm_head one tensor."""
+    fp32 AdamW state on cuda:0 and wte/lm_head one tensor; no value read back to the host (a GPU sync) from the
+    first micro-step to the update."""
     training = [f for f in train["forwards"] if f["training"] and f["grad"]]
     assert len(training) == 6, train["forwards"]
     for f in training:
@@ -83,6 +138,7 @@ def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train)
     assert len(train["steps"]) == 3
     for i, s in enumerate(train["steps"]):
         assert (s["forwards"], s["backwards"], s["clipped"], s["max_norm"]) == (2, 2, True, 1.0), s
+        assert s["reads"] == 0, s  # nothing read back to the host between the first forward and the update
         assert s["grads"] == s["params"] == ["torch.float32"] and s["missing_grads"] == 0, s
         assert s["grad_devices"] == s["param_devices"] == ["cuda:0"], s
         assert s["fused"] == [True, True] and s["tied"], s
@@ -142,11 +198,11 @@ def test_samples_and_hellaswag_during_training_run_on_cuda(train):
 
 # ----------------------------------------------------------------------------- compile, inference, distributed
 
-def test_compile_traces_for_cuda_in_one_graph_per_mode_without_recompiles(lib):
+def test_compile_traces_for_cuda_in_one_graph_per_mode_without_recompiles(children):
     """torch.compile as main() calls it, with fullgraph=True (a graph break fails) and the aot_eager backend
     (autograd's graphs traced, no kernels built: inductor needs Triton). Val evaluations and train steps
     alternate four and three times: exactly one graph for training and one for evaluation means no recompile."""
-    r = passed(lib, "compile")
+    r = passed(children, "compile")
     assert r["stdout"].count("validation loss:") == 4 and len(step_lines(r["stdout"])) == 3
     assert sorted(g["grad"] for g in r["graphs"]) == [False, True], r["graphs"]
     assert not r["graph_breaks"], r["graph_breaks"]
@@ -173,14 +229,16 @@ def test_hellaswag_scoring_on_cuda_batched_and_one_example_per_forward(inference
     assert sum(f["shape"][0] for f in batched["forwards"]) == sum(f["shape"][0] for f in single["forwards"]) == 32
     for f in batched["forwards"] + single["forwards"]:
         assert (f["idx"], f["logits"], f["autocast"], f["grad"]) == ("cuda:0", "torch.bfloat16", True, False), f
+    # the losses come back to the host once per evaluation, not once (or four times) per forward pass
+    assert sum(batched["reads"].values()) == sum(single["reads"].values()) == 1, (batched["reads"], single["reads"])
 
 
-def test_fsdp_rank_0_of_8_runs_main_to_the_end(lib):
+def test_fsdp_rank_0_of_8_runs_main_to_the_end(children):
     """--fsdp as rank 0 of 8 over torch's fake process group (collectives move no data): sharding, bf16
     mixed precision, val, HellaSwag, samples and the final (gathered) checkpoint. Stubbed besides the group:
     CUDA streams and events (FSDP2 orders its collectives with them) and the device mesh is built outside
     fake mode (it keeps ranks in real tensors)."""
-    r = passed(lib, "distributed", "fsdp")
+    r = passed(children, "distributed:fsdp")
     assert r["backends"] == ["nccl"] and not r["ddp"]
     assert len(step_lines(r["stdout"])) == 2 and "saved " in r["stdout"] and "'world_size': 8" in r["stdout"]
     for s in r["steps"]:
@@ -189,13 +247,13 @@ def test_fsdp_rank_0_of_8_runs_main_to_the_end(lib):
     assert saved["model_devices"] == ["cpu"] and saved["model_dtypes"] == ["torch.float32"]
 
 
-def test_ddp_rank_0_of_8_wraps_the_model_and_trains(lib):
+def test_ddp_rank_0_of_8_wraps_the_model_and_trains(children):
     """Plain torchrun (DDP) as rank 0 of 8: NCCL asked for, DDP on device_ids [0], gradients all-reduced on
     the last of the two micro-steps only. torch's DDP reads parameter data in C++ in four places, which fake
     tensors do not have, so these are stubbed: _verify_param_shape_across_processes and _sync_module_states
     (construction), Reducer._rebuild_buckets (first forward), Logger.set_runtime_stats_and_log (a CUDA timer
     only CUDA builds register); the all-reduce itself is a comm hook that returns the bucket unchanged."""
-    r = passed(lib, "distributed", "ddp")
+    r = passed(children, "distributed:ddp")
     assert r["backends"] == ["nccl"] and r["ddp"] == [{"device_ids": "[0]"}]
     assert len(step_lines(r["stdout"])) == 2
     assert r["reduced_at_micro_step"] and set(r["reduced_at_micro_step"]) == {2}, r["reduced_at_micro_step"]
@@ -205,16 +263,14 @@ def test_ddp_rank_0_of_8_wraps_the_model_and_trains(lib):
 
 # ----------------------------------------------------------------------------- estimates from the code
 
-def test_gpu_estimate_of_gpt2_memory_and_flops(lib):
+def test_gpu_estimate_of_gpt2_memory_and_flops(children):
     """`bench.py --suite gpu-estimate`: GPT-2 124M's eager bf16 step at T=1024 on a simulated H100. Peak tensor
     memory in the ranges a real H100 run of this configuration would have to land in; FLOPs counted op by op
     against 6N from the parameter count (every parameter in one matmul: forward, and twice in backward) and
     against flops_per_token (flash's backward recomputes Q·Kᵀ: a little more attention than 12·L·H·Q·T)."""
-    r = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
-                        "--estimate_batch_sizes", "16,64", "--sim_lib", lib, "--json"],
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    code, stdout, stderr = children.output(children.owner["estimate"])
+    assert code == 0, stderr[-3000:]
+    out = json.loads(stdout)
     assert out["setting"]["preset"] == "gpt2" and out["setting"]["T"] == 1024 and out["setting"]["dtype"] == "bf16"
     est = out["estimate"]
     assert 12 < est["16"]["peak_mem_gib"] < 20 and 50 < est["64"]["peak_mem_gib"] < 68, est
@@ -250,8 +306,8 @@ def transfer_lines(lines):
     for i, line in enumerate(lines):
         if "next_batch(" not in line or line.lstrip().startswith(("def ", "#")):
             continue
-        for j in range(i + 1, min(i + 12, len(lines))):
-            if lines[j].lstrip().startswith("def "):
+        for j in range(i, min(i + 12, len(lines))):
+            if j > i and lines[j].lstrip().startswith("def "):
                 break
             if re.search(r"\.to\([^()]*device[^()]*\)", lines[j]):
                 found.append(j)
@@ -282,12 +338,13 @@ SEEDS = [
 
 
 def seeded_copies(tmp_path, what, filename, find, change):
-    """One copy of filename per line find() picks, that line changed: [(folder, line number, function)]."""
+    """One copy of filename per line find() picks, that line changed: [(folder, line number, function)];
+    or why there is none (the pattern matches nothing any more)."""
     with open(os.path.join(REPO, filename)) as f:
         lines = f.read().splitlines(keepends=True)
     picked = find(lines)
     if not picked:
-        pytest.skip(f"seed '{what}': no line of {filename} matches its pattern any more; update it in SEEDS")
+        return f"seed '{what}': no line of {filename} matches its pattern any more: update it in SEEDS"
     copies = []
     for n, i in enumerate(picked):
         changed = change(lines[i])
@@ -299,15 +356,18 @@ def seeded_copies(tmp_path, what, filename, find, change):
     return copies
 
 
-@pytest.mark.parametrize("what, filename, find, change, check", SEEDS, ids=[s[0] for s in SEEDS])
-def test_a_seeded_device_bug_fails_the_suite(lib, tmp_path, what, filename, find, change, check):
+@pytest.mark.parametrize("what, check", [(s[0], s[4]) for s in SEEDS], ids=[s[0] for s in SEEDS])
+def test_a_seeded_device_bug_fails_the_suite(children, what, check):
     """A tensor left on the CPU (a device= dropped, a .to(device) dropped) at each of these places makes the
     check that covers it fail with the device mismatch a GPU would raise."""
-    copies = seeded_copies(tmp_path, what, filename, find, change)
+    copies = children.seeds[what]
+    if isinstance(copies, str):
+        pytest.skip(copies)
+    filename = next(s[1] for s in SEEDS if s[0] == what)
     for folder, line, function in copies:
-        code, result, out, err = run_check(lib, check, project=folder)
-        assert code != 0, f"{what} ({filename}:{line}, in {function}) seeded, and {check} still passed"
-        assert DEVICE_BUG.search(err), f"{check} failed on {what}, not for the device:\n{err[-3000:]}"
+        entry = children.result(f"{check}@{folder}")
+        assert not entry["ok"], f"{what} ({filename}:{line}, in {function}) seeded, and {check} still passed"
+        assert DEVICE_BUG.search(entry["error"]), f"{check} failed on {what}, not for the device:\n{entry['error'][-3000:]}"
     if check == "train":  # the training step's own transfer is among the seeded ones, not only val's
         assert any(function and "eval" not in function for _, _, function in copies), copies
 
