@@ -345,7 +345,8 @@ ESTIMATE_METHOD = [
     "train_gpt2.flops_per_token (6N + 12*L*H*Q*T, the MFU column's formula)",
     "roofline: each aten op of the step takes at least max(FLOPs / 989 TFLOP/s, bytes read and written / "
     "3.35 TB/s) on an H100 SXM; summed with no overlap and no fusion: a lower bound on eager's step time. "
-    "MFU ceiling = flops_per_token x tokens / (that time x 989 TFLOP/s)",
+    "MFU ceiling = flops_per_token x tokens / (that time x 989 TFLOP/s): eager's; torch.compile (the default "
+    "on CUDA) fuses memory-bound ops and is not bound by it",
     "compiled: not estimated: MemTracker does not see the tensors inside a compiled graph (it reports almost no "
     "activations) and inductor's fused kernels need Triton, which a CPU-only torch does not have",
 ]

@@ -44,7 +44,7 @@ def unsupported():
     if torch.cuda.is_available():
         return "a real GPU is here: tests/test_cuda.py checks CUDA on it"
     if torch.version.cuda or torch.version.hip:
-        return f"simulated CUDA is written for a CPU-only torch, this one is built for CUDA/ROCm"
+        return "simulated CUDA is written for a CPU-only torch, this one is built for CUDA/ROCm"
     if not torch.__version__.startswith(TORCH_SERIES):
         return f"simulated CUDA is written against torch {TORCH_SERIES}x internals, this is torch {torch.__version__}"
     if shutil.which("g++") is None:

@@ -36,19 +36,22 @@ else:
     import simcuda
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import hellaswag  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
 from conftest import write_hellaswag, write_shards  # noqa: E402
 
 TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=64)
-GPT2 = "gpt2"
+
+
+_SCRATCH = []  # one TemporaryDirectory for the process: removed when it exits
 
 
 def scratch():
     """A data root with tiny shards and a HellaSwag file (HELLASWAG_DIR), and a log dir, in a new temp dir."""
-    root = tempfile.mkdtemp(prefix="simcuda-")
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="simcuda-"))
+    root = tempfile.mkdtemp(dir=_SCRATCH[0].name)
     data = os.path.join(root, "data")
     write_shards(data, "val", [5000], seed=1)
     write_shards(data, "train", [7000, 6000, 6500], seed=2)
@@ -71,13 +74,11 @@ class MainFailed(Exception):
 
 
 def run_main(args):
-    """train_gpt2.main(args): (stdout, stderr), both also passed on to ours; MainFailed if it exits non-zero
-    (its one-line error is the message: e.g. a device bug in an evaluation, which the run reports so)."""
+    """train_gpt2.main(args): (stdout, stderr); MainFailed if it exits non-zero (its one-line error is the
+    message: e.g. a device bug in an evaluation, which the run reports so)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = tg.main(args)
-    sys.stdout.write(out.getvalue())
-    sys.stderr.write(err.getvalue())
     if code != 0:
         raise MainFailed(f"main() exited {code}: {(err.getvalue().strip().splitlines() or [''])[-1]}")
     return out.getvalue(), err.getvalue()
@@ -246,7 +247,6 @@ def compile_for_cuda(graphs):
     original = torch.compile
 
     def backend(gm, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd  # noqa: F401  (aot_eager's machinery)
         from torch._dynamo.backends.debugging import aot_eager
 
         graphs.append({"nodes": len(gm.graph.nodes), "grad": torch.is_grad_enabled()})

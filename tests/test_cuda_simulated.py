@@ -43,28 +43,35 @@ def lib(tmp_path_factory):
 
 
 class Children:
-    """Child processes started together (the checks are single-threaded: two cores run two at a time);
-    result(spec) waits for the one that runs spec and returns its RESULT entry."""
+    """Child processes started together (the checks are single-threaded: two cores run two at a time), their
+    output in files under folder; result(spec) waits for the one that runs spec and returns its RESULT entry."""
 
-    def __init__(self, timeout=600):
-        self.procs, self.owner, self.done, self.timeout = [], {}, {}, timeout
+    def __init__(self, folder, timeout=600):
+        self.folder, self.timeout = folder, timeout
+        self.procs, self.owner, self.done = [], {}, {}
 
     def start(self, cmd, specs):
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        n = len(self.procs)
+        with open(os.path.join(self.folder, f"{n}.out"), "w") as out, open(os.path.join(self.folder, f"{n}.err"), "w") as err:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO)
+        proc.files = (out.name, err.name)
         self.procs.append(proc)
         for spec in specs:
             self.owner[spec] = proc
-        return proc
 
     def output(self, proc):
+        """(exit code, stdout, stderr) of proc, once it has finished."""
         if proc not in self.done:
             try:
-                out, err = proc.communicate(timeout=self.timeout)
+                proc.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                out, err = proc.communicate()
-                err += f"\nkilled after {self.timeout} s"
-            self.done[proc] = (proc.returncode, out, err)
+                proc.wait()
+            texts = []
+            for path in proc.files:
+                with open(path) as f:
+                    texts.append(f.read())
+            self.done[proc] = (proc.returncode, *texts)
         return self.done[proc]
 
     def result(self, spec):
@@ -74,13 +81,13 @@ class Children:
                 entry = json.loads(line[len("RESULT "):])
                 if entry["spec"] == spec:
                     return entry
-        pytest.fail(f"no result for {spec} (exit {code}):\n{err[-4000:]}")
+        pytest.fail(f"no result for {spec} (exit {code}, after at most {self.timeout} s):\n{err[-4000:]}")
 
     def stop(self):
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-            proc.communicate()
+                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +99,7 @@ def children(lib, tmp_path_factory):
         seeds[what] = seeded_copies(tmp_path_factory.mktemp("seeds"), what, filename, find, change)
     seeded = [f"{check}@{folder}" for what, *_, check in SEEDS if isinstance(seeds[what], list)
               for folder, _, _ in seeds[what]]
-    runs = Children()
+    runs = Children(str(tmp_path_factory.mktemp("children")))
     first = ["train", "inference", *seeded]
     runs.start([sys.executable, CHECKS, lib, *first], first)
     second = ["compile", "distributed:fsdp", "distributed:ddp"]
@@ -243,6 +250,7 @@ def test_fsdp_rank_0_of_8_runs_main_to_the_end(children):
     assert len(step_lines(r["stdout"])) == 2 and "saved " in r["stdout"] and "'world_size': 8" in r["stdout"]
     for s in r["steps"]:
         assert (s["forwards"], s["clipped"], s["grads"], s["grad_devices"]) == (2, True, ["torch.float32"], ["cuda:0"]), s
+    assert set(r["cuda_calls"]) == EXPECTED_CUDA_CALLS - {"set_rng_state_all"} | {"set_device"}, r["cuda_calls"]
     (saved,) = r["saved"]
     assert saved["model_devices"] == ["cpu"] and saved["model_dtypes"] == ["torch.float32"]
 
@@ -259,6 +267,7 @@ def test_ddp_rank_0_of_8_wraps_the_model_and_trains(children):
     assert r["reduced_at_micro_step"] and set(r["reduced_at_micro_step"]) == {2}, r["reduced_at_micro_step"]
     for s in r["steps"]:
         assert (s["forwards"], s["clipped"], s["grad_devices"]) == (2, True, ["cuda:0"]), s
+    assert set(r["cuda_calls"]) == EXPECTED_CUDA_CALLS - {"set_rng_state_all"} | {"set_device"}, r["cuda_calls"]
 
 
 # ----------------------------------------------------------------------------- estimates from the code
