@@ -174,9 +174,9 @@ class SimulatedCUDA:
     def _answers(self):
         """torch.cuda functions a CPU build cannot answer: name -> (stand-in, why)."""
         import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         props = h100_properties(self.device_name, self.total_memory)
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         def rng():  # a real tensor, as the CPU generator's state is
             with unset_fake_temporarily():
@@ -329,8 +329,9 @@ class Stream:
 
 class FakeProcessGroup:
     """torchrun's environment for one rank of world_size, run alone: init_process_group gets torch's fake
-    backend (collectives return at once, moving no data), whatever backend the project asks for; backends
-    records what it asked, and DDP's constructor keyword arguments go to ddp. Use inside SimulatedCUDA. What is stubbed, and why, is in patched."""
+    backend (collectives return at once, moving no data) whatever backend the project asks for, which goes
+    to backends; DDP's constructor keyword arguments go to ddp. Use inside SimulatedCUDA. What is stubbed
+    for FSDP2 and DDP, and why, is in patched."""
 
     def __init__(self, rank, world_size):
         self.rank, self.world_size = rank, world_size
@@ -358,8 +359,10 @@ class FakeProcessGroup:
         env = {"RANK": str(self.rank), "LOCAL_RANK": str(self.rank % 8), "WORLD_SIZE": str(self.world_size),
                "LOCAL_WORLD_SIZE": str(min(self.world_size, 8)), "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
         for key, value in env.items():
-            self._undo.callback(os.environ.__setitem__, key, os.environ[key]) if key in os.environ \
-                else self._undo.callback(os.environ.pop, key, None)
+            if key in os.environ:
+                self._undo.callback(os.environ.__setitem__, key, os.environ[key])
+            else:
+                self._undo.callback(os.environ.pop, key, None)
             os.environ[key] = value
 
         init = dist.init_process_group

@@ -276,8 +276,7 @@ def check_train():
             out, err = run_main(args)
         saved = [ckpts.describe(obj) for obj in ckpts.saved.values()]
         with Watch(reads) as resumed:
-            out2, err2 = run_main(args[:args.index("--max_steps") + 1] + ["4"]
-                                         + args[args.index("--max_steps") + 2:] + ["--resume", "latest"])
+            out2, err2 = run_main(args + ["--max_steps", "4", "--resume", "latest"])  # the last --max_steps wins
     return {"stdout": out, "stderr": err, "forwards": first.forwards, "steps": first.steps,
             "clips": first.clips, "saved": saved, "cuda_calls": sim.project_cuda_calls(), "reads": dict(sim.reads),
             "resume": {"stdout": out2, "stderr": err2, "steps": resumed.steps}}
