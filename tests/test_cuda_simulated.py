@@ -406,3 +406,20 @@ def test_an_autocast_torch_turns_off_is_refused_in_one_line():
     assert "\n" not in str(e.value) and str(e.value).startswith("--dtype auto: autocast to bfloat16 on cuda")
     with hellaswag.autocast("cpu", torch.bfloat16):  # an honoured one still works
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_the_simulation_says_in_one_line_why_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(simcuda.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert simcuda.unsupported() is None
+    monkeypatch.setattr(simcuda.shutil, "which", lambda name: None)
+    assert "g++" in simcuda.unsupported()
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    assert "torch 2.13.x" in simcuda.unsupported() and "2.14.0" in simcuda.unsupported()
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert "CPU-only" in simcuda.unsupported()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "real GPU" in simcuda.unsupported()
