@@ -4,6 +4,7 @@ Measure the hot paths of this repository for one setting, and print one table (o
     python bench.py --preset tiny                                   # CPU, under a minute
     python bench.py --preset gpt2 -B 64 -T 1024 --device cuda        # GPT-2 124M on a GPU (bf16, compiled)
     python bench.py --suite gpu --out results/                      # CUDA tests + GPU benchmark, one JSON + one table
+    python bench.py --suite gpu-estimate                            # no GPU: GPT-2's memory, FLOPs, roofline on an H100
 
 Rows: training (tokens/s, ms/step, MFU, peak memory; median of timed steps after warm-up, GPU
 synchronized), HellaSwag scoring (batched vs one example per forward), generation (KV cache vs
@@ -352,6 +353,116 @@ def run_gpu_suite(args, device, config, autocast_ctx, setting):
     return 0
 
 
+ESTIMATE_METHOD = [
+    "peak memory: torch's MemTracker over one steady-state step (AdamW state already made) on FakeTensors: "
+    "tensor bytes only; the CUDA context, cuBLAS workspaces and the caching allocator's slack come on top "
+    "(not estimated)",
+    "attention: the flash kernel, as CUDA's SDPA takes it on an H100 (a CPU build of torch would decompose it "
+    "into the math path, which stores (B, H, T, T) attention matrices)",
+    "FLOPs: torch's FlopCounterMode over forward + backward, against 6N (N: non-embedding parameters) and "
+    "train_gpt2.flops_per_token (6N + 12*L*H*Q*T, the MFU column's formula)",
+    "roofline: each aten op of the step takes at least max(FLOPs / 989 TFLOP/s, bytes read and written / "
+    "3.35 TB/s) on an H100 SXM; summed with no overlap and no fusion: a lower bound on eager's step time. "
+    "MFU ceiling = flops_per_token x tokens / (that time x 989 TFLOP/s): eager's; torch.compile (the default "
+    "on CUDA) fuses memory-bound ops and is not bound by it",
+    "compiled: not estimated: MemTracker does not see the tensors inside a compiled graph (it reports almost no "
+    "activations) and inductor's fused kernels need Triton, which a CPU-only torch does not have",
+]
+
+
+def estimate_rows(est):
+    """Per micro-batch size: the figures gpu-estimate prints, from simcuda_checks.py estimate's result."""
+    rows = {}
+    for B, r in est["rows"].items():
+        roof = r["roofline"]
+        seconds = sum(op["seconds"] for op in roof.values())
+        bound_by_memory = {name: op["seconds"] for name, op in roof.items()
+                           if op["bytes"] / est["bytes_per_s"] > op["flops"] / est["peak_flops"]}
+        rows[int(B)] = {
+            "tokens": r["tokens"], "peak_mem_gib": r["peak_bytes"] / 2**30,
+            "peak_by_kind_gib": {k: v / 2**30 for k, v in r["peak_by_kind"].items() if v},
+            "flops": r["flops"], "flops_over_formula": r["flops"] / r["formula"],
+            "matmul_flops_over_6n": r["matmul_flops"] / r["six_n"],
+            "roofline_ms": seconds * 1e3, "all_at_peak_ms": r["flops"] / est["peak_flops"] * 1e3,
+            "memory_bound_ms": sum(bound_by_memory.values()) * 1e3,
+            "top_memory_bound_ms": {k: v * 1e3 for k, v in sorted(bound_by_memory.items(), key=lambda kv: -kv[1])[:4]},
+            "mfu_ceiling": r["formula"] / (seconds * est["peak_flops"]),
+            "tokens_per_sec_ceiling": r["tokens"] / seconds}
+    return rows
+
+
+def run_gpu_estimate(args):
+    """--suite gpu-estimate: GPT-2's training step on one simulated H100 (tests/simcuda.py), in a child
+    process (the simulation's library must load before torch); figures from the code, not a measurement."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    import simcuda
+
+    problem = simcuda.unsupported()
+    if problem:
+        print(f"error: --suite gpu-estimate runs on simulated CUDA, and {problem}", file=sys.stderr)
+        return 1
+    config = tg.GPTConfig(**tg.MODEL_PRESETS[args.preset])
+    T = args.sequence_length or config.block_size
+    if T > config.block_size:
+        print(f"error: -T {T} exceeds the {args.preset} block size {config.block_size}", file=sys.stderr)
+        return 1
+    try:
+        sizes = [args.micro_batch_size] if args.micro_batch_size else [int(b) for b in args.estimate_batch_sizes.split(",")]
+        if min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --estimate_batch_sizes {args.estimate_batch_sizes!r}: expected positive integers, e.g. 16,32,64",
+              file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            lib = args.sim_lib or simcuda.build(tmp)
+        except simcuda.SimCUDAError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        cmd = [sys.executable, os.path.join(REPO, "tests", "simcuda_checks.py"), lib,
+               f"estimate:{args.preset}:{','.join(map(str, sizes))}:{T}"]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    found = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode != 0 or not found or not found[-1]["ok"]:
+        why = (found[-1]["error"] if found else r.stderr).strip().splitlines() or ["no output"]
+        print(f"error: the estimate failed: {why[-1]}", file=sys.stderr)
+        return 1
+    est = found[-1]["result"]
+    results = {"setting": {"preset": args.preset, "T": T, "dtype": "bf16" if est["bf16"] else "fp32", "compile": False,
+                           "gpu": simcuda.H100, "peak_flops": est["peak_flops"], "bytes_per_s": est["bytes_per_s"],
+                           "non_embedding_params": est["non_embedding_params"], "torch": torch.__version__,
+                           "command": "python bench.py " + " ".join(shlex.quote(a) for a in args.argv)},
+               "estimate": estimate_rows(est), "method": ESTIMATE_METHOD}
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_estimate(results)
+    return 0
+
+
+def print_estimate(results):
+    s = results["setting"]
+    print(f"GPU estimate (from the code, not measured): {s['preset']} ({s['non_embedding_params']:,} non-embedding "
+          f"parameters), T={s['T']}, {s['dtype']} autocast, eager, fused AdamW, one {s['gpu']} "
+          f"({s['peak_flops'] / 1e12:.0f} TFLOP/s bf16 dense, {s['bytes_per_s'] / 1e12:.2f} TB/s); torch {s['torch']}")
+    print(f"command: {s['command']}")
+    print("| B | tokens/step | peak tensor memory | FLOPs fwd+bwd | / flops_per_token | matmuls / 6N "
+          "| roofline step | of which memory-bound ops | MFU ceiling | tokens/s ceiling |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for B, r in sorted(results["estimate"].items()):
+        print(f"| {B} | {r['tokens']:,} | {r['peak_mem_gib']:.1f} GiB | {r['flops'] / 1e12:.2f} T | "
+              f"{r['flops_over_formula']:.3f} | {r['matmul_flops_over_6n']:.4f} | {r['roofline_ms']:.1f} ms | "
+              f"{r['memory_bound_ms']:.1f} ms | {100 * r['mfu_ceiling']:.0f}% | {r['tokens_per_sec_ceiling']:,.0f} |")
+    for B, r in sorted(results["estimate"].items()):
+        kinds = ", ".join(f"{k.lower()} {v:.1f}" for k, v in r["peak_by_kind_gib"].items())
+        ops = ", ".join(f"{k.replace('aten.', '')} {v:.1f}" for k, v in r["top_memory_bound_ms"].items())
+        print(f"B={B}: peak GiB by kind: {kinds}; slowest memory-bound ops (ms): {ops}")
+    print("method:")
+    for line in results["method"]:
+        print(f"- {line}")
+
+
 def bench_optimizers(args, config, device, device_type, autocast_ctx):
     """ms per optimizer.step() alone, --optimizer adamw vs muon, on the same model and the same gradients."""
     torch.manual_seed(0)
@@ -592,11 +703,20 @@ def build_parser():
     p.add_argument("--compare_flags", default="", metavar="'FLAGS'",
                    help="more train_gpt2.py flags for both optimizers_compare runs, e.g. '--total_batch_size 512 -B 2'")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--suite", default=None, choices=["gpu"],
-                   help="gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, B=64, bf16 with 8 micro-steps "
+    p.add_argument("--suite", default=None, choices=["gpu", "gpu-estimate"],
+                   help="gpu-estimate: no GPU needed: GPT-2 124M's training step (T=1024, bf16, eager, flash "
+                        "attention) on a simulated H100, for each of --estimate_batch_sizes (or -B): peak tensor "
+                        "memory, FLOPs against the MFU formula, a roofline lower bound on the step time and the MFU "
+                        "ceiling, with the method (needs g++ and the torch tests/simcuda.py is written for). "
+                        "gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, B=64, bf16 with 8 micro-steps "
                         "(524,288 tokens) for ours (compiled) and build-nanogpt's configuration (eager), HellaSwag "
                         "batched vs one example per forward, KV cache vs recompute; writes --out/gpu_suite.json "
                         "and gpu_suite.md. Synthetic tokens, no network")
+    p.add_argument("--estimate_batch_sizes", default="16,32,64", metavar="B,B,...",
+                   help="with --suite gpu-estimate: micro-batch sizes to estimate (-B N: that one only)")
+    p.add_argument("--sim_lib", default=None, metavar="PATH",
+                   help="with --suite gpu-estimate: a simulated-CUDA library already built by tests/simcuda.py "
+                        "(default: build one with g++ into a temp dir)")
     p.add_argument("--out", default="results", help="with --suite: folder for its JSON, Markdown and test output")
     p.add_argument("--skip_tests", action="store_true",
                    help="with --suite: leave out the CUDA tests (to smoke-test the suite itself, e.g. on CPU)")
@@ -606,7 +726,8 @@ def build_parser():
 
 
 # --suite gpu measures GPT-2 124M with the real 524,288-token batch: B=64 x T=1024 x 8 micro-steps
-SUITE_DEFAULTS = {"gpu": dict(preset="gpt2", micro_batch_size=64, sequence_length=1024, grad_accum=8, warmup=5, steps=10)}
+SUITE_DEFAULTS = {"gpu": dict(preset="gpt2", micro_batch_size=64, sequence_length=1024, grad_accum=8, warmup=5, steps=10),
+                  "gpu-estimate": dict(preset="gpt2", sequence_length=1024)}
 
 
 def parse_args(argv=None):
@@ -616,13 +737,17 @@ def parse_args(argv=None):
     if args.suite:
         parser.set_defaults(**SUITE_DEFAULTS[args.suite])
         args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.suite == "gpu-estimate":
+        return run_gpu_estimate(args)
     try:
         device = tg.resolve_device(args.device)
+        autocast_ctx, use_bf16 = tg.autocast_for(args.dtype, device.split(":")[0])
     except tg.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -636,7 +761,6 @@ def main(argv=None):
     args.compile = args.compile if args.compile is not None else device_type == "cuda"
     args.hellaswag_batch_tokens = args.hellaswag_batch_tokens or (8192 if device_type == "cuda" else 512)
     args.warmup = args.warmup if args.warmup is not None else (10 if args.compile else 3)
-    autocast_ctx, use_bf16 = tg.autocast_for(args.dtype, device_type)
     tg.hellaswag.enable_tf32(device_type)
     only = set(args.only.split(","))
 

@@ -341,12 +341,30 @@ def _device_type(device, device_type=None):
 
 
 def autocast(device_type, dtype):
-    """``torch.autocast(device_type, dtype)``, or a do-nothing context when ``dtype`` is None (fp32)."""
+    """``torch.autocast(device_type, dtype)``, or a do-nothing context when ``dtype`` is None (fp32).
+
+    An autocast torch cannot honour (CUDA unavailable, a dtype the device lacks) turns itself off with
+    only a warning, and everything would run in fp32 while bf16 was asked for: a ValueError (one line,
+    with torch's reason) instead."""
     if dtype is None:
         return contextlib.nullcontext()
+    import warnings
+
     import torch
 
-    return torch.autocast(device_type=_device_type(device_type), dtype=dtype)
+    device_type = _device_type(device_type)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx = torch.autocast(device_type=device_type, dtype=dtype)
+        with ctx:
+            enabled = torch.is_autocast_enabled(device_type)
+    if not enabled:
+        why = "; ".join(_one_line(w.message, 100) for w in caught) or "torch turned it off"
+        raise ValueError(f"autocast to {str(dtype).replace('torch.', '')} on {device_type} is not available here "
+                         f"({why})")
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return ctx
 
 
 def enable_tf32(device_type):
@@ -373,16 +391,18 @@ def _token_losses(picked, targets):
     return F.cross_entropy(picked.float(), targets, reduction="none")
 
 
-def completion_losses(logits, tokens, mask, positions=None):
+def completion_losses(logits, tokens, mask, positions=None, check_positions=True):
     """Per-row summed and mean cross-entropy of the masked (ending) tokens.
 
     ``tokens`` ``(R, N)``; position ``t`` predicts token ``t + 1`` (the shift
     is done here).  ``logits`` are either ``(R, N, V)`` (every position) or,
     with ``positions`` (a 1-D LongTensor), ``(R, len(positions), V)``: the
     logits at those positions only, as ``model(idx, logits_to_keep=positions)``
-    returns them; every scored position must be among them.  Only positions
-    whose *target* is masked are turned into log-probabilities, in fp32 (the
-    logits may be bf16).  Returns ``(sum_loss, avg_loss)``, each ``(R,)`` fp32.
+    returns them; every scored position must be among them, which is checked
+    unless ``check_positions=False`` (the check reads a count back from the
+    device).  Only positions whose *target* is masked are turned into
+    log-probabilities, in fp32 (the logits may be bf16).  Returns
+    ``(sum_loss, avg_loss)``, each ``(R,)`` fp32, on the logits' device.
     """
     import torch
 
@@ -393,7 +413,8 @@ def completion_losses(logits, tokens, mask, positions=None):
         logits = logits[:, :-1]
     else:
         pos = positions.to(dev)
-        missed = int(tgt_mask.sum()) - int(tgt_mask[:, pos].sum())  # scored positions the logits lack
+        if check_positions:  # scored positions the logits lack
+            missed = int(tgt_mask.sum() - tgt_mask[:, pos].sum())
         tgt_mask, tgt = tgt_mask[:, pos], tgt[:, pos]
     if logits.dim() != 3 or logits.shape[:2] != tgt.shape or missed:
         where = "" if positions is None else f" at {positions.numel()} positions ({missed} scored ones missing)"
@@ -571,17 +592,22 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
     batches = _pack(_rows(rendered), batch_tokens)
     use_kwarg = takes_logits_to_keep(model)
     dtype_ctx = autocast(_device_type(device, device_type), autocast_dtype)
-    losses = {}  # (example, ending) -> (sum_loss, avg_loss)
+    rows, sums, avgs = [], [], []  # (example, ending) of each row, and its losses, still on the device
     bar = _progress_bar(total=sum(len(ends) for _, ends, _ in rendered), unit="row", desc="hellaswag") if progress else None
     try:
         for batch in batches:
             tokens, mask, positions = _batch_tensors(rendered, batch, device, full_logits)
             with dtype_ctx:
                 logits = model_logits(model, tokens, positions, use_kwarg)
-            sum_loss, avg_loss = completion_losses(logits, tokens, mask, positions)
-            losses.update(((i, j), sl) for (i, j, *_), sl in zip(batch, zip(sum_loss.tolist(), avg_loss.tolist())))
+            # positions are the union of the rows' scored spans: none can be missing, no need to read back
+            sum_loss, avg_loss = completion_losses(logits, tokens, mask, positions, check_positions=False)
+            rows += [(i, j) for i, j, *_ in batch]
+            sums.append(sum_loss)
+            avgs.append(avg_loss)
             if bar is not None:
                 bar.update(len(batch))
+        # one read back for all the passes: the device never waits for the host between two of them
+        losses = dict(zip(rows, zip(*torch.stack([torch.cat(sums), torch.cat(avgs)]).tolist()))) if rows else {}
         extra = (agree_forwards(len(batches)) if agree_forwards is not None else len(batches)) - len(batches)
         # sharded models (FSDP) gather parameters in every forward: all ranks must run as many
         dummy = torch.zeros((1, 1), dtype=torch.long, device=device)

@@ -620,7 +620,10 @@ def resolve_device(name):
 def autocast_for(dtype, device_type):
     """(autocast context, uses bf16) for --dtype auto|fp32|bf16: auto is bf16 on CUDA and fp32 elsewhere."""
     use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
-    return hellaswag.autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
+    try:
+        return hellaswag.autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
+    except ValueError as e:  # torch would have run fp32 in silence
+        raise UsageError(f"--dtype {dtype}: {e}; use --dtype fp32") from None
 
 
 @dataclass
