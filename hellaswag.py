@@ -359,7 +359,7 @@ def autocast(device_type, dtype):
         with ctx:
             enabled = torch.is_autocast_enabled(device_type)
     if not enabled:
-        why = "; ".join(_one_line(w.message, 100) for w in caught) or "torch turned it off"
+        why = "; ".join(fineweb.one_line(w.message, 100) for w in caught) or "torch turned it off"
         raise ValueError(f"autocast to {str(dtype).replace('torch.', '')} on {device_type} is not available here "
                          f"({why})")
     for w in caught:

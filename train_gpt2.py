@@ -921,13 +921,14 @@ def train(args):
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
                 if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
                     norm = norm.full_tensor()
-                # one read-back a step: the loss (mean over ranks), the norm, whether any rank was signalled
-                stopping = torch.full((), float(stop.signum is not None), device=proc.device)
+                # one read-back a step: the loss (mean over ranks), the norm, and whether every rank goes on
+                going = torch.full((), float(stop.signum is None), device=proc.device)
                 if proc.world_size > 1:
-                    both = torch.stack([loss_accum, stopping])
-                    dist.all_reduce(both, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
-                    loss_accum, stopping = both[0] / proc.world_size, both[1]
-                loss_value, norm_value, stopping = torch.stack([loss_accum, norm.float(), stopping]).tolist()
+                    dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+                    loss_accum /= proc.world_size
+                    dist.all_reduce(going, op=dist.ReduceOp.MIN)  # a signal on one rank stops them all here
+                loss_value, norm_value, going = torch.stack([loss_accum, norm.float(), going]).tolist()
+                stopping = not going
                 if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
                     raise diverged(step, loss_value, norm_value, last_saved, args.log_dir)
                 lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps,
