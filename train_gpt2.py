@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import errno
 import glob
 import json
@@ -655,9 +656,7 @@ class Proc:
             group = None
             if long_wait:  # data prep takes hours, far past NCCL's collective timeout
                 if self._long_wait_group is None:
-                    import datetime
-                    hours = datetime.timedelta(hours=48)
-                    self._long_wait_group = dist.new_group(backend="gloo", timeout=hours)
+                    self._long_wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
                 group = self._long_wait_group
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return flag.item() == 1.0
@@ -795,7 +794,8 @@ def train(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     proc = setup_distributed(args)
-    ckpt = read_checkpoint(args.resume, keys=CKPT_KEYS) if args.resume else None  # the checkpoint resumed
+    # the checkpoint resumed (parse_args found it, and checked its weights)
+    ckpt = read_checkpoint(args.resume, keys=CKPT_KEYS, check_weights=False) if args.resume else None
     for warning in check_flags(args, ckpt):
         proc.print0(f"warning: {warning}")
     pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout) if args.init_from else None
@@ -818,9 +818,7 @@ def train(args):
                   "val_tokens": val_tokens, "model": asdict(config)}
     proc.print0(format_run_config(run_config))
 
-    with claim_log_dir(args, ckpt["step"] if ckpt else None, proc):  # one run per log dir, locked to the end
-        if proc.master:
-            save_run_config(args.log_dir, run_config)
+    with claim_log_dir(args, ckpt["step"] if ckpt else None, proc, run_config):  # one run per dir, locked
         # ---- data: shards prepared on first use (by rank 0; the others wait), one loader per split
         fineweb.ensure_prepared(args.data_root, train_tokens=args.max_steps * args.total_batch_size,
                                 val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
@@ -868,10 +866,12 @@ def train(args):
             proc.print0(f"saved {path}")
             return path
 
-        def keep_last_step():  # after a failure: the last step taken, saved if it is not yet
-            if state.step < 0:
-                return None
-            return checkpoint_path(args.log_dir, state.step) if last_saved == state.step else save()
+        def keep_last_step():  # after a failure, maybe this rank's alone: no collective (FSDP cannot save)
+            if last_saved == state.step or (args.fsdp and proc.world_size > 1):
+                return checkpoint_path(args.log_dir, last_saved) if last_saved >= 0 else None
+            path = checkpoint_path(args.log_dir, state.step)
+            save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, args.keep_last, agree=False)
+            return path
 
         # ============================== training ==============================
         stopped_by = None
@@ -1060,15 +1060,16 @@ def non_finite(model_sd):
     return next((k for k, v in model_sd.items() if v.is_floating_point() and not v.isfinite().all()), None)
 
 
-def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_last=0):
+def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_last=0, agree=True):
     """Write model, optimizer and TrainState to path atomically, then keep the newest keep_last (0: all).
-    Every rank calls it (FSDP gathers), and every rank stops if rank 0 cannot write (e.g. a full disk)."""
+    Every rank calls it (FSDP gathers), and every rank stops if rank 0 cannot write (e.g. a full disk);
+    agree=False: after a failure that may be one rank's alone, no collective."""
     model_sd, optim_sd = full_state_dicts(raw_model, optimizer)
     error = None
     if proc.master:
         try:
-            if non_finite(model_sd):
-                raise UsageError(f"{non_finite(model_sd)} holds NaN or inf")
+            if bad := non_finite(model_sd):
+                raise UsageError(f"{bad} holds NaN or inf")
             state.loader, state.rng = train_loader.state_dict(), rng_state()
             ckpt = {"model": model_sd, "config": asdict(raw_model.config), "optimizer": optim_sd,
                     **asdict(state)}
@@ -1077,7 +1078,7 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_
                 os.remove(old)  # the newest is this one: a resumed run set later ones aside when it started
         except (UsageError, OSError) as e:
             error = e
-    if not proc.agree(error is None):
+    if not (proc.agree(error is None) if agree else error is None):
         raise UsageError(f"saving {path} failed: {one_line(error)}" if error else "saving failed on rank 0")
 
 
@@ -1090,8 +1091,9 @@ def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
     return state
 
 
-def read_checkpoint(path, keys=("model", "config")):
-    """The dict in one of our checkpoints (memory-mapped), or a UsageError saying why it cannot be used."""
+def read_checkpoint(path, keys=("model", "config"), check_weights=True):
+    """The dict in one of our checkpoints (memory-mapped), or a UsageError saying why it cannot be used;
+    check_weights=False skips the scan for NaN/inf (a file already checked)."""
     if not os.path.isfile(path):
         raise UsageError(f"checkpoint not found: {path}")
     try:
@@ -1101,8 +1103,8 @@ def read_checkpoint(path, keys=("model", "config")):
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
-    if non_finite(ckpt["model"]):
-        raise UsageError(f"{path} holds NaN or inf weights ({non_finite(ckpt['model'])}): a diverged run's")
+    if check_weights and (bad := non_finite(ckpt["model"])):
+        raise UsageError(f"{path} holds NaN or inf weights ({bad}): a diverged run's")
     return ckpt
 
 
@@ -1154,14 +1156,18 @@ def saving_on_error(what, step, keep_last_step):
 # ---- the log dir: one run at a time (a filelock), an earlier run never overwritten by accident
 
 @contextlib.contextmanager
-def claim_log_dir(args, resume_step, proc):
-    """Rank 0 locks log_dir for the whole run and readies it; every rank stops if it cannot."""
+def claim_log_dir(args, resume_step, proc, run_config):
+    """Rank 0 locks log_dir for the whole run, readies it and saves the run config there; every rank stops
+    if it cannot."""
     lock, error = None, None
     if proc.master:
         try:
             lock = lock_log_dir(args.log_dir)
             for warning in prepare_log_dir(args.log_dir, resume_step, args.overwrite):
                 print(f"warning: {warning}", flush=True)
+            save_run_config(args.log_dir, run_config)
+        except OSError as e:
+            error = UsageError(f"--log_dir {args.log_dir}: {one_line(e)}")
         except UsageError as e:
             error = e
     try:
@@ -1389,6 +1395,10 @@ def check_flags(args, ckpt=None):
             warnings.append(f"{', '.join(unused)} {verb} no effect with {why}")
     if ckpt is None:
         return warnings
+    for on, keys in ((args.eval_every, ("val_tokens",)), (args.sample_every, ("num_samples", "sample_tokens"))):
+        if on and any(getattr(args, k) is not None and getattr(args, k) < 1 for k in keys):  # the checkpoint's
+            raise UsageError(f"{args.resume} has {', '.join(f'--{k} {getattr(args, k)}' for k in keys)}: give "
+                             f"positive values now that this block is on")
     saved, step = ckpt["args"], ckpt["step"]
     kind = saved.get("optimizer", "adamw")  # checkpoints from before --optimizer hold AdamW's state
     if args.optimizer != kind:
@@ -1468,7 +1478,7 @@ def check_data_size(args, train_loader, val_loader, val_tokens, print0):
     if reads > have:
         print0(f"note: the run reads {reads:,} train tokens and {args.data_root} holds {have:,}: it passes "
                f"over them {reads / have:.1f} times")
-    if args.eval_every > 0 and val_tokens >= val_loader.epoch_tokens:  # targets: every token but the first
+    if args.eval_every > 0 and val_tokens > val_loader.epoch_tokens:  # == is a prep's own val size: fine
         print0(f"warning: the val loss is asked over {val_tokens:,} tokens but the val shards hold "
                f"{val_loader.epoch_tokens - 1:,} targets: it is taken over those")
         return val_loader.epoch_tokens - 1
@@ -1481,7 +1491,7 @@ def format_run_config(run_config):
     for group in build_parser()._action_groups:
         keys = [a.dest for a in group._group_actions if a.dest in run_config]
         shown.update(keys)
-        values = " ".join(f"{k}={run_config[k]}" for k in keys if run_config[k] not in (None, False))
+        values = " ".join(f"{k}={v}" for k in keys if (v := run_config[k]) is not None and v is not False)
         if values:
             lines.append(f"  {group.title.split(' (')[0]}: {values}")
     lines.append("  this run: " + " ".join(f"{k}={v}" for k, v in run_config.items() if k not in shown))
@@ -1587,7 +1597,8 @@ class StopSignals:
             os.write(2, f"error: {name} again: leaving now, without saving this step\n".encode())
             os._exit(128 + signum)
         self.signum = self.signum or signum
-        os.write(2, f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again: now)\n".encode())
+        if int(os.environ.get("RANK", 0)) == 0:
+            os.write(2, f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again: now)\n".encode())
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():

@@ -248,6 +248,18 @@ def test_old_and_foreign_checkpoints(data, reference, tmp_path):
     assert_one_line_error(run_cli("--resume", newest, "--log_dir", log, "--device", "cpu"), newest, "no args")
 
 
+def test_values_from_the_checkpoint_are_checked_when_their_block_comes_on(data, reference, tmp_path):
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    newest = tg.find_checkpoints(log)[-1]
+    ckpt = torch.load(newest, weights_only=False)
+    ckpt["args"].update(eval_every=0, val_tokens=0)  # a run with val off, written before 0 was refused
+    torch.save(ckpt, newest)
+    before = dir_bytes(log)
+    assert_one_line_error(run_cli(*resume_args(log), "--max_steps", "10", "--eval_every", "2"), "--val_tokens 0")
+    assert dir_bytes(log) == before
+
+
 @pytest.mark.parametrize("flags, name", [
     (["--temperature", "nan"], "--temperature"), (["--temperature", "-1"], "--temperature"),
     (["--temperature", "inf"], "--temperature"), (["--top_k", "0"], "--top_k"),
