@@ -15,6 +15,7 @@ def test_bench_json_has_every_row():
     out = json.loads(r.stdout)
     assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64
     assert out["train"]["tokens_per_sec"] > 0 and out["train"]["tokens_per_step"] == 128
+    assert out["train_loop"]["ms_per_step"] > 0 and out["train_loop"]["tokens_per_step"] == 128  # train_gpt2.main
     assert out["hellaswag"]["same_predictions"] and out["hellaswag"]["examples"] == 4
     assert out["generate"]["kv_cache"] > 0 and out["generate"]["new_tokens"] == 4
     assert out["loader"]["us_per_batch"] > 0 and out["fineweb"]["tokens"] > 100_000
