@@ -42,6 +42,7 @@ import glob
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import shlex
@@ -81,9 +82,18 @@ BATCH_CHARS = 1 << 20  # ~1 MB of text (~250K tokens) per tokenizer task
 HUB_BATCH = 1000  # documents per read from a HF dataset
 
 
-class DataPrepError(Exception):
-    """A problem the user can fix (bad input, mismatched directory, no network): main()
-    prints it as a one-line `error: ...` instead of a traceback."""
+class UsageError(Exception):
+    """A problem the user can fix (flags, data, files, no network): the CLIs print it as one line, `error: ...`,
+    and exit 1. Under torchrun only rank 0 reports it (every rank meets the same problem), unless it is this
+    rank's own (rank_specific)."""
+
+    def __init__(self, message, rank_specific=False):
+        super().__init__(message)
+        self.rank_specific = rank_specific
+
+
+class DataPrepError(UsageError):
+    """A UsageError of the data: bad input, a mismatched directory, no network."""
 
 
 def one_line(e, limit=300):
@@ -1114,15 +1124,53 @@ def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", 
     return prep_status(data_root)
 
 
+# -----------------------------------------------------------------------------
+# command lines: shared by this file's, hellaswag.py's and train_gpt2.py's parsers
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (`error: ... (see --help)`, exit status 1); under torchrun only
+    rank 0 prints it, as every rank meets the same flags."""
+
+    def error(self, message):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {one_line(message, 10_000)} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with each flag's default, and descriptions printed as written."""
+
+
+def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None):
+    """An argparse type: a finite int or float in [low, high], either end open if asked."""
+    what = what or ("positive" if low_open or (kind is int and low == 1) else f">= {low}")
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"not {text!r}") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low)
+                and (value < high if high_open else value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
+        return value
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
+POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         description="Download FineWeb-Edu (or read local files) and tokenize it with GPT-2 BPE into uint16 "
                     ".npy shards for train_gpt2.py. Re-run the same command to resume.",
         epilog="Validation split: shard 0 (val) gets the first --val_tokens tokens, default one full shard "
                "(as build-nanogpt), or 10% of --max_tokens (capped at one shard) when that is given. If the data "
                "ends before the first train token, the tokens collected are split: the first 10% (at least 1) "
                "become the val shard and the rest the train shard, so even a tiny corpus can train.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--name", default="sample-10BT", choices=NAMES, help="FineWeb-Edu sample to download")
     p.add_argument("--dataset", default=HF_DATASET,
                    help="HF dataset repo id, or a local copy of it with the same configs")

@@ -27,7 +27,6 @@ checked before it is scored.  Nothing is downloaded, spawned or opened at
 import time, and neither torch nor datasets is imported then.
 """
 
-import argparse
 import contextlib
 import inspect
 import itertools
@@ -60,7 +59,7 @@ RECORD_KEYS = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split",
 NUM_ENDINGS = 4
 
 
-class HellaSwagUnavailable(Exception):
+class HellaSwagUnavailable(fineweb.UsageError):
     """The HellaSwag data can't be had (offline and no local copy, wrong
     example count, a file that is not valid HellaSwag data).  The message is a
     single line."""
@@ -209,6 +208,22 @@ def download(split, data_dir=None):
     except OSError as e:  # a full disk (fineweb.DiskFullError), a read-only folder: nothing is left under path
         raise HellaSwagUnavailable(_unavailable_message(split, path, fineweb.one_line(e, 300))) from None
     return path
+
+
+def ready_on_every_rank(master=True, agree=lambda ok: ok, split="val"):
+    """Training's first use: the master downloads the split, then the other ranks find its file. True when
+    every rank has it; else False after a warning from each rank that has not (HellaSwag is then off).
+    agree(ok) -> whether ok is true on every rank (also a barrier)."""
+    ok = True
+    for masters_turn in (True, False):
+        if master == masters_turn:
+            try:
+                download(split)
+            except HellaSwagUnavailable as e:
+                print(f"warning: HellaSwag evaluation turned off: {e}", flush=True)
+                ok = False
+        ok = agree(ok)
+    return ok
 
 
 def _label(value, where):
@@ -705,6 +720,13 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, rank=
             "acc": correct / n if n else 0.0, "acc_norm": correct_norm / n if n else 0.0}
 
 
+def summary(name, device, dtype, split, res, seconds):
+    """The line both CLIs (this one and `train_gpt2.py eval`) print for an evaluation."""
+    return (f"{name} on {device} ({dtype}), hellaswag {split}: {res['n']} examples, "
+            f"acc {res['acc']:.4f} ({res['correct']}/{res['n']}), "
+            f"acc_norm {res['acc_norm']:.4f} ({res['correct_norm']}/{res['n']}) [{seconds:.1f} s]")
+
+
 # ---------------------------------------------------------------------------
 # CLI: OpenAI's GPT-2 through transformers
 
@@ -734,18 +756,8 @@ def load_hf_model(name):
     return model.float().eval()
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (`error: ... (see --help)`, exit status 1); under torchrun only
-    rank 0 prints it, as every rank meets the same flags."""
-
-    def error(self, message):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {fineweb.one_line(message, 10_000)} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
 def build_parser():
-    p = OneLineParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' GPT2LMHeadModel "
+    p = fineweb.OneLineParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' GPT2LMHeadModel "
                                     "(completion style: acc = lowest summed loss, acc_norm = lowest mean loss of "
                                     "the ending tokens)", epilog=f"To score {CHECKPOINT_HINT}.")
     p.add_argument("-m", "--model", required=True,
@@ -753,8 +765,8 @@ def build_parser():
                         "or a local save_pretrained directory")
     p.add_argument("-d", "--device", default="auto", help="cuda, cuda:1, mps, cpu or auto (cuda > mps > cpu)")
     p.add_argument("--split", default="val", choices=["train", "val"], help="split to evaluate (default val)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N examples")
-    p.add_argument("--batch_tokens", type=int, default=8192,
+    p.add_argument("--limit", type=fineweb.POSITIVE_INT, default=None, help="only the first N examples")
+    p.add_argument("--batch_tokens", type=fineweb.NONNEG_INT, default=8192,
                    help="token budget of one forward pass (0 = one example per forward)")
     p.add_argument("--data_dir", default=None, help="folder of hellaswag_*.jsonl (default $HELLASWAG_DIR "
                                                      "or ./hellaswag next to this script)")
@@ -773,8 +785,6 @@ def main(argv=None):
     except SystemExit as e:  # --help (0) or a usage error (1, already printed)
         return e.code if isinstance(e.code, int) else 1
     try:
-        if args.limit is not None and args.limit <= 0:
-            raise ValueError("--limit must be a positive integer")
         # fail early on missing or bad data, before importing torch or loading a model
         for _ in itertools.islice(iterate_examples(args.split, args.data_dir), args.limit):
             pass
@@ -787,10 +797,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         res = evaluate(model, device, split=args.split, limit=args.limit, batch_tokens=args.batch_tokens,
                        autocast_dtype=autocast_dtype, data_dir=args.data_dir, progress=True)
-        print(f"{args.model} on {device} ({args.dtype}), hellaswag {args.split}: {res['n']} examples, "
-              f"acc {res['acc']:.4f} ({res['correct']}/{res['n']}), "
-              f"acc_norm {res['acc_norm']:.4f} ({res['correct_norm']}/{res['n']}) "
-              f"[{time.perf_counter() - t0:.1f} s]")
+        print(summary(args.model, device, args.dtype, args.split, res, time.perf_counter() - t0))
         return 0
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -40,20 +40,12 @@ import torch.nn.functional as F
 
 import fineweb
 import hellaswag
-from fineweb import EOT, atomic_write, list_shards, one_line
+from fineweb import (EOT, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, HelpFormatter, OneLineParser, UsageError,
+                     atomic_write, bounded, list_shards, one_line)
 
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 # real GPT-2 BPE tokens, <|endoftext|> last; ids >= this in a padded vocab are padding
 GPT2_VOCAB_SIZE = EOT + 1
-
-
-class UsageError(Exception):
-    """A problem with the user's input (flags, data, files): one line, exit status 1. Under torchrun only
-    rank 0 reports it (every rank meets the same problem), unless it is this rank's own (rank_specific)."""
-
-    def __init__(self, message, rank_specific=False):
-        super().__init__(message)
-        self.rank_specific = rank_specific
 
 
 # =============================================================================
@@ -211,9 +203,8 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
-        # 0 for real tokens, -inf for the padding ids, added inside the lm_head matmul while training: padding
-        # gets zero probability (never sampled, never an argmax, no share of any softmax); on GPUs the bias is
-        # the matmul's epilogue, and compile fuses it. A buffer, not a parameter: the state dict stays GPT-2's
+        # 0 for real tokens, -inf for padding ids, added in the lm_head matmul (its epilogue on a GPU): padding is
+        # never sampled nor an argmax, nor takes a share of a softmax. A buffer: the state dict stays GPT-2's
         vocab_mask = torch.zeros(config.vocab_size)
         vocab_mask[config.real_vocab_size:] = float("-inf")
         self.register_buffer("vocab_mask", vocab_mask, persistent=False)
@@ -240,12 +231,9 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
-
-        logits_to_keep follows transformers' GPT2LMHeadModel: 0 projects every position onto the vocab; an
-        int k > 0 only the last k positions; a 1-D tensor of positions only those, giving (B, len, vocab).
-        The vocab projection is most of a small model's work and scoring or generation needs few positions.
-        With a kv_cache, idx continues the cached sequence (positions past .. past + T - 1).
-        """
+        With a kv_cache, idx continues the cached sequence. logits_to_keep as in transformers' GPT2LMHeadModel:
+        0 keeps every position, k > 0 the last k, a 1-D tensor those positions (scoring and generation need
+        few, and the vocab matmul is most of a small model's work)."""
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
@@ -274,10 +262,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """OpenAI GPT-2 weights through transformers: a hub name (gpt2 .. gpt2-xl) or a save_pretrained dir.
-
-        The vocab is padded to a multiple of 64 (50257 -> 50304); the padding rows are zero and masked.
-        """
+        """OpenAI GPT-2 weights through transformers: a hub name (gpt2 .. gpt2-xl) or a save_pretrained dir,
+        the vocab padded to a multiple of 64 (50257 -> 50304) with zero (and masked) rows."""
         from transformers import GPT2LMHeadModel
 
         try:
@@ -286,20 +272,17 @@ class GPT(nn.Module):
             raise UsageError(f"could not load GPT-2 weights {name_or_dir!r} ({one_line(e, 160)}); offline, "
                              f"pass a local directory written by GPT2LMHeadModel.save_pretrained") from None
         hc = hf.config
-        n_inner = hc.n_inner if hc.n_inner is not None else 4 * hc.n_embd
-        odd = any(getattr(hc, k, False) for k in ("scale_attn_by_inverse_layer_idx",
-                                                  "reorder_and_upcast_attn"))
-        odd = odd or hc.activation_function != "gelu_new" or hc.layer_norm_epsilon != 1e-5
-        if odd or n_inner != 4 * hc.n_embd:
+        odd = any(getattr(hc, k, False) for k in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"))
+        if odd or hc.activation_function != "gelu_new" or hc.layer_norm_epsilon != 1e-5 \
+                or hc.n_inner not in (None, 4 * hc.n_embd):
             raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture "
                              f"(activation, MLP width or attention options differ)")
         padded_vocab = -(-hc.vocab_size // 64) * 64
         config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
                            n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size, dropout=dropout)
         model = cls(config)
-        sd = model.state_dict()
-        sd_hf = hf.state_dict()
-        if set(sd_hf) - set(sd) or set(sd) - set(sd_hf):
+        sd, sd_hf = model.state_dict(), hf.state_dict()
+        if set(sd_hf) != set(sd):
             raise ValueError(f"{name_or_dir}: parameter names differ from GPT-2's: "
                              f"{sorted(set(sd_hf) ^ set(sd))[:4]}")
         with torch.no_grad():
@@ -317,22 +300,15 @@ class GPT(nn.Module):
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True, muon=None):
-        """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or LayerNorm.
-
-        muon: None, or make_muon's keyword arguments (muon_settings(args)): the 2-D weights inside the
-        blocks then go to torch.optim.Muon instead, AdamW keeps the rest, and the two come back as one
-        CombinedOptimizer.
-        """
-        params = [p for p in self.parameters() if p.requires_grad]
+        """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or LayerNorm. muon
+        (make_muon's keyword arguments, or None): the 2-D weights in the blocks go to torch.optim.Muon instead,
+        and the two come back as one CombinedOptimizer."""
         matrices = self.block_matrices() if muon is not None else []
         taken = {id(p) for p in matrices}
-        params = [p for p in params if id(p) not in taken]
+        params = [p for p in self.parameters() if p.requires_grad and id(p) not in taken]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if verbose:
             print(f"decayed parameter tensors: {len(decay)}, "
                   f"with {sum(p.numel() for p in decay):,} parameters")
@@ -353,32 +329,24 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True):
-        """The prompt idx (B, T0) followed by max_new_tokens sampled tokens: (B, T0 + max_new_tokens).
-
-        With the KV cache the prompt is run once and then one token per step; without it the whole
-        sequence is recomputed every step (the reference the cache is tested against). top_k=1 or
-        temperature=0 is greedy. Padding ids are never produced. Runs in eval mode (no dropout).
-        """
+        """The prompt idx (B, T0) followed by max_new_tokens sampled tokens (top_k=1 or temperature=0: greedy),
+        in eval mode. The KV cache runs the prompt once, then one token a step; without it the whole sequence
+        is recomputed every step (the reference the cache is tested against)."""
         B, T0 = idx.size()
         if T0 + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                              f"block_size {self.config.block_size}")
         was_training = self.training
         self.eval()
-        cache = None
-        if use_cache:
-            dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) \
-                else self.lm_head.weight.dtype
-            cache = KVCache(self.config, B, T0 + max_new_tokens, idx.device, dtype)
+        dtype = torch.get_autocast_dtype(idx.device.type) if torch.is_autocast_enabled(idx.device.type) \
+            else self.lm_head.weight.dtype
+        cache = KVCache(self.config, B, T0 + max_new_tokens, idx.device, dtype) if use_cache else None
         logits, _ = self(idx, kv_cache=cache, logits_to_keep=1)  # prefill
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1, : self.config.real_vocab_size], temperature, top_k, generator)
             idx = torch.cat((idx, nxt), dim=1)
             if i < max_new_tokens - 1:
-                if use_cache:
-                    logits, _ = self(nxt, kv_cache=cache, logits_to_keep=1)
-                else:
-                    logits, _ = self(idx, logits_to_keep=1)
+                logits, _ = self(nxt, kv_cache=cache, logits_to_keep=1) if use_cache else self(idx, logits_to_keep=1)
         self.train(was_training)
         return idx
 
@@ -407,12 +375,10 @@ def export_hf(model, out_dir):
     if not c.bias or c.n_kv_head != c.n_head:
         raise UsageError("only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
                          + ("no biases" if not c.bias else f"n_kv_head {c.n_kv_head} != n_head {c.n_head}"))
-    hc = GPT2Config(vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
-                    n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
-                    layer_norm_epsilon=1e-5,
-                    resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
-                    bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True)
-    hf = GPT2LMHeadModel(hc)
+    hf = GPT2LMHeadModel(GPT2Config(
+        vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+        activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=c.dropout, embd_pdrop=c.dropout,
+        attn_pdrop=c.dropout, bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True))
     sd = {}
     for k, v in model.state_dict().items():
         v = v.detach().float().cpu()
@@ -433,27 +399,16 @@ def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
     return 6 * n_params + 12 * L * H * Q * T
 
 
-# Peak dense (no sparsity) bf16 tensor-core FLOP/s per GPU: half the with-sparsity figure NVIDIA's datasheets
-# print (H100 SXM 1,979 TF, NVL 1,671, PCIe 1,513; H200 SXM 1,979, NVL 1,671; A100 624). Matched as
-# substrings of torch.cuda.get_device_name(), first match first: the SXM parts carry no form factor in
-# their name, so the NVL and PCIe names come before the plain ones. Other GPUs: --peak_flops.
-PEAK_BF16_FLOPS = [
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H200 NVL", 835e12),
-    ("H200", 989e12),
-    ("A100", 312e12),
-]
+# Peak dense bf16 tensor-core FLOP/s: half the with-sparsity figure of NVIDIA's datasheets. Matched as
+# substrings of torch.cuda.get_device_name(), first match first: SXM parts have no form factor in their name,
+# so NVL and PCIe come before the plain names. Other GPUs: --peak_flops.
+PEAK_BF16_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H200 NVL", 835e12),
+                   ("H200", 989e12), ("A100", 312e12)]
 
 
 def peak_flops(device_name: str):
     """Peak dense bf16 FLOP/s of a GPU named like torch.cuda.get_device_name(), or None if unknown."""
-    name = device_name.casefold()
-    for key, flops in PEAK_BF16_FLOPS:
-        if key.casefold() in name:
-            return flops
-    return None
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key.casefold() in device_name.casefold()), None)
 
 
 # =============================================================================
@@ -461,15 +416,12 @@ def peak_flops(device_name: str):
 # =============================================================================
 
 class DataLoaderLite:
-    """Batches (x, y) of shape (B, T) from the `*_{split}_NNNNNN.npy` shards in data_root.
+    """Batches (x, y) of shape (B, T) from the `*_{split}_NNNNNN.npy` shards in data_root, memory-mapped.
 
-    A split is read as one endless stream of tokens: its shards in order, then (train only) the shards
-    again in a new order drawn from a seeded RNG at each epoch boundary. Rank r of num_processes reads
-    window r of every group of num_processes windows of B*T tokens (+1 for the shifted targets), so a
-    window that reaches the end of a shard continues into the next one and nothing is dropped. Because
-    the position is one number in that stream, the same batches come out for any number of processes,
-    and `state_dict()` resumes exactly. Shards are memory-mapped: each batch copies only its B*T+1 tokens.
-    """
+    A split is one endless stream of tokens: its shards in order, then (train only) again in an order drawn
+    from a seeded RNG at each epoch. Rank r reads window r of each group of num_processes windows of B*T
+    (+1) tokens; a window that reaches a shard's end goes on into the next. The position is one number, so
+    the batches are the same for any number of processes, and `state_dict()` resumes exactly."""
 
     def __init__(self, B, T, process_rank=0, num_processes=1, split="train",
                  data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337, vocab_size=GPT2_VOCAB_SIZE):
@@ -555,14 +507,6 @@ def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5
     lr = max_lr if lr is None else lr
     return torch.optim.Muon([{"params": matrices, "lr_scale": lr / max_lr}], lr=lr, weight_decay=weight_decay,
                             momentum=momentum, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-
-
-def muon_settings(args):
-    """configure_optimizers' muon argument for these flags: None for --optimizer adamw."""
-    if args.optimizer != "muon":
-        return None
-    return dict(lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.muon_ns_steps,
-                adjust_lr_fn=args.muon_adjust_lr)
 
 
 class CombinedOptimizer:
@@ -653,12 +597,9 @@ class Proc:
         """True when ok is true on every rank; also a barrier. long_wait: on a gloo group that waits 48 h."""
         flag = torch.tensor(1.0 if ok else 0.0, device="cpu" if long_wait else self.device)
         if self.world_size > 1:
-            group = None
-            if long_wait:  # data prep takes hours, far past NCCL's collective timeout
-                if self._long_wait_group is None:
-                    self._long_wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
-                group = self._long_wait_group
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            if long_wait and self._long_wait_group is None:  # data prep takes hours, past NCCL's timeout
+                self._long_wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=48))
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._long_wait_group if long_wait else None)
         return flag.item() == 1.0
 
 
@@ -730,22 +671,6 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
     return (total[0] / total[1]).item()
 
 
-def hellaswag_ready(every, proc):
-    """True when HellaSwag's val data can be had on every rank; else False after one warning."""
-    if every <= 0:
-        return False
-    ok = True
-    for turn in ("master", "others"):  # the master downloads first, the other ranks then find the file
-        if proc.master == (turn == "master"):
-            try:
-                hellaswag.download("val")
-            except hellaswag.HellaSwagUnavailable as e:
-                print(f"warning: HellaSwag evaluation turned off: {e}", flush=True)
-                ok = False
-        ok = proc.agree(ok)  # also the barrier between the turns
-    return ok
-
-
 def hellaswag_accuracy(raw_model, proc, limit, use_bf16):
     """HellaSwag acc_norm of the raw model, its examples split over the ranks; None if the data went away."""
     try:
@@ -773,16 +698,22 @@ def decode_sample(enc, tokens, n_prompt):
     return re.sub(r"\n\s*\n", "\n", text).strip()
 
 
+def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autocast_ctx, seed, **generate_kwargs):
+    """num_samples continuations of the text prompt, as text."""
+    tokens = encode_prompt(enc, prompt)
+    idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
+    with autocast_ctx:
+        out = model.generate(idx, max_new_tokens, generator=torch.Generator(device=device).manual_seed(seed),
+                             **generate_kwargs)
+    return [decode_sample(enc, row, len(tokens)) for row in out.tolist()]
+
+
 def print_samples(raw_model, enc, args, proc, autocast_ctx):
     """num_samples continuations of the sample prompt from each rank (its own seed), one line each."""
-    gen = torch.Generator(device=proc.device).manual_seed(args.seed + proc.rank)
-    tokens = encode_prompt(enc, args.sample_prompt)
-    prompt = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=proc.device)
-    with autocast_ctx:
-        out = raw_model.generate(prompt, args.sample_tokens, top_k=50, generator=gen)
-    for i, row in enumerate(out.tolist()):
-        text = " ".join(decode_sample(enc, row, len(tokens)).split())  # a log line: newlines as spaces
-        print(f"rank {proc.rank} sample {i}: {text}", flush=True)
+    texts = sample_texts(raw_model, enc, args.sample_prompt, args.num_samples, args.sample_tokens, proc.device,
+                         autocast_ctx, args.seed + proc.rank, top_k=50)
+    for i, text in enumerate(texts):
+        print(f"rank {proc.rank} sample {i}: {' '.join(text.split())}", flush=True)  # newlines as spaces
 
 
 # =============================================================================
@@ -839,8 +770,10 @@ def train(args):
         proc.print0(f"model: {raw_model.get_num_params():,} parameters")
         if args.fsdp:
             shard_model(raw_model, use_bf16)
+        muon = dict(lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.muon_ns_steps,
+                    adjust_lr_fn=args.muon_adjust_lr) if args.optimizer == "muon" else None
         optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, proc.device_type,
-                                                   verbose=proc.master, muon=muon_settings(args))
+                                                   verbose=proc.master, muon=muon)
         state = TrainState()  # where the run stands: what a checkpoint holds besides the weights
         if ckpt is not None:
             state = restore_checkpoint(ckpt, raw_model, optimizer, train_loader)
@@ -852,10 +785,9 @@ def train(args):
         if ddp:
             model = DDP(model, device_ids=[proc.local_rank] if proc.device_type == "cuda" else None)
 
-        metrics = Metrics(args, proc.master, run_config)  # log.txt, and W&B if asked
-        reporter = StepReporter(args, proc, raw_model, metrics, state.step + 1, end)
+        metrics = Metrics(args, proc, raw_model, run_config, state.step + 1, end)  # step line, log.txt, W&B
         profiler = Profiler(args, proc) if args.profile else None
-        hellaswag_on = hellaswag_ready(args.hellaswag_every, proc)
+        hellaswag_on = args.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc.master, proc.agree)
         last_saved = state.step
 
         def save():  # every rank calls it: FSDP gathers the shards
@@ -942,7 +874,7 @@ def train(args):
                 state.step, state.tokens_seen = step, state.tokens_seen + batch_size
 
                 with saving_on_error("logging", step, keep_last_step):
-                    reporter.report(step, loss_value, lr, norm_value, dt, batch_size)
+                    metrics.report_step(step, loss_value, lr, norm_value, dt, batch_size)
                 if profiler is not None and profiler.step():
                     break  # --profile exit
                 if step == end - 1 or stopping or (args.save_every and step and step % args.save_every == 0):
@@ -1005,54 +937,12 @@ def find_checkpoints(log_dir):
     return sorted(found, key=checkpoint_step)
 
 
-def rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def per_part(optimizer, fn, *states):
     """fn(optimizer, *states), or {name: fn(part, *states[name])} for a CombinedOptimizer: a checkpoint's
     "optimizer" is AdamW's state dict, or with Muon {"adamw": ..., "muon": ...}."""
     if isinstance(optimizer, CombinedOptimizer):
         return {name: fn(opt, *(s[name] for s in states)) for name, opt in optimizer.parts.items()}
     return fn(optimizer, *states)
-
-
-def full_state_dicts(raw_model, optimizer):
-    """Unsharded model and optimizer state on CPU, keyed by parameter name, the same from a plain, DDP or
-    FSDP model, so checkpoints move freely between them. Under FSDP every rank calls it (it gathers)."""
-    from torch.distributed.checkpoint import state_dict as sd
-
-    opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    optim_sd = per_part(optimizer, lambda opt: sd.get_optimizer_state_dict(raw_model, opt, options=opts))
-    return sd.get_model_state_dict(raw_model, options=opts), optim_sd
-
-
-def load_full_state_dicts(raw_model, optimizer, model_sd, optim_sd):
-    """Inverse of full_state_dicts; under FSDP each rank keeps its own shard of what it is given."""
-    from torch.distributed.checkpoint import state_dict as sd
-
-    opts = sd.StateDictOptions(full_state_dict=True)
-    sd.set_model_state_dict(raw_model, model_sd, options=opts)
-
-    def load(opt, state):
-        # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags
-        keep = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g} for g in opt.param_groups]
-        sd.set_optimizer_state_dict(raw_model, opt, state, options=opts)
-        for group, kept in zip(opt.param_groups, keep):
-            group.update(kept)
-
-    per_part(optimizer, load, optim_sd)
 
 
 def non_finite(model_sd):
@@ -1064,15 +954,21 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_
     """Write model, optimizer and TrainState to path atomically, then keep the newest keep_last (0: all).
     Every rank calls it (FSDP gathers), and every rank stops if rank 0 cannot write (e.g. a full disk);
     agree=False: after a failure that may be one rank's alone, no collective."""
-    model_sd, optim_sd = full_state_dicts(raw_model, optimizer)
+    from torch.distributed.checkpoint import state_dict as sd
+
+    # unsharded, on the CPU, keyed by parameter name: the same from a plain, DDP or FSDP model (which gathers)
+    opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = sd.get_model_state_dict(raw_model, options=opts)
+    optim_sd = per_part(optimizer, lambda opt: sd.get_optimizer_state_dict(raw_model, opt, options=opts))
     error = None
     if proc.master:
         try:
             if bad := non_finite(model_sd):
                 raise UsageError(f"{bad} holds NaN or inf")
-            state.loader, state.rng = train_loader.state_dict(), rng_state()
-            ckpt = {"model": model_sd, "config": asdict(raw_model.config), "optimizer": optim_sd,
-                    **asdict(state)}
+            state.loader = train_loader.state_dict()
+            state.rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                         **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
+            ckpt = {"model": model_sd, "config": asdict(raw_model.config), "optimizer": optim_sd, **asdict(state)}
             atomic_write(path, lambda f: torch.save(ckpt, f))  # never a truncated model_*.pt, even on a crash
             for old in find_checkpoints(os.path.dirname(path))[:-keep_last] if keep_last > 0 else []:
                 os.remove(old)  # the newest is this one: a resumed run set later ones aside when it started
@@ -1083,11 +979,28 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_
 
 
 def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
-    """Load a checkpoint dict into the model, optimizer, loader and RNGs; returns its TrainState."""
+    """Load a checkpoint dict into the model, optimizer, loader and RNGs; returns its TrainState. Under FSDP
+    each rank keeps its own shard of the full state."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    opts = sd.StateDictOptions(full_state_dict=True)
+    sd.set_model_state_dict(raw_model, ckpt["model"], options=opts)
+
+    def load(opt, state):
+        # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags
+        keep = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g} for g in opt.param_groups]
+        sd.set_optimizer_state_dict(raw_model, opt, state, options=opts)
+        for group, kept in zip(opt.param_groups, keep):
+            group.update(kept)
+
+    per_part(optimizer, load, ckpt["optimizer"])
     state = TrainState.from_checkpoint(ckpt)
-    load_full_state_dicts(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])
     train_loader.load_state_dict(state.loader)
-    set_rng_state(state.rng)
+    random.setstate(state.rng["python"])
+    np.random.set_state(state.rng["numpy"])
+    torch.set_rng_state(state.rng["torch"])
+    if torch.cuda.is_available() and len(state.rng.get("cuda", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state.rng["cuda"])
     return state
 
 
@@ -1320,31 +1233,6 @@ def truncate_log(path, last_step):
     return sum(parsed is None for _, parsed in lines)
 
 
-class Metrics:
-    """Where a run's numbers go: log.txt on the master process, and W&B when --wandb_project is set."""
-
-    def __init__(self, args, master, run_config):
-        self.log_file, self.master, self.wandb_run = os.path.join(args.log_dir, "log.txt"), master, None
-        if args.wandb_project and master:
-            try:
-                import wandb
-            except ImportError:
-                raise UsageError("--wandb_project needs the wandb package: pip install wandb") from None
-            self.wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name,
-                                        config=run_config)
-
-    def log(self, step, kind, value, **extra):
-        """kind is a log.txt series (train/val/hella); extra numbers (lr, norm, ...) go to W&B only."""
-        if self.master:
-            append_log(self.log_file, step, kind, value)
-        if self.wandb_run is not None:
-            self.wandb_run.log({kind: value, **{f"{kind}/{k}": v for k, v in extra.items()}}, step=step)
-
-    def finish(self):
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-
-
 # ---- flag checks: what argparse cannot check alone, all before any work
 
 # flags of one invocation: a resumed run takes every other flag it is not given from its checkpoint
@@ -1499,20 +1387,34 @@ def format_run_config(run_config):
     return "\n".join(lines)
 
 
-# ---- reporting: the step line, the profiler, stop signals
+# ---- reporting: the step line, log.txt and W&B, the profiler, stop signals
 
-class StepReporter:
-    """The line printed after each step (loss, lr, norm, speed, MFU, memory, ETA) and the train series."""
+class Metrics:
+    """Where a run's numbers go: the step line (loss, lr, norm, speed, MFU, memory, ETA) on stdout, log.txt
+    on the master process, and W&B when --wandb_project is set."""
 
-    def __init__(self, args, proc, raw_model, metrics, first_step, end):
-        self.args, self.proc, self.metrics, self.first_step, self.end = args, proc, metrics, first_step, end
+    def __init__(self, args, proc, raw_model, run_config, first_step, end):
+        self.args, self.proc, self.first_step, self.end = args, proc, first_step, end
+        self.log_file, self.wandb_run, self.dt_avg = os.path.join(args.log_dir, "log.txt"), None, None
+        if args.wandb_project and proc.master:
+            try:
+                import wandb
+            except ImportError:
+                raise UsageError("--wandb_project needs the wandb package: pip install wandb") from None
+            self.wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=run_config)
         n_params = raw_model.get_num_params(non_embedding=True)
         self.flops_tok = flops_per_token(raw_model.config, n_params, args.sequence_length)
         self.peak = args.peak_flops or (peak_flops(torch.cuda.get_device_name(proc.device))
                                         if proc.device_type == "cuda" else None)
-        self.dt_avg = None  # smoothed step time, for the ETA
 
-    def report(self, step, loss, lr, norm, dt, batch_size):
+    def log(self, step, kind, value, **extra):
+        """kind is a log.txt series (train/val/hella); extra numbers (lr, norm, ...) go to W&B only."""
+        if self.proc.master:
+            append_log(self.log_file, step, kind, value)
+        if self.wandb_run is not None:
+            self.wandb_run.log({kind: value, **{f"{kind}/{k}": v for k, v in extra.items()}}, step=step)
+
+    def report_step(self, step, loss, lr, norm, dt, batch_size):
         tokens_per_sec = batch_size / dt
         if step > self.first_step:  # the first step compiles and warms up: keep it out of the ETA
             self.dt_avg = dt if self.dt_avg is None else 0.9 * self.dt_avg + 0.1 * dt
@@ -1530,22 +1432,21 @@ class StepReporter:
         if self.dt_avg is not None:
             line += f" | eta {format_eta((self.end - step - 1) * self.dt_avg)}"
         self.proc.print0(line)
-        self.metrics.log(step, "train", loss, **extra)
+        self.log(step, "train", loss, **extra)
+
+    def finish(self):
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
 
 
 def format_eta(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
 
 
 def profile_schedule(text):
     """argparse type of --profile_schedule: WAIT,WARMUP,ACTIVE steps."""
-    try:
-        wait, warmup, active = (int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected three integers WAIT,WARMUP,ACTIVE") from None
-    if min(wait, warmup) < 0 or active < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: WAIT and WARMUP must be >= 0 and ACTIVE >= 1")
+    if not re.fullmatch(r"\d+,\d+,0*[1-9]\d*", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers WAIT,WARMUP,ACTIVE (>= 0, >= 0, >= 1)")
     return text
 
 
@@ -1607,29 +1508,6 @@ class StopSignals:
 
 # ---- the command line: the training flags, main, and the sample / export / eval commands
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
-
-
-def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None):
-    """An argparse type: a finite int or float in [low, high], either end open if asked."""
-    what = what or ("positive" if low_open or (kind is int and low == 1) else f">= {low}")
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"not {text!r}") from None
-        if not (math.isfinite(value) and (value > low if low_open else value >= low)
-                and (value < high if high_open else value <= high)):
-            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
-        return value
-    return parse
-
-
-POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
-POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
 COMMANDS_HELP = """commands (python train_gpt2.py COMMAND --help):
   sample   text from a checkpoint or from OpenAI's GPT-2
   export   a checkpoint as a transformers GPT2LMHeadModel directory
@@ -1638,73 +1516,66 @@ COMMANDS_HELP = """commands (python train_gpt2.py COMMAND --help):
 
 def build_parser(command=None):
     """The parser of the training flags (command None), or of the sample / export / eval command."""
-    shared = hellaswag.OneLineParser(add_help=False)  # defined once for the trainer, sample and eval
+    shared = OneLineParser(add_help=False)  # defined once for the trainer, sample and eval
     shared.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     shared.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                         help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
-    shared.add_argument("--init_from", default=None, metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
+    shared.add_argument("--init_from", metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
                         help="OpenAI's GPT-2 weights (a hub name, or a save_pretrained directory)")
     if command == "export":
-        p = hellaswag.OneLineParser(prog="train_gpt2.py export", formatter_class=HelpFormatter,
+        p = OneLineParser(prog="train_gpt2.py export", formatter_class=HelpFormatter,
                           description="Write a checkpoint as a transformers GPT2LMHeadModel directory.")
         p.add_argument("--checkpoint", required=True, help="a model_*.pt written by training")
         p.add_argument("--out", required=True, help="a new (or empty) directory to write")
         return p
     if command in ("sample", "eval"):
-        p = hellaswag.OneLineParser(prog=f"train_gpt2.py {command}", parents=[shared], formatter_class=HelpFormatter)
-        p.add_argument("--checkpoint", help="a model_*.pt written by training (or give --init_from)")
+        p = OneLineParser(prog=f"train_gpt2.py {command}", parents=[shared], formatter_class=HelpFormatter)
+        add = p.add_argument
+        add("--checkpoint", help="a model_*.pt written by training (or give --init_from)")
     if command == "sample":
         p.description = "Sample text from one of our checkpoints or from OpenAI's GPT-2."
-        p.add_argument("--prompt", default="Hello, I'm a language model,", help="text to continue")
-        p.add_argument("--num_samples", type=POSITIVE_INT, default=4, help="independent samples")
-        p.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64, help="new tokens per sample")
-        p.add_argument("--top_k", type=POSITIVE_INT, default=50, help="the k likeliest tokens (1: greedy)")
-        p.add_argument("--temperature", type=NONNEG, default=1.0, help="softmax temperature (0: greedy)")
-        p.add_argument("--seed", type=int, default=1337, help="sampling seed")
-        p.add_argument("--no_kv_cache", action="store_true", help="recompute the sequence each token (slow)")
+        add("--prompt", default="Hello, I'm a language model,", help="text to continue")
+        add("--num_samples", type=POSITIVE_INT, default=4, help="independent samples")
+        add("--max_new_tokens", type=POSITIVE_INT, default=64, help="new tokens per sample")
+        add("--top_k", type=POSITIVE_INT, default=50, help="the k likeliest tokens (1: greedy)")
+        add("--temperature", type=NONNEG, default=1.0, help="softmax temperature (0: greedy)")
+        add("--seed", type=int, default=1337, help="sampling seed")
+        add("--no_kv_cache", action="store_true", help="recompute the sequence each token (slow)")
         return p
     if command == "eval":
         p.description = ("HellaSwag val accuracy (acc: lowest summed loss of the ending, acc_norm: lowest "
                          "mean loss) of a checkpoint, or of OpenAI's GPT-2 run through our GPT.")
-        p.add_argument("--limit", type=POSITIVE_INT, default=None, help="only the first N examples")
-        p.add_argument("--batch_tokens", type=NONNEG_INT, default=8192, help="tokens a pass (0: one example)")
-        p.add_argument("--data_dir", help="folder of hellaswag_val.jsonl (default: hellaswag.py's)")
+        add("--limit", type=POSITIVE_INT, help="only the first N examples")
+        add("--batch_tokens", type=NONNEG_INT, default=8192, help="tokens a pass (0: one example)")
+        add("--data_dir", help="folder of hellaswag_val.jsonl (default: hellaswag.py's)")
         return p
 
-    p = hellaswag.OneLineParser(prog="train_gpt2.py", parents=[shared], formatter_class=HelpFormatter,
+    p = OneLineParser(prog="train_gpt2.py", parents=[shared], formatter_class=HelpFormatter,
                       usage="%(prog)s [flags]  |  %(prog)s {sample,export,eval} [flags]",
                       description="Pretrain GPT-2 on FineWeb-Edu shards: python train_gpt2.py on one GPU, "
                                   "torchrun --standalone --nproc_per_node=8 train_gpt2.py on a node.\n\n"
                                   + COMMANDS_HELP)
-    g = p.add_argument_group("model")
-    add = g.add_argument
-    add("--preset", default="gpt2", choices=sorted(MODEL_PRESETS),
-        help="model shape and matching run settings; explicit flags override it")
+    fraction = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
+    add = p.add_argument_group("model").add_argument
+    add("--preset", default="gpt2", choices=sorted(MODEL_PRESETS), help="shape and run settings; flags override it")
     add("--n_layer", type=POSITIVE_INT, help="blocks (default: the preset's)")
     add("--n_head", type=POSITIVE_INT, help="attention heads (default: the preset's)")
     add("--n_embd", type=POSITIVE_INT, help="embedding width (default: the preset's)")
     add("--block_size", type=POSITIVE_INT, help="context length (default: the preset's, GPT-2's 1024)")
     add("--n_kv_head", type=POSITIVE_INT, help="key/value heads, dividing n_head: GQA (1: MQA)")
-    add("--dropout", type=bounded(float, 0, 1, high_open=True, what="in [0, 1)"), default=0.0,
-        help="attention, residual and embedding dropout in training")
-    add("--bias", default=True, action=argparse.BooleanOptionalAction,
-        help="biases in Linear and LayerNorm layers, as GPT-2")
+    add("--dropout", type=fraction, default=0.0, help="attention, residual and embedding dropout in training")
+    add("--bias", default=True, action=argparse.BooleanOptionalAction, help="biases in Linear and LayerNorm")
 
-    g = p.add_argument_group("optimisation")
-    add = g.add_argument
+    add = p.add_argument_group("optimisation").add_argument
     add("--optimizer", default="adamw", choices=["adamw", "muon"],
-        help="adamw (GPT-2's recipe), or muon: torch.optim.Muon for the 2-D weights in the blocks "
-             "and AdamW for the rest, on the same schedule")
+        help="adamw (GPT-2's), or muon: torch.optim.Muon for the blocks' 2-D weights, AdamW for the rest")
     add("--muon_lr", type=POSITIVE, help="Muon's peak LR (default: --max_lr), scheduled like it")
-    add("--muon_momentum", type=bounded(float, 0, 1, high_open=True, what="in [0, 1)"),
-        default=0.95, help="Muon's Nesterov momentum")
-    add("--muon_ns_steps", type=bounded(int, 1, 99, what="in 1..99"), default=5,
-        help="Newton-Schulz iterations per Muon update")
+    add("--muon_momentum", type=fraction, default=0.95, help="Muon's Nesterov momentum")
+    add("--muon_ns_steps", type=bounded(int, 1, 99, what="in 1..99"), default=5, help="Newton-Schulz iterations")
     add("--muon_adjust_lr", default="match_rms_adamw", choices=["match_rms_adamw", "original"],
         help="match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr")
     add("--max_lr", type=POSITIVE, default=6e-4, help="peak learning rate")
-    add("--min_lr_ratio", type=bounded(float, 0, 1, what="in [0, 1]"), default=0.1,
-        help="final learning rate as a fraction of max_lr")
+    add("--min_lr_ratio", type=bounded(float, 0, 1, what="in [0, 1]"), default=0.1, help="final LR / max_lr")
     add("--warmup_steps", type=NONNEG_INT, default=715, help="linear warmup steps")
     add("--max_steps", type=POSITIVE_INT, default=19073, help="optimizer steps (19073 x 2^19 = 10B tokens)")
     add("--weight_decay", type=NONNEG, default=0.1, help="decoupled weight decay of matmuls and embeddings")
@@ -1712,8 +1583,7 @@ def build_parser(command=None):
     add("--total_batch_size", type=POSITIVE_INT, default=524288,
         help="tokens per optimizer step, all processes together: a multiple of B*T*processes")
     add("--batch_ramp_tokens", type=NONNEG_INT, default=0,
-        help="GPT-3's ramp: grow the batch from --batch_ramp_start to --total_batch_size over the "
-             "first N train tokens (0: off)")
+        help="GPT-3's ramp: the batch grows from --batch_ramp_start over the first N tokens (0: off)")
     add("--batch_ramp_start", type=POSITIVE_INT, default=32768, help="first batch of the ramp, in tokens")
     add("-B", "--micro_batch_size", type=POSITIVE_INT, default=64, help="sequences per forward, per process")
     add("-T", "--sequence_length", type=POSITIVE_INT, default=1024, help="tokens per sequence")
@@ -1723,8 +1593,7 @@ def build_parser(command=None):
     add("--eval_every", type=NONNEG_INT, default=250, help="val loss every N steps and at the end")
     val = g.add_mutually_exclusive_group()
     val.add_argument("--val_tokens", type=POSITIVE_INT, default=10_485_760,
-                     help="val loss over the first N val tokens, for any world size and -B "
-                          "(build-nanogpt's 20 x 64 x 1024 x 8)")
+                     help="val loss over the first N val tokens, for any world size and -B (build-nanogpt's)")
     val.add_argument("--val_steps", type=POSITIVE_INT, help="instead: N batches of B*T tokens per process")
     add("--sample_every", type=NONNEG_INT, default=250, help="samples every N steps (not 0) and at the end")
     add("--sample_prompt", default="Hello, I'm a language model,", help="prompt for the samples")
@@ -1739,12 +1608,10 @@ def build_parser(command=None):
     add = g.add_argument
     add("--seed", type=int, default=1337, help="seed for init, data order and sampling")
     add("--data_root", default=fineweb.DEFAULT_DATA_ROOT,
-        help="folder of *_train_*.npy / *_val_*.npy shards; when it has none, rank 0 prepares them "
-             "(the tokens the run needs, at least 10M)")
-    add("--fineweb_name", default="sample-10BT", choices=["sample-10BT", "sample-100BT", "sample-350BT"],
-        help="FineWeb-Edu sample to prepare when data_root is empty")
-    add("--input", nargs="+", metavar="PATH",
-        help="prepare data_root from these .txt/.jsonl/.parquet files (or globs) instead of FineWeb-Edu")
+        help="folder of *_train_*.npy / *_val_*.npy shards; rank 0 prepares missing ones (>= 10M tokens)")
+    add("--fineweb_name", default="sample-10BT", choices=fineweb.NAMES, help="FineWeb-Edu sample to prepare")
+    add("--input", nargs="+", metavar="PATH", help="prepare data_root from these .txt/.md/.jsonl/.parquet files "
+        "(or globs) instead of FineWeb-Edu")
     add("--text_column", default="text", help="text field of --input .jsonl/.parquet files")
     add("--log_dir", default="log", help="where log.txt, run_config.json and model_*.pt go")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on CUDA only)")
@@ -1755,8 +1622,7 @@ def build_parser(command=None):
     fresh.add_argument("--resume", metavar="latest|PATH",
                        help="continue from the newest usable checkpoint in log_dir, or PATH; the shape and "
                             "every flag not given now come from it; later checkpoints move to after_step_N/")
-    add("--stop_step", type=POSITIVE_INT,
-        help="leave after N steps with a checkpoint, on --max_steps' schedule (for time-limited jobs)")
+    add("--stop_step", type=POSITIVE_INT, help="leave after N steps with a checkpoint, on --max_steps' schedule")
     add("--profile", nargs="?", const="continue", choices=["continue", "exit"],
         help="torch.profiler over a few steps: a trace in <log_dir>/profile/, the top ops, then go on")
     add("--profile_schedule", type=profile_schedule, default="1,1,3", metavar="WAIT,WARMUP,ACTIVE",
@@ -1807,16 +1673,12 @@ def model_for_command(args):
 def sample_main(args):
     model, device, ctx, _ = model_for_command(args)
     enc = fineweb.get_encoding()
-    tokens = encode_prompt(enc, args.prompt)
-    check_prompt_fits(len(tokens), args.max_new_tokens, model.config.block_size, "--prompt",
-                      "--max_new_tokens")
-    idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
-    with ctx:
-        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             generator=torch.Generator(device=device).manual_seed(args.seed),
-                             use_cache=not args.no_kv_cache)
-    for i, row in enumerate(out.tolist()):
-        print(f"--- sample {i}\n{decode_sample(enc, row, len(tokens))}")
+    check_prompt_fits(len(encode_prompt(enc, args.prompt)), args.max_new_tokens, model.config.block_size,
+                      "--prompt", "--max_new_tokens")
+    for i, text in enumerate(sample_texts(model, enc, args.prompt, args.num_samples, args.max_new_tokens, device,
+                                          ctx, args.seed, temperature=args.temperature, top_k=args.top_k,
+                                          use_cache=not args.no_kv_cache)):
+        print(f"--- sample {i}\n{text}")
     return 0
 
 
@@ -1846,18 +1708,12 @@ def export_main(args):
 
 def eval_main(args):
     model, device, _, use_bf16 = model_for_command(args)  # a bad checkpoint fails before any download
-    try:
-        hellaswag.download("val", args.data_dir)
-        t0 = time.perf_counter()
-        res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
-                                 data_dir=args.data_dir, autocast_dtype=torch.bfloat16 if use_bf16 else None,
-                                 progress=True)
-    except hellaswag.HellaSwagUnavailable as e:
-        raise UsageError(str(e)) from None
-    dtype = "bf16" if use_bf16 else "fp32"
-    print(f"{args.checkpoint or args.init_from} on {device} ({dtype}), hellaswag val: {res['n']} examples, "
-          f"acc {res['acc']:.4f} ({res['correct']}/{res['n']}), acc_norm {res['acc_norm']:.4f} "
-          f"({res['correct_norm']}/{res['n']}) [{time.perf_counter() - t0:.1f} s]")
+    hellaswag.download("val", args.data_dir)
+    t0 = time.perf_counter()
+    res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens, data_dir=args.data_dir,
+                             autocast_dtype=torch.bfloat16 if use_bf16 else None, progress=True)
+    print(hellaswag.summary(args.checkpoint or args.init_from, device, "bf16" if use_bf16 else "fp32", "val", res,
+                            time.perf_counter() - t0))
     return 0
 
 
@@ -1870,8 +1726,8 @@ def main(argv=None):
         if argv and argv[0] in COMMANDS:
             return COMMANDS[argv[0]](build_parser(argv[0]).parse_args(argv[1:]))
         return train(parse_args(argv))
-    except (UsageError, fineweb.DataPrepError) as e:  # DataPrepError: the data, or a damaged gpt2_bpe/
-        if int(os.environ.get("RANK", 0)) == 0 or getattr(e, "rank_specific", False):
+    except UsageError as e:  # fineweb's DataPrepError (also a damaged gpt2_bpe/), HellaSwagUnavailable
+        if int(os.environ.get("RANK", 0)) == 0 or e.rank_specific:
             print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk under log.txt or an export: nothing partial is left under a final name
