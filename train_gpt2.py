@@ -47,10 +47,7 @@ SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 # real GPT-2 BPE tokens, <|endoftext|> last; ids >= this in a padded vocab are padding
 GPT2_VOCAB_SIZE = EOT + 1
 
-
-# =============================================================================
-# Config and presets
-# =============================================================================
+# ===== Config and presets ===================================================================================
 
 @dataclass
 class GPTConfig:
@@ -78,7 +75,6 @@ class GPTConfig:
         if not 0 < self.real_vocab_size <= self.vocab_size:
             raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in 1..{self.vocab_size}")
 
-
 # Named model shapes (GPT-2 paper, Table 2) plus a CPU-sized one for tests and demos.
 MODEL_PRESETS = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
@@ -102,10 +98,7 @@ RUN_PRESETS = {
                  save_every=0, data_root=os.path.join(SCRIPT_DIR, "edu_fineweb_tiny")),
 }
 
-
-# =============================================================================
-# The model
-# =============================================================================
+# ===== The model ============================================================================================
 
 class KVCache:
     """Keys and values of the tokens seen so far, so that generation feeds one token at a time: k, v are
@@ -124,7 +117,6 @@ class KVCache:
         self.k[layer, :, :, self.pos: self.pos + T] = k
         self.v[layer, :, :, self.pos: self.pos + T] = v
         return self.k[layer, :, :, : self.pos + T], self.v[layer, :, :, : self.pos + T]
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx=0):
@@ -161,7 +153,6 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.resid_dropout(self.c_proj(y))
 
-
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -173,7 +164,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx=0):
@@ -188,7 +178,6 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), kv_cache)
         x = x + self.mlp(self.ln_2(x))
         return x
-
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -350,7 +339,6 @@ class GPT(nn.Module):
         self.train(was_training)
         return idx
 
-
 def sample_next(logits, temperature=1.0, top_k=50, generator=None):
     """One token id per row of logits (B, V): top-k sampling at a temperature; greedy for top_k=1 or T=0."""
     logits = logits.float()
@@ -362,10 +350,8 @@ def sample_next(logits, temperature=1.0, top_k=50, generator=None):
         return torch.gather(ix, -1, torch.multinomial(F.softmax(v, dim=-1), 1, generator=generator))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
-
 # the matmul weights that transformers' GPT-2 keeps as Conv1D, (in, out): transposed on import and export
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
 
 def export_hf(model, out_dir):
     """Write model as a transformers GPT2LMHeadModel directory (config.json + safetensors), vocab unpadded."""
@@ -391,13 +377,11 @@ def export_hf(model, out_dir):
     hf.save_pretrained(out_dir)
     return hf
 
-
 def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B). n_params leaves
     out wpe (a lookup) and counts the tied wte/lm_head once; 12·L·H·Q·T are the attention matmuls."""
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, seq_len
     return 6 * n_params + 12 * L * H * Q * T
-
 
 # Peak dense bf16 tensor-core FLOP/s: half the with-sparsity figure of NVIDIA's datasheets. Matched as
 # substrings of torch.cuda.get_device_name(), first match first: SXM parts have no form factor in their name,
@@ -405,15 +389,11 @@ def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
 PEAK_BF16_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H200 NVL", 835e12),
                    ("H200", 989e12), ("A100", 312e12)]
 
-
 def peak_flops(device_name: str):
     """Peak dense bf16 FLOP/s of a GPU named like torch.cuda.get_device_name(), or None if unknown."""
     return next((flops for key, flops in PEAK_BF16_FLOPS if key.casefold() in device_name.casefold()), None)
 
-
-# =============================================================================
-# Data loader: uint16 token shards written by fineweb.py
-# =============================================================================
+# ===== Data loader: uint16 token shards written by fineweb.py ===============================================
 
 class DataLoaderLite:
     """Batches (x, y) of shape (B, T) from the `*_{split}_NNNNNN.npy` shards in data_root, memory-mapped.
@@ -495,10 +475,7 @@ class DataLoaderLite:
         self.position += B * T * self.num_processes
         return x, y
 
-
-# =============================================================================
-# Optimizers and schedules: AdamW (GPT-2's recipe) or Muon + AdamW; the LR and the batch-size ramp
-# =============================================================================
+# ===== Optimizers and schedules: AdamW (GPT-2's recipe) or Muon + AdamW; the LR and the batch-size ramp =====
 
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
               adjust_lr_fn="match_rms_adamw"):
@@ -507,7 +484,6 @@ def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5
     lr = max_lr if lr is None else lr
     return torch.optim.Muon([{"params": matrices, "lr_scale": lr / max_lr}], lr=lr, weight_decay=weight_decay,
                             momentum=momentum, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-
 
 class CombinedOptimizer:
     """Optimizers over disjoint parameters used as one: param_groups, zero_grad and step cover every part;
@@ -528,7 +504,6 @@ class CombinedOptimizer:
         for opt in self.parts.values():
             opt.step()
 
-
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     """Linear warmup to max_lr over warmup_steps, cosine decay to min_lr at max_steps, constant after."""
     if step < warmup_steps:
@@ -539,7 +514,6 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
     return min_lr + coeff * (max_lr - min_lr)
 
-
 def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768):
     """GPT-3's ramp: tokens in the next step, linear from `start` to total over the first ramp_tokens,
     rounded down to a multiple of unit = B*T*world_size (one micro-step on every rank), at least one unit."""
@@ -549,10 +523,7 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
     size = start + (total_batch_size - start) * tokens_seen / ramp_tokens
     return max(unit, int(size) // unit * unit)
 
-
-# =============================================================================
-# Distributed: this process's place in the run, FSDP
-# =============================================================================
+# ===== Distributed: this process's place in the run, FSDP ===================================================
 
 def resolve_device(name):
     """hellaswag.resolve_device (auto = cuda > mps > cpu, checked to exist) with our one-line UsageError."""
@@ -561,7 +532,6 @@ def resolve_device(name):
     except ValueError as e:
         raise UsageError(f"--device: {e}") from None
 
-
 def autocast_for(dtype, device_type):
     """(autocast context, uses bf16) for --dtype auto|fp32|bf16: auto is bf16 on CUDA and fp32 elsewhere."""
     use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
@@ -569,7 +539,6 @@ def autocast_for(dtype, device_type):
         return hellaswag.autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
     except ValueError as e:  # torch would have run fp32 in silence
         raise UsageError(f"--dtype {dtype}: {e}; use --dtype fp32") from None
-
 
 @dataclass
 class Proc:
@@ -602,7 +571,6 @@ class Proc:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._long_wait_group if long_wait else None)
         return flag.item() == 1.0
 
-
 def setup_distributed(args):
     """A Proc from torchrun's environment (one process without it), with the process group started."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -621,7 +589,6 @@ def setup_distributed(args):
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     return Proc(ddp, rank, local_rank, world_size, device)
 
-
 def shard_model(raw_model, use_bf16):
     """FSDP2 on every block and then the root (embeddings, tied lm_head, ln_f); in place."""
     try:
@@ -636,10 +603,7 @@ def shard_model(raw_model, use_bf16):
         fully_shard(block, mp_policy=mp)
     fully_shard(raw_model, mp_policy=mp)
 
-
-# =============================================================================
-# Evaluation: val loss, HellaSwag, samples
-# =============================================================================
+# ===== Evaluation: val loss, HellaSwag, samples =============================================================
 
 @torch.no_grad()
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
@@ -670,7 +634,6 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return (total[0] / total[1]).item()
 
-
 def hellaswag_accuracy(raw_model, proc, limit, use_bf16):
     """HellaSwag acc_norm of the raw model, its examples split over the ranks; None if the data went away."""
     try:
@@ -683,11 +646,9 @@ def hellaswag_accuracy(raw_model, proc, limit, use_bf16):
     proc.print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
     return res["acc_norm"]
 
-
 def encode_prompt(enc, text):
     """Token ids of a prompt; an empty prompt starts from <|endoftext|>, as a new document would."""
     return enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
-
 
 def decode_sample(enc, tokens, n_prompt):
     """A sample as text: the prompt and what follows up to the first <|endoftext|>, blank lines squeezed."""
@@ -696,7 +657,6 @@ def decode_sample(enc, tokens, n_prompt):
         new = new[: new.index(EOT)]
     text = enc.decode([t for t in tokens[:n_prompt] if t != EOT] + new)
     return re.sub(r"\n\s*\n", "\n", text).strip()
-
 
 def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autocast_ctx, seed, **generate_kwargs):
     """num_samples continuations of the text prompt, as text."""
@@ -707,7 +667,6 @@ def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autoca
                              **generate_kwargs)
     return [decode_sample(enc, row, len(tokens)) for row in out.tolist()]
 
-
 def print_samples(raw_model, enc, args, proc, autocast_ctx):
     """num_samples continuations of the sample prompt from each rank (its own seed), one line each."""
     texts = sample_texts(raw_model, enc, args.sample_prompt, args.num_samples, args.sample_tokens, proc.device,
@@ -715,10 +674,7 @@ def print_samples(raw_model, enc, args, proc, autocast_ctx):
     for i, text in enumerate(texts):
         print(f"rank {proc.rank} sample {i}: {' '.join(text.split())}", flush=True)  # newlines as spaces
 
-
-# =============================================================================
-# train(): the whole run, from the flags to the last checkpoint
-# =============================================================================
+# ===== train(): the whole run, from the flags to the last checkpoint ========================================
 
 def train(args):
     """One training run, start to end; returns the exit status (0, or 128 + the signal that stopped it)."""
@@ -891,11 +847,9 @@ def train(args):
         proc.agree(True)  # every rank done with its collectives before the process group goes away
     return 0 if stopped_by is None else 128 + stopped_by
 
-
-# =============================================================================
-# The machinery. A first reading can stop here: what follows keeps runs safe and usable (checkpoint
-# files and log.txt, the log-dir lock, flag checks, reporting, the command line), not how GPT-2 trains.
-# =============================================================================
+# ===== The machinery ========================================================================================
+# A first reading can stop here: what follows keeps runs safe and usable (checkpoint files and log.txt, the
+# log-dir lock, flag checks, reporting, the command line), not how GPT-2 trains.
 
 # ---- checkpoints: model_{step:05d}.pt in the log dir, written after that step's update
 
@@ -917,25 +871,20 @@ class TrainState:
         fields["tokens_seen"] = ckpt.get("tokens_seen", (ckpt["step"] + 1) * ckpt["args"]["total_batch_size"])
         return cls(**fields)
 
-
 CKPT_RE = re.compile(r"model_(\d+)\.pt$")
 # what resuming needs (tokens_seen may be missing in older files); sample, export and eval need the first two
 CKPT_KEYS = ("model", "config", "optimizer", "step", "val_loss", "loader", "rng", "args")
 
-
 def checkpoint_path(log_dir, step):
     return os.path.join(log_dir, f"model_{step:05d}.pt")
 
-
 def checkpoint_step(path):
     return int(CKPT_RE.search(os.path.basename(path)).group(1))
-
 
 def find_checkpoints(log_dir):
     """Checkpoint paths in log_dir, oldest step first."""
     found = [p for p in glob.glob(os.path.join(log_dir, "model_*.pt")) if CKPT_RE.search(os.path.basename(p))]
     return sorted(found, key=checkpoint_step)
-
 
 def per_part(optimizer, fn, *states):
     """fn(optimizer, *states), or {name: fn(part, *states[name])} for a CombinedOptimizer: a checkpoint's
@@ -944,11 +893,9 @@ def per_part(optimizer, fn, *states):
         return {name: fn(opt, *(s[name] for s in states)) for name, opt in optimizer.parts.items()}
     return fn(optimizer, *states)
 
-
 def non_finite(model_sd):
     """The name of the first weight holding a NaN or inf, or None."""
     return next((k for k, v in model_sd.items() if v.is_floating_point() and not v.isfinite().all()), None)
-
 
 def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_last=0, agree=True):
     """Write model, optimizer and TrainState to path atomically, then keep the newest keep_last (0: all).
@@ -977,7 +924,6 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_
     if not (proc.agree(error is None) if agree else error is None):
         raise UsageError(f"saving {path} failed: {one_line(error)}" if error else "saving failed on rank 0")
 
-
 def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
     """Load a checkpoint dict into the model, optimizer, loader and RNGs; returns its TrainState. Under FSDP
     each rank keeps its own shard of the full state."""
@@ -1003,7 +949,6 @@ def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
         torch.cuda.set_rng_state_all(state.rng["cuda"])
     return state
 
-
 def read_checkpoint(path, keys=("model", "config"), check_weights=True):
     """The dict in one of our checkpoints (memory-mapped), or a UsageError saying why it cannot be used;
     check_weights=False skips the scan for NaN/inf (a file already checked)."""
@@ -1020,7 +965,6 @@ def read_checkpoint(path, keys=("model", "config"), check_weights=True):
         raise UsageError(f"{path} holds NaN or inf weights ({bad}): a diverged run's")
     return ckpt
 
-
 def find_resume_checkpoint(resume, log_dir, print0):
     """(path, checkpoint) for --resume latest|PATH; latest skips unusable newer files with a warning."""
     if resume != "latest":
@@ -1034,14 +978,12 @@ def find_resume_checkpoint(resume, log_dir, print0):
     raise UsageError(f"--resume latest: none of the {len(found)} checkpoints in {log_dir} is usable" if found
                      else f"--resume latest: no model_*.pt checkpoint in {log_dir}")
 
-
 def model_from_checkpoint(path):
     """The GPT stored in one of our checkpoints (model_*.pt), in fp32 on the CPU."""
     ckpt = read_checkpoint(path)
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     return model
-
 
 def diverged(step, loss, norm, last_saved, log_dir):
     """The error that stops a run whose loss or gradient norm is no longer finite."""
@@ -1050,7 +992,6 @@ def diverged(step, loss, norm, last_saved, log_dir):
         else "no checkpoint was written"
     return UsageError(f"step {step}: {what}: the run diverged and stopped before this update; {newest} "
                       f"(lower --max_lr or raise --warmup_steps, and resume from it)")
-
 
 @contextlib.contextmanager
 def saving_on_error(what, step, keep_last_step):
@@ -1064,7 +1005,6 @@ def saving_on_error(what, step, keep_last_step):
         raise UsageError(f"{what} at step {step} failed ({type(e).__name__}: {one_line(e)})"
                          + (f"; {saved} holds step {checkpoint_step(saved)}: continue with --resume latest"
                             if saved else "")) from None
-
 
 # ---- the log dir: one run at a time (a filelock), an earlier run never overwritten by accident
 
@@ -1162,7 +1102,6 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
     open(log_file, "w").close()
     return []
 
-
 def set_aside_later_checkpoints(log_dir, resume_step):
     """Move checkpoints after the resumed step (a rollback, or newer damaged files) and a copy of log.txt to
     log_dir/after_step_N: left in place, --resume latest could pick up an abandoned step. Returns a
@@ -1183,22 +1122,18 @@ def set_aside_later_checkpoints(log_dir, resume_step):
     return (f"resuming at step {resume_step}: {len(later)} later checkpoint(s) and a copy of log.txt moved "
             f"to {dest}")
 
-
 def save_run_config(log_dir, run_config):
     """The whole run config, printed in short at the start, as log_dir/run_config.json."""
     data = (json.dumps(run_config, indent=1, default=str) + "\n").encode()
     atomic_write(os.path.join(log_dir, "run_config.json"), lambda f: f.write(data))
 
-
 # ---- log.txt: one `step kind value` line per number, written and parsed only here
 
 LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
 
-
 def append_log(path, step, kind, value):
     with open(path, "a") as f:
         f.write(f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n")
-
 
 def parse_log_line(line):
     """(step, kind, value) of a log.txt line, or None for a damaged one (a crash can leave NUL bytes)."""
@@ -1210,7 +1145,6 @@ def parse_log_line(line):
     except ValueError:
         return None
 
-
 def read_log(path):
     """{kind: (steps, values)} for the kinds in a log.txt ('train', 'val', 'hella'); bad lines skipped."""
     series = {}
@@ -1220,7 +1154,6 @@ def read_log(path):
             steps.append(parsed[0])
             values.append(parsed[2])
     return series
-
 
 def truncate_log(path, last_step):
     """Keep the lines up to last_step; returns how many damaged lines were dropped."""
@@ -1232,7 +1165,6 @@ def truncate_log(path, last_step):
     atomic_write(path, lambda f: f.writelines(line.encode() for line in kept))
     return sum(parsed is None for _, parsed in lines)
 
-
 # ---- flag checks: what argparse cannot check alone, all before any work
 
 # flags of one invocation: a resumed run takes every other flag it is not given from its checkpoint
@@ -1241,16 +1173,13 @@ PER_INVOCATION = {"resume", "overwrite", "stop_step", "device", "dtype", "compil
 SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_batch_size",
                   "batch_ramp_tokens", "batch_ramp_start", "seed")
 
-
 def run_flags(args):
     """The flags as a plain dict, as logged and stored in checkpoints."""
     return {k: v for k, v in vars(args).items() if k != "given"}
 
-
 def end_step(args):
     """The step the run stops before: --max_steps, or --stop_step when that comes first."""
     return args.max_steps if args.stop_step is None else min(args.max_steps, args.stop_step)
-
 
 def check_flags(args, ckpt=None):
     """One-line UsageErrors for flags that cannot work together, or (ckpt) with the checkpoint resumed;
@@ -1307,7 +1236,6 @@ def check_flags(args, ckpt=None):
                         f"(the checkpoint's schedule would give {lrs[0]:.4e})")
     return warnings
 
-
 def model_config_from_args(args):
     shape = {**MODEL_PRESETS[args.preset], "dropout": args.dropout, "bias": args.bias}
     shape.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head")
@@ -1316,7 +1244,6 @@ def model_config_from_args(args):
         return GPTConfig(**shape)
     except ValueError as e:
         raise UsageError(str(e)) from None
-
 
 def resumed_config(args, ckpt):
     """The checkpoint's model shape; shape flags (and -T, --preset) given now must agree with it."""
@@ -1331,7 +1258,6 @@ def resumed_config(args, ckpt):
                          f"(a resumed run needs no shape flags)")
     return config
 
-
 def check_batch(args, world_size, block_size):
     """Gradient-accumulation steps per optimizer step, or a UsageError naming what does not fit."""
     B, T = args.micro_batch_size, args.sequence_length
@@ -1342,12 +1268,10 @@ def check_batch(args, world_size, block_size):
                          f"{B}*{T}*{world_size} = {B * T * world_size}: make it a multiple, or change -B")
     return args.total_batch_size // (B * T * world_size)
 
-
 def check_prompt_fits(n_prompt, n_new, block_size, prompt_flag, new_flag, hint=""):
     if n_prompt + n_new > block_size:
         raise UsageError(f"{prompt_flag} ({n_prompt} tokens) + {new_flag} ({n_new}) exceeds the model's "
                          f"block_size {block_size}{hint}")
-
 
 def sample_tokenizer(args, block_size):
     """The GPT-2 tokenizer when samples are on, once the prompt and sample length are known to fit."""
@@ -1358,7 +1282,6 @@ def sample_tokenizer(args, block_size):
                       "--sample_prompt", "--sample_tokens",
                       ": shorten them, or turn samples off with --sample_every 0")
     return enc
-
 
 def check_data_size(args, train_loader, val_loader, val_tokens, print0):
     """Notes a run that reads its train data more than once; returns the val size the val shards can give."""
@@ -1372,7 +1295,6 @@ def check_data_size(args, train_loader, val_loader, val_tokens, print0):
         return val_loader.epoch_tokens - 1
     return val_tokens
 
-
 def format_run_config(run_config):
     """The run config in short: a line per flag group, then what the run worked out, then the model."""
     lines, shown = ["run config:"], {"model"}
@@ -1385,7 +1307,6 @@ def format_run_config(run_config):
     lines.append("  this run: " + " ".join(f"{k}={v}" for k, v in run_config.items() if k not in shown))
     lines.append("  model: " + " ".join(f"{k}={v}" for k, v in run_config["model"].items()))
     return "\n".join(lines)
-
 
 # ---- reporting: the step line, log.txt and W&B, the profiler, stop signals
 
@@ -1438,17 +1359,14 @@ class Metrics:
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
-
 def format_eta(seconds):
     return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
-
 
 def profile_schedule(text):
     """argparse type of --profile_schedule: WAIT,WARMUP,ACTIVE steps."""
     if not re.fullmatch(r"\d+,\d+,0*[1-9]\d*", text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected integers WAIT,WARMUP,ACTIVE (>= 0, >= 0, >= 1)")
     return text
-
 
 class Profiler:
     """torch.profiler over a few training steps (--profile_schedule): a trace, then the top ops."""
@@ -1480,7 +1398,6 @@ class Profiler:
         self.prof = None
         return self.exit_after
 
-
 class StopSignals:
     """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before a time limit) while training: the run finishes its
     step, saves a checkpoint and exits with 128 + the signal. A second Ctrl-C leaves at once."""
@@ -1505,14 +1422,12 @@ class StopSignals:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-
 # ---- the command line: the training flags, main, and the sample / export / eval commands
 
 COMMANDS_HELP = """commands (python train_gpt2.py COMMAND --help):
   sample   text from a checkpoint or from OpenAI's GPT-2
   export   a checkpoint as a transformers GPT2LMHeadModel directory
   eval     HellaSwag accuracy of a checkpoint or of OpenAI's GPT-2"""
-
 
 def build_parser(command=None):
     """The parser of the training flags (command None), or of the sample / export / eval command."""
@@ -1631,7 +1546,6 @@ def build_parser(command=None):
     add("--wandb_run_name", help="W&B run name (default: W&B picks one)")
     return p
 
-
 def parse_args(argv=None):
     """The training flags. Each takes the first value found on: the command line, the checkpoint resumed
     (--resume), the preset's run settings, the parser's defaults. args.given names the flags given."""
@@ -1659,7 +1573,6 @@ def parse_args(argv=None):
     args.resume, args.given = layers["resume"], set(given)  # resume: the checkpoint found for `latest`
     return args
 
-
 def model_for_command(args):
     """(GPT in eval mode on its device, device, autocast context, uses bf16) of --checkpoint/--init_from."""
     if (args.checkpoint is None) == (args.init_from is None):
@@ -1668,7 +1581,6 @@ def model_for_command(args):
     model = model_from_checkpoint(args.checkpoint) if args.checkpoint else GPT.from_pretrained(args.init_from)
     ctx, use_bf16 = autocast_for(args.dtype, device.split(":")[0])
     return model.to(device).eval(), device, ctx, use_bf16
-
 
 def sample_main(args):
     model, device, ctx, _ = model_for_command(args)
@@ -1680,7 +1592,6 @@ def sample_main(args):
                                           use_cache=not args.no_kv_cache)):
         print(f"--- sample {i}\n{text}")
     return 0
-
 
 def export_main(args):
     """Written into a temp folder beside --out, renamed at the end: a failed export leaves nothing behind."""
@@ -1705,7 +1616,6 @@ def export_main(args):
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
-
 def eval_main(args):
     model, device, _, use_bf16 = model_for_command(args)  # a bad checkpoint fails before any download
     hellaswag.download("val", args.data_dir)
@@ -1716,9 +1626,7 @@ def eval_main(args):
                             time.perf_counter() - t0))
     return 0
 
-
 COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
-
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -1742,7 +1650,6 @@ def main(argv=None):
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
-
 def exit_process(code):
     """sys.exit(code); under torchrun, without Python's interpreter shutdown: torch keeps process groups
     alive past destroy_process_group, and a gloo thread freeing a tensor during shutdown aborts a good run."""
@@ -1751,7 +1658,6 @@ def exit_process(code):
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
-
 
 if __name__ == "__main__":
     exit_process(main())
