@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 import fineweb
 import hellaswag
-from fineweb import (EOT, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, HelpFormatter, OneLineParser, UsageError,
-                     atomic_write, bounded, list_shards, one_line)
+from fineweb import (EOT, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, HelpFormatter, OneLineParser,
+                     UsageError, atomic_write, bounded, list_shards, one_line)
 
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 # real GPT-2 BPE tokens, <|endoftext|> last; ids >= this in a padded vocab are padding
@@ -107,8 +107,7 @@ class KVCache:
     def __init__(self, config: GPTConfig, batch_size, max_len, device, dtype):
         hs = config.n_embd // config.n_head
         shape = (config.n_layer, batch_size, config.n_kv_head, max_len, hs)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
         self.pos = 0
 
     def update(self, layer, k, v):
@@ -121,10 +120,8 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx=0):
         super().__init__()
-        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
-        self.hs = config.n_embd // config.n_head
-        self.layer_idx = layer_idx
-        self.dropout = config.dropout
+        self.n_head, self.n_kv_head, self.hs = config.n_head, config.n_kv_head, config.n_embd // config.n_head
+        self.layer_idx, self.dropout = layer_idx, config.dropout
         # q for all heads and k, v for the n_kv_head key/value heads, in one matmul
         qkv = (config.n_head + 2 * config.n_kv_head) * self.hs
         self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias)
@@ -192,8 +189,9 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
-        # 0 for real tokens, -inf for padding ids, added in the lm_head matmul (its epilogue on a GPU): padding is
-        # never sampled nor an argmax, nor takes a share of a softmax. A buffer: the state dict stays GPT-2's
+        # 0 for real tokens, -inf for padding ids, added in the lm_head matmul (on a GPU, its epilogue):
+        # padding is never sampled nor an argmax, nor takes a share of a softmax. A buffer, so the state dict
+        # stays GPT-2's
         vocab_mask = torch.zeros(config.vocab_size)
         vocab_mask[config.real_vocab_size:] = float("-inf")
         self.register_buffer("vocab_mask", vocab_mask, persistent=False)
@@ -220,9 +218,9 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
-        With a kv_cache, idx continues the cached sequence. logits_to_keep as in transformers' GPT2LMHeadModel:
-        0 keeps every position, k > 0 the last k, a 1-D tensor those positions (scoring and generation need
-        few, and the vocab matmul is most of a small model's work)."""
+        With a kv_cache, idx continues the cached sequence. logits_to_keep as transformers' GPT2LMHeadModel: 0
+        keeps every position, k > 0 the last k, a 1-D tensor those positions (scoring and generation need few,
+        and the vocab matmul is most of a small model's work)."""
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
@@ -254,14 +252,13 @@ class GPT(nn.Module):
         """OpenAI GPT-2 weights through transformers: a hub name (gpt2 .. gpt2-xl) or a save_pretrained dir,
         the vocab padded to a multiple of 64 (50257 -> 50304) with zero (and masked) rows."""
         from transformers import GPT2LMHeadModel
-
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
         except OSError as e:  # offline, unknown name, or not a model directory
             raise UsageError(f"could not load GPT-2 weights {name_or_dir!r} ({one_line(e, 160)}); offline, "
                              f"pass a local directory written by GPT2LMHeadModel.save_pretrained") from None
         hc = hf.config
-        odd = any(getattr(hc, k, False) for k in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"))
+        odd = [k for k in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn") if getattr(hc, k, 0)]
         if odd or hc.activation_function != "gelu_new" or hc.layer_norm_epsilon != 1e-5 \
                 or hc.n_inner not in (None, 4 * hc.n_embd):
             raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture "
@@ -269,29 +266,24 @@ class GPT(nn.Module):
         padded_vocab = -(-hc.vocab_size // 64) * 64
         config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
                            n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size, dropout=dropout)
+        sd = {}
+        for k, v in hf.state_dict().items():
+            if k.endswith(CONV1D_WEIGHTS):
+                v = v.t()  # HF's Conv1D is (in, out); nn.Linear wants (out, in)
+            if k in ("transformer.wte.weight", "lm_head.weight"):  # zero padding rows: they are masked anyway
+                v = F.pad(v, (0, 0, 0, padded_vocab - hc.vocab_size))
+            sd[k] = v
         model = cls(config)
-        sd, sd_hf = model.state_dict(), hf.state_dict()
-        if set(sd_hf) != set(sd):
-            raise ValueError(f"{name_or_dir}: parameter names differ from GPT-2's: "
-                             f"{sorted(set(sd_hf) ^ set(sd))[:4]}")
-        with torch.no_grad():
-            for k, v in sd_hf.items():
-                if k.endswith(CONV1D_WEIGHTS):
-                    v = v.t()  # HF's Conv1D is (in, out); nn.Linear wants (out, in)
-                if k in ("transformer.wte.weight", "lm_head.weight"):
-                    sd[k][: hc.vocab_size].copy_(v)  # padding rows stay zero: they are masked anyway
-                    sd[k][hc.vocab_size:].zero_()
-                    continue
-                if v.shape != sd[k].shape:
-                    raise ValueError(f"{name_or_dir}: shape mismatch for {k}: "
-                                     f"{tuple(v.shape)} vs {tuple(sd[k].shape)}")
-                sd[k].copy_(v)
+        try:
+            model.load_state_dict(sd)  # strict: GPT-2's names and shapes, one to one
+        except RuntimeError as e:
+            raise ValueError(f"{name_or_dir}: not GPT-2's parameters ({one_line(e, 200)})") from None
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True, muon=None):
         """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or LayerNorm. muon
-        (make_muon's keyword arguments, or None): the 2-D weights in the blocks go to torch.optim.Muon instead,
-        and the two come back as one CombinedOptimizer."""
+        (make_muon's keyword arguments, or None): the blocks' 2-D weights go to torch.optim.Muon instead, and
+        the two come back as one CombinedOptimizer."""
         matrices = self.block_matrices() if muon is not None else []
         taken = {id(p) for p in matrices}
         params = [p for p in self.parameters() if p.requires_grad and id(p) not in taken]
@@ -299,18 +291,15 @@ class GPT(nn.Module):
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if verbose:
-            print(f"decayed parameter tensors: {len(decay)}, "
-                  f"with {sum(p.numel() for p in decay):,} parameters")
-            print(f"non-decayed parameter tensors: {len(no_decay)}, "
-                  f"with {sum(p.numel() for p in no_decay):,} parameters")
+            for what, ps in (("decayed parameter tensors", decay), ("non-decayed parameter tensors",
+                             no_decay), ("Muon matrices", matrices))[: 2 if muon is None else 3]:
+                print(f"{what}: {len(ps)}, with {sum(p.numel() for p in ps):,} parameters")
         fused = device_type == "cuda"  # one kernel for the whole update instead of one per tensor
         adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
         if muon is None:
             return adamw
-        if verbose:
-            print(f"Muon matrices: {len(matrices)}, with {sum(p.numel() for p in matrices):,} parameters")
-        muon_opt = make_muon(matrices, weight_decay, learning_rate, **muon)
-        return CombinedOptimizer({"adamw": adamw, "muon": muon_opt})
+        return CombinedOptimizer({"adamw": adamw,
+                                  "muon": make_muon(matrices, weight_decay, learning_rate, **muon)})
 
     def block_matrices(self):
         """The 2-D weights inside the transformer blocks (attention and MLP matmuls): Muon's share."""
@@ -318,8 +307,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True):
-        """The prompt idx (B, T0) followed by max_new_tokens sampled tokens (top_k=1 or temperature=0: greedy),
-        in eval mode. The KV cache runs the prompt once, then one token a step; without it the whole sequence
+        """The prompt idx (B, T0) and max_new_tokens tokens sampled after it (greedy if top_k=1 or T=0), in
+        eval mode. The KV cache runs the prompt once, then one token a step; without it the whole sequence
         is recomputed every step (the reference the cache is tested against)."""
         B, T0 = idx.size()
         if T0 + max_new_tokens > self.config.block_size:
@@ -335,7 +324,8 @@ class GPT(nn.Module):
             nxt = sample_next(logits[:, -1, : self.config.real_vocab_size], temperature, top_k, generator)
             idx = torch.cat((idx, nxt), dim=1)
             if i < max_new_tokens - 1:
-                logits, _ = self(nxt, kv_cache=cache, logits_to_keep=1) if use_cache else self(idx, logits_to_keep=1)
+                logits, _ = self(nxt, kv_cache=cache, logits_to_keep=1) if use_cache else \
+                    self(idx, logits_to_keep=1)
         self.train(was_training)
         return idx
 
@@ -356,15 +346,15 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 def export_hf(model, out_dir):
     """Write model as a transformers GPT2LMHeadModel directory (config.json + safetensors), vocab unpadded."""
     from transformers import GPT2Config, GPT2LMHeadModel
-
     c = model.config
     if not c.bias or c.n_kv_head != c.n_head:
         raise UsageError("only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
                          + ("no biases" if not c.bias else f"n_kv_head {c.n_kv_head} != n_head {c.n_head}"))
     hf = GPT2LMHeadModel(GPT2Config(
-        vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-        activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=c.dropout, embd_pdrop=c.dropout,
-        attn_pdrop=c.dropout, bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True))
+        vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+        n_head=c.n_head, activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=c.dropout,
+        embd_pdrop=c.dropout, attn_pdrop=c.dropout, bos_token_id=EOT, eos_token_id=EOT,
+        tie_word_embeddings=True))
     sd = {}
     for k, v in model.state_dict().items():
         v = v.detach().float().cpu()
@@ -438,17 +428,13 @@ class DataLoaderLite:
             raise UsageError(f"the {self.split} shards changed since the checkpoint was written "
                              f"({state['num_shards']} shards / {state['epoch_tokens']} tokens then, "
                              f"{len(self.shards)} / {self.epoch_tokens} now)")
-        self.seed = state["seed"]
-        self.position = state["position"]
+        self.seed, self.position = state["seed"], state["position"]
 
     def _order(self, epoch):
         """Shard order of an epoch and the cumulative token offsets of that order."""
         if epoch not in self._order_cache:
-            n = len(self.shards)
-            if self.split == "train" and epoch > 0:
-                order = np.random.default_rng([self.seed, epoch]).permutation(n)
-            else:
-                order = np.arange(n)
+            n, shuffled = len(self.shards), self.split == "train" and epoch > 0
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if shuffled else np.arange(n)
             starts = np.concatenate([[0], np.cumsum(self.lengths[order])])
             self._order_cache = {epoch: (order, starts)}  # keep one epoch: the stream only moves forward
         return self._order_cache[epoch]
@@ -550,13 +536,9 @@ class Proc:
     device: str
     _long_wait_group: object = None
 
-    @property
-    def master(self):
-        return self.rank == 0
-
-    @property
-    def device_type(self):
-        return self.device.split(":")[0]  # autocast, fused AdamW and synchronize want 'cuda', never 'cuda:3'
+    def __post_init__(self):
+        self.master = self.rank == 0
+        self.device_type = self.device.split(":")[0]  # for autocast, fused AdamW: 'cuda', never 'cuda:3'
 
     def print0(self, *args, **kwargs):
         if self.master:
@@ -595,10 +577,9 @@ def shard_model(raw_model, use_bf16):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch 2.5 kept FSDP2 under _composable
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-
     # bf16 compute and all-gathers, fp32 gradient reduction and master weights
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 \
-        else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if use_bf16 else None,
+                              reduce_dtype=torch.float32 if use_bf16 else None)
     for block in raw_model.transformer.h:
         fully_shard(block, mp_policy=mp)
     fully_shard(raw_model, mp_policy=mp)
@@ -608,8 +589,7 @@ def shard_model(raw_model, use_bf16):
 @torch.no_grad()
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
     """Mean loss over the first n_tokens targets of the loader's split, all ranks together: the same tokens
-    for any B and process count (targets past n_tokens are ignored), the same number of passes on every
-    rank."""
+    for any B and process count (targets past n_tokens are ignored), the same passes on every rank."""
     was_training = model.training
     model.eval()
     loader.reset()
@@ -658,19 +638,19 @@ def decode_sample(enc, tokens, n_prompt):
     text = enc.decode([t for t in tokens[:n_prompt] if t != EOT] + new)
     return re.sub(r"\n\s*\n", "\n", text).strip()
 
-def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autocast_ctx, seed, **generate_kwargs):
+def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autocast_ctx, seed, **generate):
     """num_samples continuations of the text prompt, as text."""
     tokens = encode_prompt(enc, prompt)
     idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
     with autocast_ctx:
         out = model.generate(idx, max_new_tokens, generator=torch.Generator(device=device).manual_seed(seed),
-                             **generate_kwargs)
+                             **generate)
     return [decode_sample(enc, row, len(tokens)) for row in out.tolist()]
 
 def print_samples(raw_model, enc, args, proc, autocast_ctx):
     """num_samples continuations of the sample prompt from each rank (its own seed), one line each."""
-    texts = sample_texts(raw_model, enc, args.sample_prompt, args.num_samples, args.sample_tokens, proc.device,
-                         autocast_ctx, args.seed + proc.rank, top_k=50)
+    texts = sample_texts(raw_model, enc, args.sample_prompt, args.num_samples, args.sample_tokens,
+                         proc.device, autocast_ctx, args.seed + proc.rank, top_k=50)
     for i, text in enumerate(texts):
         print(f"rank {proc.rank} sample {i}: {' '.join(text.split())}", flush=True)  # newlines as spaces
 
@@ -679,7 +659,6 @@ def print_samples(raw_model, enc, args, proc, autocast_ctx):
 def train(args):
     """One training run, start to end; returns the exit status (0, or 128 + the signal that stopped it)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-
     proc = setup_distributed(args)
     # the checkpoint resumed (parse_args found it, and checked its weights)
     ckpt = read_checkpoint(args.resume, keys=CKPT_KEYS, check_weights=False) if args.resume else None
@@ -687,7 +666,7 @@ def train(args):
         proc.print0(f"warning: {warning}")
     pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout) if args.init_from else None
     if ckpt is not None:
-        config = resumed_config(args, ckpt)
+        config = GPTConfig(**ckpt["config"])
     else:
         config = pretrained.config if pretrained is not None else model_config_from_args(args)
     # each rank runs micro-steps of B*T tokens, accumulated into optimizer steps of total_batch_size tokens
@@ -758,7 +737,7 @@ def train(args):
             if last_saved == state.step or (args.fsdp and proc.world_size > 1):
                 return checkpoint_path(args.log_dir, last_saved) if last_saved >= 0 else None
             path = checkpoint_path(args.log_dir, state.step)
-            save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, args.keep_last, agree=False)
+            save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, args.keep_last, False)
             return path
 
         # ============================== training ==============================
@@ -902,7 +881,6 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_
     Every rank calls it (FSDP gathers), and every rank stops if rank 0 cannot write (e.g. a full disk);
     agree=False: after a failure that may be one rank's alone, no collective."""
     from torch.distributed.checkpoint import state_dict as sd
-
     # unsharded, on the CPU, keyed by parameter name: the same from a plain, DDP or FSDP model (which gathers)
     opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = sd.get_model_state_dict(raw_model, options=opts)
@@ -913,9 +891,11 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_
             if bad := non_finite(model_sd):
                 raise UsageError(f"{bad} holds NaN or inf")
             state.loader = train_loader.state_dict()
-            state.rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            state.rng = {"python": random.getstate(), "numpy": np.random.get_state(),
+                         "torch": torch.get_rng_state(),
                          **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})}
-            ckpt = {"model": model_sd, "config": asdict(raw_model.config), "optimizer": optim_sd, **asdict(state)}
+            ckpt = {"model": model_sd, "config": asdict(raw_model.config), "optimizer": optim_sd,
+                    **asdict(state)}
             atomic_write(path, lambda f: torch.save(ckpt, f))  # never a truncated model_*.pt, even on a crash
             for old in find_checkpoints(os.path.dirname(path))[:-keep_last] if keep_last > 0 else []:
                 os.remove(old)  # the newest is this one: a resumed run set later ones aside when it started
@@ -928,7 +908,6 @@ def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
     """Load a checkpoint dict into the model, optimizer, loader and RNGs; returns its TrainState. Under FSDP
     each rank keeps its own shard of the full state."""
     from torch.distributed.checkpoint import state_dict as sd
-
     opts = sd.StateDictOptions(full_state_dict=True)
     sd.set_model_state_dict(raw_model, ckpt["model"], options=opts)
 
@@ -1037,7 +1016,6 @@ def lock_log_dir(log_dir, wait_for_owner=10.0):
     UsageError naming the live run that holds it. The holder writes `pid N on HOST` to .lock.owner just
     after taking it, so a second run retries for a moment until the line there names a live process."""
     import filelock
-
     owner_file = os.path.join(log_dir, ".lock.owner")
     try:
         os.makedirs(log_dir, exist_ok=True)
@@ -1168,8 +1146,8 @@ def truncate_log(path, last_step):
 # ---- flag checks: what argparse cannot check alone, all before any work
 
 # flags of one invocation: a resumed run takes every other flag it is not given from its checkpoint
-PER_INVOCATION = {"resume", "overwrite", "stop_step", "device", "dtype", "compile", "profile", "profile_schedule",
-                  "wandb_project", "wandb_run_name", "log_dir", "init_from", "peak_flops", "fsdp"}
+PER_INVOCATION = {"resume", "overwrite", "stop_step", "device", "dtype", "compile", "profile", "fsdp",
+                  "profile_schedule", "wandb_project", "wandb_run_name", "log_dir", "init_from", "peak_flops"}
 SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_batch_size",
                   "batch_ramp_tokens", "batch_ramp_start", "seed")
 
@@ -1187,9 +1165,9 @@ def check_flags(args, ckpt=None):
     shape = sorted(f"--{k}" if k != "bias" else "--[no-]bias" for k in SHAPE_FLAGS if k in args.given)
     if args.init_from and shape:
         raise UsageError(f"--init_from takes the model's shape from the weights: drop {', '.join(shape)}")
-    for key in ("log_dir", "data_root"):  # a file where a folder goes: found now, not once the run started
-        if os.path.exists(getattr(args, key)) and not os.path.isdir(getattr(args, key)):
-            raise UsageError(f"--{key} {getattr(args, key)} is a file, not a folder")
+    for key, path in (("log_dir", args.log_dir), ("data_root", args.data_root)):  # found now, not mid-run
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--{key} {path} is a file, not a folder")
     warnings = []
     if args.warmup_steps >= args.max_steps:
         warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: "
@@ -1206,17 +1184,27 @@ def check_flags(args, ckpt=None):
            "no --wandb_project": ["wandb_run_name"] * (not args.wandb_project),
            "no --optimizer muon": [k for k in args.given if k[:5] == "muon_"] * (args.optimizer != "muon")}
     for why, keys in off.items():
-        unused = sorted(f"--{k}" for k in keys if k in args.given)
-        if unused:
+        if unused := sorted(f"--{k}" for k in keys if k in args.given):
             verb = "has" if len(unused) == 1 else "have"
             warnings.append(f"{', '.join(unused)} {verb} no effect with {why}")
     if ckpt is None:
         return warnings
-    for on, keys in ((args.eval_every, ("val_tokens",)), (args.sample_every, ("num_samples", "sample_tokens"))):
-        if on and any(getattr(args, k) is not None and getattr(args, k) < 1 for k in keys):  # the checkpoint's
-            raise UsageError(f"{args.resume} has {', '.join(f'--{k} {getattr(args, k)}' for k in keys)}: give "
-                             f"positive values now that this block is on")
+    # a block switched on now: its settings, maybe the checkpoint's zeros, must be usable
+    for on, keys in ((args.eval_every, ["val_tokens"]),
+                     (args.sample_every, ["num_samples", "sample_tokens"])):
+        if on and any(getattr(args, k) is not None and getattr(args, k) < 1 for k in keys):
+            values = ", ".join(f"--{k} {getattr(args, k)}" for k in keys)
+            raise UsageError(f"{args.resume} has {values}: give positive values now that this block is on")
     saved, step = ckpt["args"], ckpt["step"]
+    # the model's shape is the checkpoint's: shape flags (and -T, --preset) given now must agree with it
+    run_keys = ("sequence_length", "preset")
+    asked = {**asdict(model_config_from_args(args)), **{k: getattr(args, k) for k in run_keys}}
+    had = {**asdict(GPTConfig(**ckpt["config"])), **{k: saved.get(k, getattr(args, k)) for k in run_keys}}
+    if differ := sorted(k for k in set(SHAPE_FLAGS + ("dropout", "sequence_length", "preset")) & args.given
+                        if asked[k] != had[k]):
+        had_s, asked_s = (", ".join(f"{k}={d[k]}" for k in differ) for d in (had, asked))
+        raise UsageError(f"{args.resume} holds a model trained with {had_s}; the flags ask for {asked_s} "
+                         f"(a resumed run needs no shape flags)")
     kind = saved.get("optimizer", "adamw")  # checkpoints from before --optimizer hold AdamW's state
     if args.optimizer != kind:
         raise UsageError(f"{args.resume} holds {kind} optimizer state but --optimizer {args.optimizer} was "
@@ -1228,9 +1216,8 @@ def check_flags(args, ckpt=None):
                          + " leave nothing to train")
     changed = [k for k in SCHEDULE_FLAGS if k in args.given and k in saved and getattr(args, k) != saved[k]]
     warnings += [f"--{k} is {getattr(args, k)} now but was {saved[k]} in the checkpoint" for k in changed]
-    old, new = ({**run_flags(args), **saved}, run_flags(args))
     lrs = [get_lr(step + 1, f["max_lr"], f["max_lr"] * f["min_lr_ratio"], f["warmup_steps"], f["max_steps"])
-           for f in (old, new)]
+           for f in ({**run_flags(args), **saved}, run_flags(args))]
     if not math.isclose(*lrs, rel_tol=1e-9):
         warnings.append(f"the schedule changed: step {step + 1} gets LR {lrs[1]:.4e} "
                         f"(the checkpoint's schedule would give {lrs[0]:.4e})")
@@ -1244,19 +1231,6 @@ def model_config_from_args(args):
         return GPTConfig(**shape)
     except ValueError as e:
         raise UsageError(str(e)) from None
-
-def resumed_config(args, ckpt):
-    """The checkpoint's model shape; shape flags (and -T, --preset) given now must agree with it."""
-    config, saved = GPTConfig(**ckpt["config"]), ckpt["args"]
-    asked = {**asdict(model_config_from_args(args)), **{k: getattr(args, k) for k in ("sequence_length", "preset")}}
-    had = {**asdict(config), **{k: saved.get(k, getattr(args, k)) for k in ("sequence_length", "preset")}}
-    keys = set(SHAPE_FLAGS + ("dropout", "sequence_length", "preset")) & args.given
-    differ = sorted(k for k in keys if asked[k] != had[k])
-    if differ:
-        had_s, asked_s = (", ".join(f"{k}={d[k]}" for k in differ) for d in (had, asked))
-        raise UsageError(f"{args.resume} holds a model trained with {had_s}; the flags ask for {asked_s} "
-                         f"(a resumed run needs no shape flags)")
-    return config
 
 def check_batch(args, world_size, block_size):
     """Gradient-accumulation steps per optimizer step, or a UsageError naming what does not fit."""
@@ -1322,7 +1296,8 @@ class Metrics:
                 import wandb
             except ImportError:
                 raise UsageError("--wandb_project needs the wandb package: pip install wandb") from None
-            self.wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name, config=run_config)
+            self.wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name,
+                                        config=run_config)
         n_params = raw_model.get_num_params(non_embedding=True)
         self.flops_tok = flops_per_token(raw_model.config, n_params, args.sequence_length)
         self.peak = args.peak_flops or (peak_flops(torch.cuda.get_device_name(proc.device))
@@ -1373,7 +1348,6 @@ class Profiler:
 
     def __init__(self, args, proc):
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
         wait, warmup, active = (int(v) for v in args.profile_schedule.split(","))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if proc.device_type == "cuda" else [])
         self.out = os.path.join(args.log_dir, "profile")
@@ -1416,7 +1390,8 @@ class StopSignals:
             os._exit(128 + signum)
         self.signum = self.signum or signum
         if int(os.environ.get("RANK", 0)) == 0:
-            os.write(2, f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again: now)\n".encode())
+            os.write(2, f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again: now)\n"
+                     .encode())
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -1472,7 +1447,7 @@ def build_parser(command=None):
                                   + COMMANDS_HELP)
     fraction = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
     add = p.add_argument_group("model").add_argument
-    add("--preset", default="gpt2", choices=sorted(MODEL_PRESETS), help="shape and run settings; flags override it")
+    add("--preset", default="gpt2", choices=sorted(MODEL_PRESETS), help="shape and run settings (flags win)")
     add("--n_layer", type=POSITIVE_INT, help="blocks (default: the preset's)")
     add("--n_head", type=POSITIVE_INT, help="attention heads (default: the preset's)")
     add("--n_embd", type=POSITIVE_INT, help="embedding width (default: the preset's)")
@@ -1486,7 +1461,7 @@ def build_parser(command=None):
         help="adamw (GPT-2's), or muon: torch.optim.Muon for the blocks' 2-D weights, AdamW for the rest")
     add("--muon_lr", type=POSITIVE, help="Muon's peak LR (default: --max_lr), scheduled like it")
     add("--muon_momentum", type=fraction, default=0.95, help="Muon's Nesterov momentum")
-    add("--muon_ns_steps", type=bounded(int, 1, 99, what="in 1..99"), default=5, help="Newton-Schulz iterations")
+    add("--muon_ns_steps", type=bounded(int, 1, 99, what="in 1..99"), default=5, help="Newton-Schulz steps")
     add("--muon_adjust_lr", default="match_rms_adamw", choices=["match_rms_adamw", "original"],
         help="match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr")
     add("--max_lr", type=POSITIVE, default=6e-4, help="peak learning rate")
@@ -1525,8 +1500,8 @@ def build_parser(command=None):
     add("--data_root", default=fineweb.DEFAULT_DATA_ROOT,
         help="folder of *_train_*.npy / *_val_*.npy shards; rank 0 prepares missing ones (>= 10M tokens)")
     add("--fineweb_name", default="sample-10BT", choices=fineweb.NAMES, help="FineWeb-Edu sample to prepare")
-    add("--input", nargs="+", metavar="PATH", help="prepare data_root from these .txt/.md/.jsonl/.parquet files "
-        "(or globs) instead of FineWeb-Edu")
+    add("--input", nargs="+", metavar="PATH",
+        help="prepare data_root from these .txt/.md/.jsonl/.parquet files (or globs) instead of FineWeb-Edu")
     add("--text_column", default="text", help="text field of --input .jsonl/.parquet files")
     add("--log_dir", default="log", help="where log.txt, run_config.json and model_*.pt go")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on CUDA only)")
@@ -1537,7 +1512,7 @@ def build_parser(command=None):
     fresh.add_argument("--resume", metavar="latest|PATH",
                        help="continue from the newest usable checkpoint in log_dir, or PATH; the shape and "
                             "every flag not given now come from it; later checkpoints move to after_step_N/")
-    add("--stop_step", type=POSITIVE_INT, help="leave after N steps with a checkpoint, on --max_steps' schedule")
+    add("--stop_step", type=POSITIVE_INT, help="leave after N steps, saved, on --max_steps' schedule")
     add("--profile", nargs="?", const="continue", choices=["continue", "exit"],
         help="torch.profiler over a few steps: a trace in <log_dir>/profile/, the top ops, then go on")
     add("--profile_schedule", type=profile_schedule, default="1,1,3", metavar="WAIT,WARMUP,ACTIVE",
@@ -1587,16 +1562,16 @@ def sample_main(args):
     enc = fineweb.get_encoding()
     check_prompt_fits(len(encode_prompt(enc, args.prompt)), args.max_new_tokens, model.config.block_size,
                       "--prompt", "--max_new_tokens")
-    for i, text in enumerate(sample_texts(model, enc, args.prompt, args.num_samples, args.max_new_tokens, device,
-                                          ctx, args.seed, temperature=args.temperature, top_k=args.top_k,
-                                          use_cache=not args.no_kv_cache)):
+    texts = sample_texts(model, enc, args.prompt, args.num_samples, args.max_new_tokens, device, ctx,
+                         args.seed, temperature=args.temperature, top_k=args.top_k,
+                         use_cache=not args.no_kv_cache)
+    for i, text in enumerate(texts):
         print(f"--- sample {i}\n{text}")
     return 0
 
 def export_main(args):
     """Written into a temp folder beside --out, renamed at the end: a failed export leaves nothing behind."""
     import tempfile
-
     out, parent = os.path.abspath(args.out), os.path.dirname(os.path.abspath(args.out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out {args.out} exists and is not an empty directory: choose a new one")
@@ -1620,10 +1595,11 @@ def eval_main(args):
     model, device, _, use_bf16 = model_for_command(args)  # a bad checkpoint fails before any download
     hellaswag.download("val", args.data_dir)
     t0 = time.perf_counter()
-    res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens, data_dir=args.data_dir,
-                             autocast_dtype=torch.bfloat16 if use_bf16 else None, progress=True)
-    print(hellaswag.summary(args.checkpoint or args.init_from, device, "bf16" if use_bf16 else "fp32", "val", res,
-                            time.perf_counter() - t0))
+    res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
+                             data_dir=args.data_dir, autocast_dtype=torch.bfloat16 if use_bf16 else None,
+                             progress=True)
+    seconds, dtype = time.perf_counter() - t0, "bf16" if use_bf16 else "fp32"
+    print(hellaswag.summary(args.checkpoint or args.init_from, device, dtype, "val", res, seconds))
     return 0
 
 COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
@@ -1654,8 +1630,8 @@ def exit_process(code):
     """sys.exit(code); under torchrun, without Python's interpreter shutdown: torch keeps process groups
     alive past destroy_process_group, and a gloo thread freeing a tensor during shutdown aborts a good run."""
     if "WORLD_SIZE" in os.environ:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
         os._exit(code)
     sys.exit(code)
 
