@@ -614,18 +614,6 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return (total[0] / total[1]).item()
 
-def hellaswag_accuracy(raw_model, proc, limit, use_bf16):
-    """HellaSwag acc_norm of the raw model, its examples split over the ranks; None if the data went away."""
-    try:
-        res = hellaswag.evaluate(raw_model, proc.device, limit=limit, rank=proc.rank,
-                                 world_size=proc.world_size, device_type=proc.device_type,
-                                 autocast_dtype=torch.bfloat16 if use_bf16 else None)
-    except hellaswag.HellaSwagUnavailable as e:
-        proc.print0(f"warning: HellaSwag evaluation turned off: {e}")
-        return None
-    proc.print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
-    return res["acc_norm"]
-
 def encode_prompt(enc, text):
     """Token ids of a prompt; an empty prompt starts from <|endoftext|>, as a new document would."""
     return enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
@@ -646,13 +634,6 @@ def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autoca
         out = model.generate(idx, max_new_tokens, generator=torch.Generator(device=device).manual_seed(seed),
                              **generate)
     return [decode_sample(enc, row, len(tokens)) for row in out.tolist()]
-
-def print_samples(raw_model, enc, args, proc, autocast_ctx):
-    """num_samples continuations of the sample prompt from each rank (its own seed), one line each."""
-    texts = sample_texts(raw_model, enc, args.sample_prompt, args.num_samples, args.sample_tokens,
-                         proc.device, autocast_ctx, args.seed + proc.rank, top_k=50)
-    for i, text in enumerate(texts):
-        print(f"rank {proc.rank} sample {i}: {' '.join(text.split())}", flush=True)  # newlines as spaces
 
 # ===== train(): the whole run, from the flags to the last checkpoint ========================================
 
@@ -731,7 +712,6 @@ def train(args):
             save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, args.keep_last)
             last_saved = state.step
             proc.print0(f"saved {path}")
-            return path
 
         def keep_last_step():  # after a failure, maybe this rank's alone: no collective (FSDP cannot save)
             if last_saved == state.step or (args.fsdp and proc.world_size > 1):
@@ -759,12 +739,23 @@ def train(args):
                         proc.print0(f"validation loss: {state.val_loss:.4f}")
                         metrics.log(step, "val", state.val_loss)
                     if hellaswag_on and due(args.hellaswag_every):
-                        acc = hellaswag_accuracy(raw_model, proc, args.hellaswag_limit, use_bf16)
-                        hellaswag_on = acc is not None
-                        if hellaswag_on:
-                            metrics.log(step, "hella", acc)
-                    if step > 0 and due(args.sample_every):
-                        print_samples(raw_model, enc, args, proc, autocast_ctx)
+                        try:  # the raw model, its examples split over the ranks
+                            res = hellaswag.evaluate(raw_model, proc.device, limit=args.hellaswag_limit,
+                                                     rank=proc.rank, world_size=proc.world_size,
+                                                     device_type=proc.device_type,
+                                                     autocast_dtype=torch.bfloat16 if use_bf16 else None)
+                            proc.print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}"
+                                        f"={res['acc_norm']:.4f}")
+                            metrics.log(step, "hella", res["acc_norm"])
+                        except hellaswag.HellaSwagUnavailable as e:  # the data went away: off from now on
+                            proc.print0(f"warning: HellaSwag evaluation turned off: {e}")
+                            hellaswag_on = False
+                    if step > 0 and due(args.sample_every):  # from each rank, with its own seed
+                        texts = sample_texts(raw_model, enc, args.sample_prompt, args.num_samples,
+                                             args.sample_tokens, proc.device, autocast_ctx,
+                                             args.seed + proc.rank, top_k=50)
+                        for i, text in enumerate(texts):
+                            print(f"rank {proc.rank} sample {i}: {' '.join(text.split())}", flush=True)
                 if last_step:
                     break
 
@@ -795,7 +786,6 @@ def train(args):
                     loss_accum /= proc.world_size
                     dist.all_reduce(going, op=dist.ReduceOp.MIN)  # a signal on one rank stops them all here
                 loss_value, norm_value, going = torch.stack([loss_accum, norm.float(), going]).tolist()
-                stopping = not going
                 if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
                     raise diverged(step, loss_value, norm_value, last_saved, args.log_dir)
                 lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps,
@@ -812,9 +802,9 @@ def train(args):
                     metrics.report_step(step, loss_value, lr, norm_value, dt, batch_size)
                 if profiler is not None and profiler.step():
                     break  # --profile exit
-                if step == end - 1 or stopping or (args.save_every and step and step % args.save_every == 0):
+                if step == end - 1 or not going or (args.save_every and step and step % args.save_every == 0):
                     save()  # model_{step}.pt includes this step's update
-                if stopping:
+                if not going:
                     stopped_by = stop.signum or signal.SIGTERM  # another rank's signal: the same exit status
                     proc.print0(f"stopped by {signal.Signals(stopped_by).name} after step {step}: continue "
                                 f"with python train_gpt2.py --resume latest --log_dir {args.log_dir}")
@@ -831,7 +821,6 @@ def train(args):
 # log-dir lock, flag checks, reporting, the command line), not how GPT-2 trains.
 
 # ---- checkpoints: model_{step:05d}.pt in the log dir, written after that step's update
-
 @dataclass
 class TrainState:
     """Where a run stands: what a checkpoint holds besides the weights and the optimizer state, as its
@@ -986,7 +975,6 @@ def saving_on_error(what, step, keep_last_step):
                             if saved else "")) from None
 
 # ---- the log dir: one run at a time (a filelock), an earlier run never overwritten by accident
-
 @contextlib.contextmanager
 def claim_log_dir(args, resume_step, proc, run_config):
     """Rank 0 locks log_dir for the whole run, readies it and saves the run config there; every rank stops
@@ -1062,15 +1050,27 @@ def live_owner(owner_file):
 
 def prepare_log_dir(log_dir, resume_step, overwrite):
     """Ready log_dir for this run (the lock is held); returns the warnings to print. Removes a crash's temp
-    files; a resumed run sets later checkpoints aside and cuts log.txt back to its checkpoint; --overwrite
-    deletes an earlier run's log and checkpoints; otherwise an earlier run there is refused."""
+    files. A resumed run moves later checkpoints (a rollback, or newer damaged files) and a copy of log.txt
+    to after_step_N/, where --resume latest cannot pick up an abandoned step, and cuts log.txt back to its
+    checkpoint. --overwrite deletes an earlier run's log and checkpoints; otherwise such a run is refused."""
     for tmp in glob.glob(os.path.join(log_dir, "*.tmp")):
         os.remove(tmp)
-    log_file = os.path.join(log_dir, "log.txt")
+    log_file, warnings = os.path.join(log_dir, "log.txt"), []
     if resume_step is not None:
-        moved = set_aside_later_checkpoints(log_dir, resume_step)
-        damaged = truncate_log(log_file, resume_step)
-        return [w for w in (moved, damaged and f"dropped {damaged} damaged line(s) from {log_file}") if w]
+        if later := [p for p in find_checkpoints(log_dir) if checkpoint_step(p) > resume_step]:
+            base, n = os.path.join(log_dir, f"after_step_{resume_step:05d}"), 1
+            while os.path.exists(dest := f"{base}_{n}" if n > 1 else base):
+                n += 1
+            os.makedirs(dest)
+            if os.path.exists(log_file):
+                shutil.copy2(log_file, os.path.join(dest, "log.txt"))
+            for path in later:
+                os.replace(path, os.path.join(dest, os.path.basename(path)))
+            warnings.append(f"resuming at step {resume_step}: {len(later)} later checkpoint(s) and a copy of "
+                            f"log.txt moved to {dest}")
+        if damaged := truncate_log(log_file, resume_step):
+            warnings.append(f"dropped {damaged} damaged line(s) from {log_file}")
+        return warnings
     earlier = (os.path.exists(log_file) and os.path.getsize(log_file) > 0) or find_checkpoints(log_dir)
     if earlier and not overwrite:
         raise UsageError(f"{log_dir} holds an earlier run (log.txt or model_*.pt): pass --resume latest "
@@ -1078,27 +1078,7 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
     for path in find_checkpoints(log_dir):
         os.remove(path)
     open(log_file, "w").close()
-    return []
-
-def set_aside_later_checkpoints(log_dir, resume_step):
-    """Move checkpoints after the resumed step (a rollback, or newer damaged files) and a copy of log.txt to
-    log_dir/after_step_N: left in place, --resume latest could pick up an abandoned step. Returns a
-    warning, or None."""
-    later = [p for p in find_checkpoints(log_dir) if checkpoint_step(p) > resume_step]
-    if not later:
-        return None
-    base = dest = os.path.join(log_dir, f"after_step_{resume_step:05d}")
-    n = 1
-    while os.path.exists(dest):
-        n += 1
-        dest = f"{base}_{n}"
-    os.makedirs(dest)
-    if os.path.exists(os.path.join(log_dir, "log.txt")):
-        shutil.copy2(os.path.join(log_dir, "log.txt"), os.path.join(dest, "log.txt"))
-    for path in later:
-        os.replace(path, os.path.join(dest, os.path.basename(path)))
-    return (f"resuming at step {resume_step}: {len(later)} later checkpoint(s) and a copy of log.txt moved "
-            f"to {dest}")
+    return warnings
 
 def save_run_config(log_dir, run_config):
     """The whole run config, printed in short at the start, as log_dir/run_config.json."""
@@ -1106,7 +1086,6 @@ def save_run_config(log_dir, run_config):
     atomic_write(os.path.join(log_dir, "run_config.json"), lambda f: f.write(data))
 
 # ---- log.txt: one `step kind value` line per number, written and parsed only here
-
 LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
 
 def append_log(path, step, kind, value):
@@ -1144,7 +1123,6 @@ def truncate_log(path, last_step):
     return sum(parsed is None for _, parsed in lines)
 
 # ---- flag checks: what argparse cannot check alone, all before any work
-
 # flags of one invocation: a resumed run takes every other flag it is not given from its checkpoint
 PER_INVOCATION = {"resume", "overwrite", "stop_step", "device", "dtype", "compile", "profile", "fsdp",
                   "profile_schedule", "wandb_project", "wandb_run_name", "log_dir", "init_from", "peak_flops"}
@@ -1283,7 +1261,6 @@ def format_run_config(run_config):
     return "\n".join(lines)
 
 # ---- reporting: the step line, log.txt and W&B, the profiler, stop signals
-
 class Metrics:
     """Where a run's numbers go: the step line (loss, lr, norm, speed, MFU, memory, ETA) on stdout, log.txt
     on the master process, and W&B when --wandb_project is set."""
@@ -1398,7 +1375,6 @@ class StopSignals:
             signal.signal(s, handler)
 
 # ---- the command line: the training flags, main, and the sample / export / eval commands
-
 COMMANDS_HELP = """commands (python train_gpt2.py COMMAND --help):
   sample   text from a checkpoint or from OpenAI's GPT-2
   export   a checkpoint as a transformers GPT2LMHeadModel directory
