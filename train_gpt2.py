@@ -26,7 +26,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -1168,7 +1167,7 @@ def claim_log_dir(args, resume_step, proc, run_config):
             save_run_config(args.log_dir, run_config)
         except OSError as e:
             error = UsageError(f"--log_dir {args.log_dir}: {one_line(e)}")
-        except UsageError as e:
+        except (UsageError, fineweb.DataPrepError) as e:  # DataPrepError: the lock, held by a live run
             error = e
     try:
         if not proc.agree(error is None):
@@ -1176,57 +1175,19 @@ def claim_log_dir(args, resume_step, proc, run_config):
         yield
     finally:
         if lock is not None:
-            lock.release()
+            lock.close()
 
 
-def lock_log_dir(log_dir, wait_for_owner=10.0):
-    """A filelock on log_dir/.lock (the OS drops it when its process dies, kill -9 included), or a
-    UsageError naming the live run that holds it. The holder writes `pid N on HOST` to .lock.owner just
-    after taking it, so a second run retries for a moment until the line there names a live process."""
-    import filelock
-
-    owner_file = os.path.join(log_dir, ".lock.owner")
+def lock_log_dir(log_dir):
+    """fineweb.dir_lock on log_dir/.lock, held until close(); a live run there is named (DataPrepError)."""
+    lock = contextlib.ExitStack()
     try:
         os.makedirs(log_dir, exist_ok=True)
-        lock = filelock.FileLock(os.path.join(log_dir, ".lock"), thread_local=False, is_singleton=False)
-        deadline = time.monotonic() + wait_for_owner
-        while True:
-            try:
-                lock.acquire(timeout=0)
-                break
-            except filelock.Timeout:
-                owner = live_owner(owner_file)
-            if owner or time.monotonic() > deadline:
-                raise UsageError(f"{log_dir} is in use by a live run ({owner or 'another process'}): wait "
-                                 f"for it to end, or choose another --log_dir")
-            time.sleep(0.02)
-        try:
-            line = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
-            atomic_write(owner_file, lambda f: f.write(line))
-        except OSError:
-            lock.release()
-            raise
+        busy = "is in use by a live run ({holder}): wait for it to end, or choose another --log_dir"
+        lock.enter_context(fineweb.dir_lock(log_dir, ".lock", busy))
     except OSError as e:  # a file in the way, no permission, a read-only or full filesystem
         raise UsageError(f"--log_dir {log_dir}: cannot write there ({one_line(e)})") from None
     return lock
-
-
-def live_owner(owner_file):
-    """'pid N on HOST' from .lock.owner when it names a live process (as far as this host can tell)."""
-    try:
-        with open(owner_file) as f:
-            text = f.read()
-    except OSError:
-        return None
-    m = re.fullmatch(r"pid (\d+) on (.+)\n", text)
-    if m and m.group(2) == socket.gethostname():
-        try:
-            os.kill(int(m.group(1)), 0)
-        except (ProcessLookupError, OverflowError):
-            return None  # a killed run's line, not yet replaced by the owner's
-        except PermissionError:
-            pass  # alive, another user's
-    return text.strip() if m else None
 
 
 def prepare_log_dir(log_dir, resume_step, overwrite):
