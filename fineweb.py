@@ -859,43 +859,81 @@ def _manifest_for(local_dir, args):
     return manifest
 
 
-def _lock_holder(local_dir):
+def _live_holder(record):
+    """The holder record at `record` as 'pid N on HOST, since T: COMMAND' when it names a live process, else
+    None: a killed holder's record stays until the next holder writes its own over it."""
     try:
-        with open(os.path.join(local_dir, LOCK_HOLDER)) as f:
+        with open(record) as f:
             h = json.load(f)
-        return f"pid {h['pid']} on {h['host']}, since {h['started']}: {one_line(h['command'], 1000)}"
+        pid, host = h["pid"], h["host"]
+        text = f"pid {pid} on {host}, since {h['started']}: {one_line(h['command'], 1000)}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "which has not recorded its pid yet"
+        return None
+    if type(pid) is not int or pid <= 0:  # os.kill(0, 0) would signal our own process group, and succeed
+        return None
+    if host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            pass  # alive, another user's
+        except (OSError, OverflowError):
+            return None
+    return text  # or another host's on a shared filesystem, which this host cannot check
+
+
+@contextlib.contextmanager
+def dir_lock(folder, name, busy, wait_for_holder=10.0):
+    """Hold folder/name, an flock, while the body runs: one process at a time per folder. The kernel drops an
+    flock when its process dies (kill -9 included), so it is never stale. The holder records its pid, host,
+    start time and command in folder/name.holder (filelock records none) and removes it on release.
+
+    When another process holds the lock, this retries for up to wait_for_holder seconds until that record
+    names a live process (the holder writes it just after taking the lock, over a killed holder's), then
+    raises DataPrepError(f"{folder} {busy}"), "{holder}" in busy replaced by that record, or by "pid not
+    recorded" if none turned up. folder must exist; an OSError (not writable, disk full) passes through."""
+    import filelock  # only a prep or a training run needs it
+
+    lock = filelock.FileLock(os.path.join(folder, name), thread_local=False, is_singleton=False)
+    record = os.path.join(folder, name + ".holder")
+    deadline = time.monotonic() + wait_for_holder
+    while True:
+        try:
+            lock.acquire(timeout=0)
+            break
+        except filelock.Timeout:
+            holder = _live_holder(record)
+        if holder or time.monotonic() > deadline:
+            raise DataPrepError(f"{folder} " + busy.replace("{holder}", holder or "pid not recorded"))
+        time.sleep(0.02)
+    try:
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "command": shlex.join(["python", *sys.argv])}).encode()
+        atomic_write(record, lambda f: f.write(info))
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(record)
+        lock.release()
 
 
 @contextlib.contextmanager
 def _prep_lock(local_dir, made_dir=False):
-    """Hold local_dir's prep lock while the body runs: one prep at a time per directory. It is an flock,
-    which the kernel drops when its process dies, so it is never stale. A second prep is refused with the
-    holder named. made_dir: local_dir was made for this prep; a body that fails before writing anything
-    into it removes it again, so a refused input leaves nothing behind."""
-    import filelock  # only a prep needs it
-    lock = filelock.FileLock(os.path.join(local_dir, LOCK), timeout=0)
+    """dir_lock on local_dir's LOCK while the body runs: one prep at a time per directory, a second one
+    refused with the holder named. made_dir: local_dir was made for this prep; a body that fails before
+    writing anything into it removes it again, so a refused input leaves nothing behind."""
+    finished = unused = False
     try:
-        lock.acquire()
-    except filelock.Timeout:
-        raise DataPrepError(f"{local_dir} is being prepared by another process ({_lock_holder(local_dir)}); "
-                            f"refusing to mix: wait for it to end, or stop it, then run again") from None
-    holder, finished = os.path.join(local_dir, LOCK_HOLDER), False
-    try:
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                           "command": shlex.join(["python", *sys.argv])}).encode()
-        atomic_write(holder, lambda f: f.write(info))
-        yield
-        finished = True
+        with dir_lock(local_dir, LOCK, "is being prepared by another process ({holder}); refusing to mix: "
+                                       "wait for it to end, or stop it, then run again"):
+            try:
+                yield
+                finished = True
+            finally:
+                unused = made_dir and not finished and set(os.listdir(local_dir)) <= {LOCK, LOCK_HOLDER}
+                if unused:  # unlinked while still held: a process that opened it meanwhile finds it unlinked
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(local_dir, LOCK))
     finally:
-        with contextlib.suppress(OSError):
-            os.remove(holder)
-        unused = made_dir and not finished and set(os.listdir(local_dir)) <= {LOCK}
-        if unused:  # unlinked while still held: a process that opened it meanwhile finds it unlinked
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(local_dir, LOCK))
-        lock.release()
         if unused:
             with contextlib.suppress(OSError):
                 os.rmdir(local_dir)

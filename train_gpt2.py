@@ -26,7 +26,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -979,74 +978,27 @@ def saving_on_error(what, step, keep_last_step):
 def claim_log_dir(args, resume_step, proc, run_config):
     """Rank 0 locks log_dir for the whole run, readies it and saves the run config there; every rank stops
     if it cannot."""
-    lock, error = None, None
-    if proc.master:
-        try:
-            lock = lock_log_dir(args.log_dir)
-            for warning in prepare_log_dir(args.log_dir, resume_step, args.overwrite):
-                print(f"warning: {warning}", flush=True)
-            save_run_config(args.log_dir, run_config)
-        except OSError as e:
-            error = UsageError(f"--log_dir {args.log_dir}: {one_line(e)}")
-        except UsageError as e:
-            error = e
-    try:
+    error = None
+    with contextlib.ExitStack() as held:
+        if proc.master:
+            try:
+                os.makedirs(args.log_dir, exist_ok=True)
+                held.enter_context(lock_log_dir(args.log_dir))
+                for warning in prepare_log_dir(args.log_dir, resume_step, args.overwrite):
+                    print(f"warning: {warning}", flush=True)
+                save_run_config(args.log_dir, run_config)
+            except OSError as e:  # a file in the way, no permission, a read-only or full filesystem
+                error = UsageError(f"--log_dir {args.log_dir}: cannot write there ({one_line(e)})")
+            except UsageError as e:
+                error = e
         if not proc.agree(error is None):
             raise error or UsageError("rank 0 could not claim the log dir (see its message)")
         yield
-    finally:
-        if lock is not None:
-            lock.release()
 
-
-def lock_log_dir(log_dir, wait_for_owner=10.0):
-    """A filelock on log_dir/.lock (the OS drops it when its process dies, kill -9 included), or a
-    UsageError naming the live run that holds it. The holder writes `pid N on HOST` to .lock.owner just
-    after taking it, so a second run retries for a moment until the line there names a live process."""
-    import filelock
-    owner_file = os.path.join(log_dir, ".lock.owner")
-    try:
-        os.makedirs(log_dir, exist_ok=True)
-        lock = filelock.FileLock(os.path.join(log_dir, ".lock"), thread_local=False, is_singleton=False)
-        deadline = time.monotonic() + wait_for_owner
-        while True:
-            try:
-                lock.acquire(timeout=0)
-                break
-            except filelock.Timeout:
-                owner = live_owner(owner_file)
-            if owner or time.monotonic() > deadline:
-                raise UsageError(f"{log_dir} is in use by a live run ({owner or 'another process'}): wait "
-                                 f"for it to end, or choose another --log_dir")
-            time.sleep(0.02)
-        try:
-            line = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
-            atomic_write(owner_file, lambda f: f.write(line))
-        except OSError:
-            lock.release()
-            raise
-    except OSError as e:  # a file in the way, no permission, a read-only or full filesystem
-        raise UsageError(f"--log_dir {log_dir}: cannot write there ({one_line(e)})") from None
-    return lock
-
-
-def live_owner(owner_file):
-    """'pid N on HOST' from .lock.owner when it names a live process (as far as this host can tell)."""
-    try:
-        with open(owner_file) as f:
-            text = f.read()
-    except OSError:
-        return None
-    m = re.fullmatch(r"pid (\d+) on (.+)\n", text)
-    if m and m.group(2) == socket.gethostname():
-        try:
-            os.kill(int(m.group(1)), 0)
-        except (ProcessLookupError, OverflowError):
-            return None  # a killed run's line, not yet replaced by the owner's
-        except PermissionError:
-            pass  # alive, another user's
-    return text.strip() if m else None
-
+def lock_log_dir(log_dir):
+    """fineweb.dir_lock on log_dir/.lock: a live run there is named, with what to do."""
+    return fineweb.dir_lock(log_dir, ".lock", "is in use by a live run ({holder}): wait for it to end, or "
+                                              "choose another --log_dir")
 
 def prepare_log_dir(log_dir, resume_step, overwrite):
     """Ready log_dir for this run (the lock is held); returns the warnings to print. Removes a crash's temp

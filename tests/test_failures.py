@@ -190,10 +190,12 @@ def test_a_full_disk_under_log_txt_and_the_lock_is_one_line(data, tmp_path, monk
     assert newest_step(log) <= 3  # the last step taken is kept
     monkeypatch.undo()
 
-    def lock_write(path, write):
+    def lock_write(path, write):  # the lock's holder record, the first file a run writes
         raise no_space(path)
-    monkeypatch.setattr(tg, "atomic_write", lock_write)
-    assert_one_line_error(run_cli(*run_args(data, str(tmp_path / "log2"))), "log2", "no space left")
+    monkeypatch.setattr(fineweb, "atomic_write", lock_write)
+    log2 = str(tmp_path / "log2")
+    assert_one_line_error(run_cli(*run_args(data, log2)), f"--log_dir {log2}: cannot write there", "no space")
+    assert os.listdir(log2) == [".lock"]  # no record of a holder that never held it
     assert line
 
 

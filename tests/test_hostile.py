@@ -489,28 +489,60 @@ def test_resume_latest_takes_a_non_default_shape_from_the_checkpoint(data, tmp_p
     assert torch.load(tg.find_checkpoints(log)[-1], weights_only=False)["config"] == first
 
 
-# ----------------------------------------------------------------------------- the lock file's owner line
+# ----------------------------------------------------------------------------- the lock's holder record
 
-@pytest.mark.parametrize("left_in_file", ["", "killed"])
-def test_lock_message_names_the_live_owner_not_a_stale_or_missing_line(tmp_path, monkeypatch, left_in_file):
+@pytest.mark.parametrize("left_in_file", ["missing", "garbled", "killed"])
+def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_path, monkeypatch, left_in_file):
     import socket
 
     import filelock
-    log = tmp_path / "log"
+    log, host = tmp_path / "log", socket.gethostname()
     log.mkdir()
+    record = log / ".lock.holder"
     with open("/proc/sys/kernel/pid_max") as f:
         dead = int(f.read()) + 1  # no process can have it
-    # the instant after a new owner took the lock and before it wrote its line over a killed run's one
-    owner = filelock.FileLock(str(log / ".lock"), thread_local=False, is_singleton=False)
-    owner.acquire(timeout=0)
-    (log / ".lock.owner").write_text(f"pid {dead} on {socket.gethostname()}\n" if left_in_file else "")
 
-    def owner_writes_its_line(seconds):  # while the second run waits, the owner catches up
-        (log / ".lock.owner").write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    monkeypatch.setattr(tg.time, "sleep", owner_writes_its_line)
-    with pytest.raises(tg.UsageError, match=f"in use by a live run \\(pid {os.getpid()} on "):
-        tg.lock_log_dir(str(log))
-    owner.release()
+    def write_record(pid):
+        record.write_text(json.dumps({"pid": pid, "host": host, "started": "2024-05-01 12:00:00",
+                                      "command": "python train_gpt2.py --log_dir log"}))
+    # the instant after a new holder took the lock and before it wrote its record over a killed run's one
+    holder = filelock.FileLock(str(log / ".lock"), thread_local=False, is_singleton=False)
+    holder.acquire(timeout=0)
+    if left_in_file == "killed":
+        write_record(dead)
+    elif left_in_file == "garbled":
+        record.write_text('{"pid": ')  # half a record, as an editor or a copy would leave it
+    before = sorted(os.listdir(log))
+
+    # fineweb.dir_lock itself: no live record within the wait, so none is named (the dead pid least of all)
+    with pytest.raises(fineweb.DataPrepError) as e:
+        with fineweb.dir_lock(str(log), ".lock", "is busy ({holder}): try later", wait_for_holder=0.1):
+            pytest.fail("the lock is held")
+    assert str(e.value) == f"{log} is busy (pid not recorded): try later"
+    assert sorted(os.listdir(log)) == before  # a refused lock writes nothing
+
+    waits = []
+
+    def holder_writes_its_record(seconds):  # while the second run waits, the holder catches up
+        waits.append(seconds)
+        write_record(os.getpid())
+    monkeypatch.setattr(fineweb.time, "sleep", holder_writes_its_record)
+    # through train_gpt2: the log dir's wording, naming the live holder once its record is there
+    with pytest.raises(fineweb.DataPrepError) as e:
+        with tg.lock_log_dir(str(log)):
+            pytest.fail("the lock is held")
+    live = f"pid {os.getpid()} on {host}, since 2024-05-01 12:00:00: python train_gpt2.py --log_dir log"
+    assert str(e.value) == f"{log} is in use by a live run ({live}): wait for it to end, or choose another --log_dir"
+    assert len(waits) == 1  # it waited for the record rather than naming what was there
+    holder.release()
+
+    # once free: the holder's record names this process while held, and goes with the lock
+    with tg.lock_log_dir(str(log)):
+        assert json.loads(record.read_text())["pid"] == os.getpid()
+    assert not record.exists()
+    free = filelock.FileLock(str(log / ".lock"), thread_local=False, is_singleton=False)
+    free.acquire(timeout=0)
+    free.release()
 
 
 def test_keep_last_never_deletes_the_checkpoint_it_just_saved(reference, tmp_path):

@@ -373,7 +373,7 @@ def test_cli_end_to_end_tiny(shard_dir, tmp_path):
     series = tg.read_log(os.path.join(log, "log.txt"))
     assert series["train"][0] == list(range(10))
     assert series["val"][0] == [0, 4, 8, 10]  # the final model's, after its checkpoint, logged at max_steps
-    assert sorted(os.listdir(log)) == [".lock", ".lock.owner", "log.txt", "model_00004.pt", "model_00008.pt",
+    assert sorted(os.listdir(log)) == [".lock", "log.txt", "model_00004.pt", "model_00008.pt",
                                      "model_00009.pt", "run_config.json"]
     ckpt = torch.load(os.path.join(log, "model_00009.pt"), weights_only=False)
     assert set(ckpt) == {"model", "config", "optimizer", "step", "loader", "rng", "val_loss", "args", "tokens_seen"}
@@ -389,7 +389,7 @@ def test_cli_end_to_end_tiny(shard_dir, tmp_path):
     assert len(open(os.path.join(log, "log.txt")).readlines()) == 14
     r = run_cli(*tiny_run_args(shard_dir, log, "--max_steps", "3", "--save_every", "0", "--eval_every", "0", "--sample_every", "0", "--overwrite"))
     assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(log)) == [".lock", ".lock.owner", "log.txt", "model_00002.pt", "run_config.json"]
+    assert sorted(os.listdir(log)) == [".lock", "log.txt", "model_00002.pt", "run_config.json"]
     assert set(tg.read_log(os.path.join(log, "log.txt"))) == {"train"}
 
 
