@@ -8,7 +8,7 @@ cross-entropy of its tokens given everything before them:
 * ``acc_norm`` picks the ending with the lowest *mean* (per-token) loss.
 
 This file is both a library (``train_gpt2.py`` imports :func:`evaluate`,
-:func:`resolve_device`, :func:`autocast` and :func:`enable_tf32` from it) and a
+:func:`resolve_device`, :func:`autocast_for` and :func:`enable_tf32` from it) and a
 CLI that scores OpenAI's GPT-2 through transformers' own ``GPT2LMHeadModel``,
 an implementation independent of ours::
 
@@ -326,8 +326,9 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 def resolve_device(name):
     """A device string for ``name``: "auto" picks cuda > mps > cpu; "cpu",
-    "cuda", "cuda:1", "mps" are checked to exist here.  Raises ValueError with
-    a one-line message for junk or a device this machine does not have."""
+    "cuda", "cuda:1", "mps" are checked to exist here.  Raises UsageError with
+    a one-line message (naming --device) for junk or a device this machine
+    does not have."""
     import torch
 
     mps = getattr(torch.backends, "mps", None)
@@ -339,15 +340,15 @@ def resolve_device(name):
     except (RuntimeError, TypeError):
         dev = None
     if dev is None or dev.type not in DEVICE_TYPES:
-        raise ValueError(f"unknown device {name!r}: expected auto, cpu, cuda, cuda:N or mps")
+        raise fineweb.UsageError(f"--device: unknown device {name!r}: expected auto, cpu, cuda, cuda:N or mps")
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"device {name!r}: CUDA is not available on this machine")
+            raise fineweb.UsageError(f"--device {name!r}: CUDA is not available on this machine")
         if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+            raise fineweb.UsageError(f"--device {name!r}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
     if dev.type == "mps" and not mps_ok:
-        raise ValueError(f"device {name!r}: MPS is not available on this machine")
+        raise fineweb.UsageError(f"--device {name!r}: MPS is not available on this machine")
     return str(name)
 
 
@@ -380,6 +381,18 @@ def autocast(device_type, dtype):
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return ctx
+
+
+def autocast_for(dtype, device_type):
+    """(autocast context, uses bf16) for a --dtype of auto|fp32|bf16, auto being bf16 on CUDA and fp32
+    elsewhere; a dtype the device cannot honour is a UsageError."""
+    import torch
+
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and _device_type(device_type) == "cuda")
+    try:
+        return autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
+    except ValueError as e:  # torch would have run fp32 in silence
+        raise fineweb.UsageError(f"--dtype {dtype}: {e}; use --dtype fp32") from None
 
 
 def enable_tf32(device_type):
@@ -803,7 +816,7 @@ def main(argv=None):
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one line, no traceback
-        plain = isinstance(e, (HellaSwagUnavailable, ValueError, FileNotFoundError, RuntimeError)) and str(e)
+        plain = isinstance(e, (fineweb.UsageError, ValueError, FileNotFoundError, RuntimeError)) and str(e)
         msg = str(e) if plain else f"{type(e).__name__}: {e}"
         print(f"error: {fineweb.one_line(msg, 10_000)}", file=sys.stderr)
         return 1

@@ -41,6 +41,7 @@ import fineweb
 import hellaswag
 from fineweb import (EOT, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, HelpFormatter, OneLineParser,
                      UsageError, atomic_write, bounded, list_shards, one_line)
+from hellaswag import autocast_for, resolve_device  # --device and --dtype, shared with hellaswag.py's CLI
 
 SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 # real GPT-2 BPE tokens, <|endoftext|> last; ids >= this in a padded vocab are padding
@@ -211,9 +212,7 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=False):
         """Parameter count (the tied wte/lm_head once); non_embedding=True also leaves out wpe."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
@@ -455,8 +454,7 @@ class DataLoaderLite:
     def next_batch(self):
         B, T = self.B, self.T
         buf = self._read(self.position + self.process_rank * B * T, B * T + 1)
-        x = buf[:-1].view(B, T)  # inputs
-        y = buf[1:].view(B, T)  # targets: the next token of each input
+        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)  # inputs, and targets: the next token of each
         self.position += B * T * self.num_processes
         return x, y
 
@@ -509,21 +507,6 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
     return max(unit, int(size) // unit * unit)
 
 # ===== Distributed: this process's place in the run, FSDP ===================================================
-
-def resolve_device(name):
-    """hellaswag.resolve_device (auto = cuda > mps > cpu, checked to exist) with our one-line UsageError."""
-    try:
-        return hellaswag.resolve_device(name)
-    except ValueError as e:
-        raise UsageError(f"--device: {e}") from None
-
-def autocast_for(dtype, device_type):
-    """(autocast context, uses bf16) for --dtype auto|fp32|bf16: auto is bf16 on CUDA and fp32 elsewhere."""
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
-    try:
-        return hellaswag.autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
-    except ValueError as e:  # torch would have run fp32 in silence
-        raise UsageError(f"--dtype {dtype}: {e}; use --dtype fp32") from None
 
 @dataclass
 class Proc:
@@ -833,10 +816,9 @@ class TrainState:
 
     @classmethod
     def from_checkpoint(cls, ckpt):
-        fields = {k: ckpt[k] for k in ("step", "val_loss", "loader", "rng", "args")}
         # checkpoints written before the batch ramp existed have no tokens_seen: every step was a full batch
-        fields["tokens_seen"] = ckpt.get("tokens_seen", (ckpt["step"] + 1) * ckpt["args"]["total_batch_size"])
-        return cls(**fields)
+        return cls(**{k: ckpt[k] for k in ("step", "val_loss", "loader", "rng", "args")},
+                   tokens_seen=ckpt.get("tokens_seen", (ckpt["step"] + 1) * ckpt["args"]["total_batch_size"]))
 
 CKPT_RE = re.compile(r"model_(\d+)\.pt$")
 # what resuming needs (tokens_seen may be missing in older files); sample, export and eval need the first two
@@ -925,8 +907,7 @@ def read_checkpoint(path, keys=("model", "config"), check_weights=True):
         ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:  # truncated, or not a torch file at all
         raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
-    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
+    if missing := [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]:
         raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
     if check_weights and (bad := non_finite(ckpt["model"])):
         raise UsageError(f"{path} holds NaN or inf weights ({bad}): a diverged run's")
@@ -1327,10 +1308,10 @@ class StopSignals:
             signal.signal(s, handler)
 
 # ---- the command line: the training flags, main, and the sample / export / eval commands
-COMMANDS_HELP = """commands (python train_gpt2.py COMMAND --help):
-  sample   text from a checkpoint or from OpenAI's GPT-2
-  export   a checkpoint as a transformers GPT2LMHeadModel directory
-  eval     HellaSwag accuracy of a checkpoint or of OpenAI's GPT-2"""
+COMMANDS_HELP = {"sample": "text from a checkpoint or from OpenAI's GPT-2",
+                 "export": "a checkpoint as a transformers GPT2LMHeadModel directory",
+                 "eval": "HellaSwag accuracy of a checkpoint or of OpenAI's GPT-2 (acc: lowest summed loss "
+                         "of the ending, acc_norm: lowest mean loss)"}
 
 def build_parser(command=None):
     """The parser of the training flags (command None), or of the sample / export / eval command."""
@@ -1340,18 +1321,15 @@ def build_parser(command=None):
                         help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
     shared.add_argument("--init_from", metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
                         help="OpenAI's GPT-2 weights (a hub name, or a save_pretrained directory)")
-    if command == "export":
-        p = OneLineParser(prog="train_gpt2.py export", formatter_class=HelpFormatter,
-                          description="Write a checkpoint as a transformers GPT2LMHeadModel directory.")
-        p.add_argument("--checkpoint", required=True, help="a model_*.pt written by training")
-        p.add_argument("--out", required=True, help="a new (or empty) directory to write")
-        return p
-    if command in ("sample", "eval"):
-        p = OneLineParser(prog=f"train_gpt2.py {command}", parents=[shared], formatter_class=HelpFormatter)
+    if command is not None:
+        p = OneLineParser(prog=f"train_gpt2.py {command}", parents=[shared] * (command != "export"),
+                          formatter_class=HelpFormatter, description=f"{command}: {COMMANDS_HELP[command]}")
         add = p.add_argument
-        add("--checkpoint", help="a model_*.pt written by training (or give --init_from)")
+        add("--checkpoint", required=command == "export", help="a model_*.pt written by training")
+    if command == "export":
+        add("--out", required=True, help="a new (or empty) directory to write")
+        return p
     if command == "sample":
-        p.description = "Sample text from one of our checkpoints or from OpenAI's GPT-2."
         add("--prompt", default="Hello, I'm a language model,", help="text to continue")
         add("--num_samples", type=POSITIVE_INT, default=4, help="independent samples")
         add("--max_new_tokens", type=POSITIVE_INT, default=64, help="new tokens per sample")
@@ -1361,8 +1339,6 @@ def build_parser(command=None):
         add("--no_kv_cache", action="store_true", help="recompute the sequence each token (slow)")
         return p
     if command == "eval":
-        p.description = ("HellaSwag val accuracy (acc: lowest summed loss of the ending, acc_norm: lowest "
-                         "mean loss) of a checkpoint, or of OpenAI's GPT-2 run through our GPT.")
         add("--limit", type=POSITIVE_INT, help="only the first N examples")
         add("--batch_tokens", type=NONNEG_INT, default=8192, help="tokens a pass (0: one example)")
         add("--data_dir", help="folder of hellaswag_val.jsonl (default: hellaswag.py's)")
@@ -1372,7 +1348,8 @@ def build_parser(command=None):
                       usage="%(prog)s [flags]  |  %(prog)s {sample,export,eval} [flags]",
                       description="Pretrain GPT-2 on FineWeb-Edu shards: python train_gpt2.py on one GPU, "
                                   "torchrun --standalone --nproc_per_node=8 train_gpt2.py on a node.\n\n"
-                                  + COMMANDS_HELP)
+                                  "commands (python train_gpt2.py COMMAND --help):\n"
+                                  + "\n".join(f"  {c:8} {h}" for c, h in COMMANDS_HELP.items()))
     fraction = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
     add = p.add_argument_group("model").add_argument
     add("--preset", default="gpt2", choices=sorted(MODEL_PRESETS), help="shape and run settings (flags win)")
@@ -1499,21 +1476,19 @@ def sample_main(args):
 
 def export_main(args):
     """Written into a temp folder beside --out, renamed at the end: a failed export leaves nothing behind."""
-    import tempfile
     out, parent = os.path.abspath(args.out), os.path.dirname(os.path.abspath(args.out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out {args.out} exists and is not an empty directory: choose a new one")
     if not os.path.isdir(parent):
         raise UsageError(f"--out {args.out}: its parent {parent} is not an existing folder")
     model = model_from_checkpoint(args.checkpoint)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.{os.getpid()}.tmp")
     try:
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
-    except OSError as e:
-        raise UsageError(f"--out {args.out}: cannot write there ({one_line(e)})") from None
-    try:
+        os.makedirs(tmp)
         export_hf(model, tmp)
-        os.chmod(tmp, 0o777 & ~fineweb.umask())  # mkdtemp's folder is the owner's alone
         os.replace(tmp, out)
+    except OSError as e:  # a read-only parent, a full disk
+        raise UsageError(f"--out {args.out}: cannot write there ({one_line(e)})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")

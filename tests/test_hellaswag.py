@@ -719,7 +719,7 @@ def test_resolve_device():
     assert hellaswag.resolve_device("auto") == expected
     bad = ["nosuchdevice", "cuda:x", "meta", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
     for name in bad:
-        with pytest.raises(ValueError) as ei:
+        with pytest.raises(hellaswag.fineweb.UsageError) as ei:
             hellaswag.resolve_device(name)
         assert "\n" not in str(ei.value) and repr(name) in str(ei.value)
 
