@@ -62,18 +62,20 @@ from tqdm import tqdm
 
 HF_DATASET = "HuggingFaceFW/fineweb-edu"
 NAMES = ("sample-10BT", "sample-100BT", "sample-350BT")
-DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "edu_fineweb10B")
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))  # data folders go beside the scripts
+DEFAULT_DATA_ROOT = os.path.join(REPO_DIR, "edu_fineweb10B")
 SHARD_PREFIX = "edufineweb"
 # data made from --input is not FineWeb: its own default folder and shard names
-LOCAL_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "local_text")
+LOCAL_DATA_ROOT = os.path.join(REPO_DIR, "local_text")
 LOCAL_SHARD_PREFIX = "text"
 SHARD_SIZE = 100_000_000  # tokens per shard, 200 MB of uint16
 TOKENIZER = "gpt2"
-BPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe")
+BPE_DIR = os.path.join(REPO_DIR, "gpt2_bpe")
 # the sha256 tiktoken checks for these two files of OpenAI's GPT-2 release (tiktoken_ext/openai_public.py)
 BPE_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
              "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 EOT = 50256  # <|endoftext|>, the GPT-2 document delimiter
+GPT2_VOCAB_SIZE = EOT + 1  # GPT-2's BPE tokens, <|endoftext|> last; ids past them in a padded vocab: padding
 MANIFEST = "manifest.json"
 LOCK = ".fineweb.lock"  # flock-ed by the one prep writing a directory; left in place (unlinking a held lock file breaks it)
 LOCK_HOLDER = LOCK + ".holder"  # pid, host and command of the lock's holder (filelock records none)
@@ -1123,7 +1125,7 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
 
 def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", inputs=None, text_column="text",
                     inputs_given=False, master=True, agree=lambda ok, long_wait=False: ok, print0=print,
-                    vocab_size=50257):
+                    vocab_size=GPT2_VOCAB_SIZE):
     """Make sure data_root holds train and val shards a run can open; prepare them on first use.
 
     Shards already there are checked against manifest.json when there is one (shard count per split, each

@@ -7,9 +7,8 @@ GPT-2 (124M) pretraining on FineWeb-Edu token shards, in one flat, importable fi
     python train_gpt2.py sample|export|eval --help              # use a checkpoint
 
 Read top to bottom: the config, the model, the data loader, optimizers and schedules, distributed set-up,
-evaluation, then `train()`, the whole run in one function. Below the banner after it is the machinery a
-first reading can skip: checkpoint files and log.txt, flag checks, reporting, and the command line.
-Importing this file runs nothing.
+evaluation, then `train()`, the whole run in one function; after it, under a banner, the machinery a first
+reading can skip (checkpoint files, log.txt, flag checks, reporting, the CLI). Importing it runs nothing.
 """
 
 from __future__ import annotations
@@ -39,16 +38,11 @@ import torch.nn.functional as F
 
 import fineweb
 import hellaswag
-from fineweb import (EOT, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, HelpFormatter, OneLineParser,
-                     UsageError, atomic_write, bounded, list_shards, one_line)
+from fineweb import (EOT, GPT2_VOCAB_SIZE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, HelpFormatter,
+                     OneLineParser, UsageError, atomic_write, bounded, list_shards, one_line)
 from hellaswag import autocast_for, resolve_device  # --device and --dtype, shared with hellaswag.py's CLI
 
-SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
-# real GPT-2 BPE tokens, <|endoftext|> last; ids >= this in a padded vocab are padding
-GPT2_VOCAB_SIZE = EOT + 1
-
 # ===== Config and presets ===================================================================================
-
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # longest sequence the position embedding covers
@@ -62,8 +56,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
 
     def __post_init__(self):
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
+        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
         if min(self.block_size, self.n_layer, self.n_head, self.n_embd) < 1:
             raise ValueError("block_size, n_layer, n_head and n_embd must be positive")
         if self.n_embd % self.n_head != 0:
@@ -95,14 +88,12 @@ RUN_PRESETS = {
     # the CPU demo: ~300k tokens, about 5 minutes at ~1k tokens/s (2 cores); val and samples every 50 steps
     "tiny": dict(max_lr=2e-3, warmup_steps=15, max_steps=150, total_batch_size=2048, micro_batch_size=8,
                  sequence_length=256, eval_every=50, val_tokens=16384, sample_every=50, hellaswag_every=0,
-                 save_every=0, data_root=os.path.join(SCRIPT_DIR, "edu_fineweb_tiny")),
+                 save_every=0, data_root=os.path.join(fineweb.REPO_DIR, "edu_fineweb_tiny")),
 }
 
 # ===== The model ============================================================================================
-
 class KVCache:
-    """Keys and values of the tokens seen so far, so that generation feeds one token at a time: k, v are
-    (n_layer, B, n_kv_head, max_len, hs), preallocated, and `pos` positions of them are filled."""
+    """Keys and values (n_layer, B, n_kv_head, max_len, hs) of the tokens so far; `pos` of them are filled."""
 
     def __init__(self, config: GPTConfig, batch_size, max_len, device, dtype):
         hs = config.n_embd // config.n_head
@@ -173,8 +164,7 @@ class Block(nn.Module):
     def forward(self, x, kv_cache=None):
         # pre-LayerNorm: the residual stream itself is never normalized
         x = x + self.attn(self.ln_1(x), kv_cache)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -189,21 +179,17 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
-        # 0 for real tokens, -inf for padding ids, added in the lm_head matmul (on a GPU, its epilogue):
-        # padding is never sampled nor an argmax, nor takes a share of a softmax. A buffer, so the state dict
-        # stays GPT-2's
-        vocab_mask = torch.zeros(config.vocab_size)
-        vocab_mask[config.real_vocab_size:] = float("-inf")
+        # 0 for real tokens, -inf for padding ids, added in the lm_head matmul: padding is never sampled,
+        # never an argmax, never in a softmax's share. A buffer, not a parameter: the state dict stays GPT-2's
+        vocab_mask = torch.where(torch.arange(config.vocab_size) < config.real_vocab_size, 0.0, float("-inf"))
         self.register_buffer("vocab_mask", vocab_mask, persistent=False)
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
-                # each block adds two projections to the residual stream: keep its variance from growing
-                std *= (2 * self.config.n_layer) ** -0.5
-            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            # each block adds two projections to the residual stream: scaled down, its variance stays put
+            scale = (2 * self.config.n_layer) ** -0.5 if getattr(module, "RESIDUAL_SCALE_INIT", 0) else 1.0
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02 * scale)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
@@ -282,7 +268,9 @@ class GPT(nn.Module):
         """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or LayerNorm. muon
         (make_muon's keyword arguments, or None): the blocks' 2-D weights go to torch.optim.Muon instead, and
         the two come back as one CombinedOptimizer."""
-        matrices = self.block_matrices() if muon is not None else []
+        # Muon's share: the 2-D weights inside the transformer blocks (attention and MLP matmuls)
+        matrices = [p for p in self.transformer.h.parameters() if p.requires_grad and p.dim() == 2] \
+            if muon is not None else []
         taken = {id(p) for p in matrices}
         params = [p for p in self.parameters() if p.requires_grad and id(p) not in taken]
         decay = [p for p in params if p.dim() >= 2]
@@ -298,10 +286,6 @@ class GPT(nn.Module):
             return adamw
         return CombinedOptimizer({"adamw": adamw,
                                   "muon": make_muon(matrices, weight_decay, learning_rate, **muon)})
-
-    def block_matrices(self):
-        """The 2-D weights inside the transformer blocks (attention and MLP matmuls): Muon's share."""
-        return [p for p in self.transformer.h.parameters() if p.requires_grad and p.dim() == 2]
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None, use_cache=True):
@@ -371,9 +355,8 @@ def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, seq_len
     return 6 * n_params + 12 * L * H * Q * T
 
-# Peak dense bf16 tensor-core FLOP/s: half the with-sparsity figure of NVIDIA's datasheets. Matched as
-# substrings of torch.cuda.get_device_name(), first match first: SXM parts have no form factor in their name,
-# so NVL and PCIe come before the plain names. Other GPUs: --peak_flops.
+# Peak dense bf16 FLOP/s (half NVIDIA's with-sparsity figures), matched in order as substrings of the device
+# name: SXM parts have no form factor in theirs, so NVL and PCIe come first. Other GPUs: --peak_flops.
 PEAK_BF16_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H200 NVL", 835e12),
                    ("H200", 989e12), ("A100", 312e12)]
 
@@ -382,7 +365,6 @@ def peak_flops(device_name: str):
     return next((flops for key, flops in PEAK_BF16_FLOPS if key.casefold() in device_name.casefold()), None)
 
 # ===== Data loader: uint16 token shards written by fineweb.py ===============================================
-
 class DataLoaderLite:
     """Batches (x, y) of shape (B, T) from the `*_{split}_NNNNNN.npy` shards in data_root, memory-mapped.
 
@@ -395,9 +377,8 @@ class DataLoaderLite:
                  data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337, vocab_size=GPT2_VOCAB_SIZE):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
-        self.B, self.T = B, T
+        self.B, self.T, self.split, self.seed = B, T, split, seed
         self.process_rank, self.num_processes = process_rank, num_processes
-        self.split, self.seed = split, seed
         self.shards = list_shards(data_root, split)
         if not self.shards:
             raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: "
@@ -411,7 +392,6 @@ class DataLoaderLite:
         if self.epoch_tokens < B * T + 1:
             raise UsageError(f"the {split} shards in {data_root} hold {self.epoch_tokens} tokens, "
                              f"fewer than one batch of B*T+1 = {B * T + 1}")
-        self._order_cache = {}
         self.reset()
 
     def reset(self):
@@ -429,13 +409,10 @@ class DataLoaderLite:
         self.seed, self.position = state["seed"], state["position"]
 
     def _order(self, epoch):
-        """Shard order of an epoch and the cumulative token offsets of that order."""
-        if epoch not in self._order_cache:
-            n, shuffled = len(self.shards), self.split == "train" and epoch > 0
-            order = np.random.default_rng([self.seed, epoch]).permutation(n) if shuffled else np.arange(n)
-            starts = np.concatenate([[0], np.cumsum(self.lengths[order])])
-            self._order_cache = {epoch: (order, starts)}  # keep one epoch: the stream only moves forward
-        return self._order_cache[epoch]
+        """Shard order of an epoch and the cumulative token offsets of that order (cheap: one per shard)."""
+        n, shuffled = len(self.shards), self.split == "train" and epoch > 0
+        order = np.random.default_rng([self.seed, epoch]).permutation(n) if shuffled else np.arange(n)
+        return order, np.concatenate([[0], np.cumsum(self.lengths[order])])
 
     def _read(self, start, n):
         """n tokens of the stream from offset start, as int64, across shard and epoch boundaries."""
@@ -459,7 +436,6 @@ class DataLoaderLite:
         return x, y
 
 # ===== Optimizers and schedules: AdamW (GPT-2's recipe) or Muon + AdamW; the LR and the batch-size ramp =====
-
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
               adjust_lr_fn="match_rms_adamw"):
     """torch.optim.Muon over `matrices`, decoupled weight decay as AdamW's. match_rms_adamw puts its lr on
@@ -469,8 +445,7 @@ def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5
                             momentum=momentum, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
 
 class CombinedOptimizer:
-    """Optimizers over disjoint parameters used as one: param_groups, zero_grad and step cover every part;
-    a checkpoint stores each part's state under its name in `parts`."""
+    """Optimizers over disjoint parameters used as one; a checkpoint keeps each part's state by its name."""
 
     def __init__(self, parts):
         self.parts = parts
@@ -507,7 +482,6 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
     return max(unit, int(size) // unit * unit)
 
 # ===== Distributed: this process's place in the run, FSDP ===================================================
-
 @dataclass
 class Proc:
     """This process in the run (torchrun's RANK, LOCAL_RANK, WORLD_SIZE) and its device."""
@@ -567,7 +541,6 @@ def shard_model(raw_model, use_bf16):
     fully_shard(raw_model, mp_policy=mp)
 
 # ===== Evaluation: val loss, HellaSwag, samples =============================================================
-
 @torch.no_grad()
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
     """Mean loss over the first n_tokens targets of the loader's split, all ranks together: the same tokens
@@ -618,7 +591,6 @@ def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autoca
     return [decode_sample(enc, row, len(tokens)) for row in out.tolist()]
 
 # ===== train(): the whole run, from the flags to the last checkpoint ========================================
-
 def train(args):
     """One training run, start to end; returns the exit status (0, or 128 + the signal that stopped it)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -628,10 +600,8 @@ def train(args):
     for warning in check_flags(args, ckpt):
         proc.print0(f"warning: {warning}")
     pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout) if args.init_from else None
-    if ckpt is not None:
-        config = GPTConfig(**ckpt["config"])
-    else:
-        config = pretrained.config if pretrained is not None else model_config_from_args(args)
+    config = GPTConfig(**ckpt["config"]) if ckpt is not None else \
+        pretrained.config if pretrained is not None else model_config_from_args(args)
     # each rank runs micro-steps of B*T tokens, accumulated into optimizer steps of total_batch_size tokens
     B, T = args.micro_batch_size, args.sequence_length
     unit = B * T * proc.world_size  # tokens of one micro-step, all ranks together
@@ -814,12 +784,6 @@ class TrainState:
     rng: dict | None = None  # python, numpy, torch (and CUDA) generator states
     args: dict | None = None  # the run's flags
 
-    @classmethod
-    def from_checkpoint(cls, ckpt):
-        # checkpoints written before the batch ramp existed have no tokens_seen: every step was a full batch
-        return cls(**{k: ckpt[k] for k in ("step", "val_loss", "loader", "rng", "args")},
-                   tokens_seen=ckpt.get("tokens_seen", (ckpt["step"] + 1) * ckpt["args"]["total_batch_size"]))
-
 CKPT_RE = re.compile(r"model_(\d+)\.pt$")
 # what resuming needs (tokens_seen may be missing in older files); sample, export and eval need the first two
 CKPT_KEYS = ("model", "config", "optimizer", "step", "val_loss", "loader", "rng", "args")
@@ -875,21 +839,21 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, proc, keep_
         raise UsageError(f"saving {path} failed: {one_line(error)}" if error else "saving failed on rank 0")
 
 def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
-    """Load a checkpoint dict into the model, optimizer, loader and RNGs; returns its TrainState. Under FSDP
-    each rank keeps its own shard of the full state."""
+    """Load a checkpoint into the model (FSDP: each rank its shard), optimizer, loader, RNGs; a TrainState."""
     from torch.distributed.checkpoint import state_dict as sd
     opts = sd.StateDictOptions(full_state_dict=True)
     sd.set_model_state_dict(raw_model, ckpt["model"], options=opts)
-
     def load(opt, state):
         # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags
         keep = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g} for g in opt.param_groups]
         sd.set_optimizer_state_dict(raw_model, opt, state, options=opts)
         for group, kept in zip(opt.param_groups, keep):
             group.update(kept)
-
     per_part(optimizer, load, ckpt["optimizer"])
-    state = TrainState.from_checkpoint(ckpt)
+    # checkpoints written before the batch ramp existed have no tokens_seen: every step was a full batch
+    tokens_seen = ckpt.get("tokens_seen", (ckpt["step"] + 1) * ckpt["args"]["total_batch_size"])
+    state = TrainState(**{k: ckpt[k] for k in ("step", "val_loss", "loader", "rng", "args")},
+                       tokens_seen=tokens_seen)
     train_loader.load_state_dict(state.loader)
     random.setstate(state.rng["python"])
     np.random.set_state(state.rng["numpy"])
@@ -957,8 +921,7 @@ def saving_on_error(what, step, keep_last_step):
 # ---- the log dir: one run at a time (a filelock), an earlier run never overwritten by accident
 @contextlib.contextmanager
 def claim_log_dir(args, resume_step, proc, run_config):
-    """Rank 0 locks log_dir for the whole run, readies it and saves the run config there; every rank stops
-    if it cannot."""
+    """Rank 0 locks log_dir for the run, readies it, saves the run config; every rank stops if it cannot."""
     error = None
     with contextlib.ExitStack() as held:
         if proc.master:
@@ -1039,10 +1002,9 @@ def read_log(path):
     """{kind: (steps, values)} for the kinds in a log.txt ('train', 'val', 'hella'); bad lines skipped."""
     series = {}
     with open(path, errors="replace") as f:
-        for parsed in filter(None, map(parse_log_line, f)):
-            steps, values = series.setdefault(parsed[1], ([], []))
-            steps.append(parsed[0])
-            values.append(parsed[2])
+        for step, kind, value in filter(None, map(parse_log_line, f)):
+            series.setdefault(kind, ([], []))[0].append(step)
+            series[kind][1].append(value)
     return series
 
 def truncate_log(path, last_step):
@@ -1135,9 +1097,8 @@ def check_flags(args, ckpt=None):
     return warnings
 
 def model_config_from_args(args):
-    shape = {**MODEL_PRESETS[args.preset], "dropout": args.dropout, "bias": args.bias}
-    shape.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head")
-                  if getattr(args, k) is not None})
+    shape = {**MODEL_PRESETS[args.preset], "dropout": args.dropout}
+    shape.update({k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None})
     try:
         return GPTConfig(**shape)
     except ValueError as e:
@@ -1269,17 +1230,15 @@ class Profiler:
 
     def step(self):
         """Call after each training step; True when the run should stop here (--profile exit)."""
-        if self.prof is None:
-            return False
-        self.prof.step()
         self.steps_left -= 1
-        if self.steps_left > 0:
+        if self.steps_left >= 0:
+            self.prof.step()
+        if self.steps_left != 0:  # still recording, or long done
             return False
         self.prof.stop()  # the trace handler has written <log_dir>/profile/rank{r}.*.pt.trace.json
         sort = "self_cuda_time_total" if self.proc.device_type == "cuda" else "self_cpu_time_total"
         self.proc.print0(self.prof.key_averages().table(sort_by=sort, row_limit=20))
         self.proc.print0(f"profiler trace in {self.out} (open in ui.perfetto.dev or TensorBoard)")
-        self.prof = None
         return self.exit_after
 
 class StopSignals:
@@ -1360,7 +1319,6 @@ def build_parser(command=None):
     add("--n_kv_head", type=POSITIVE_INT, help="key/value heads, dividing n_head: GQA (1: MQA)")
     add("--dropout", type=fraction, default=0.0, help="attention, residual and embedding dropout in training")
     add("--bias", default=True, action=argparse.BooleanOptionalAction, help="biases in Linear and LayerNorm")
-
     add = p.add_argument_group("optimisation").add_argument
     add("--optimizer", default="adamw", choices=["adamw", "muon"],
         help="adamw (GPT-2's), or muon: torch.optim.Muon for the blocks' 2-D weights, AdamW for the rest")
@@ -1382,7 +1340,6 @@ def build_parser(command=None):
     add("--batch_ramp_start", type=POSITIVE_INT, default=32768, help="first batch of the ramp, in tokens")
     add("-B", "--micro_batch_size", type=POSITIVE_INT, default=64, help="sequences per forward, per process")
     add("-T", "--sequence_length", type=POSITIVE_INT, default=1024, help="tokens per sequence")
-
     g = p.add_argument_group("evaluation, sampling, checkpoints (0 turns a block off)")
     add = g.add_argument
     add("--eval_every", type=NONNEG_INT, default=250, help="val loss every N steps and at the end")
@@ -1398,7 +1355,6 @@ def build_parser(command=None):
     add("--hellaswag_limit", type=POSITIVE_INT, help="only the first N HellaSwag val examples")
     add("--save_every", type=NONNEG_INT, default=5000, help="checkpoint every N steps; the last is saved")
     add("--keep_last", type=NONNEG_INT, default=0, help="keep only the newest N model_*.pt (0: all)")
-
     g = p.add_argument_group("run")
     add = g.add_argument
     add("--seed", type=int, default=1337, help="seed for init, data order and sampling")
