@@ -158,7 +158,7 @@ elif mode == "hold_lock":  # arg: a file; the run waits for it after claiming th
     tg.save_run_config = save_run_config
 if os.environ.get("HOOK_GATE"):  # start line: both racers are past their imports
     wait_for(os.environ["HOOK_GATE"])
-sys.exit(tg.main())
+tg.exit_process(tg.main())  # as train_gpt2.py's own __main__: under torchrun, no interpreter shutdown
 '''
 
 
