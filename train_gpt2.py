@@ -392,6 +392,7 @@ class DataLoaderLite:
         if self.epoch_tokens < B * T + 1:
             raise UsageError(f"the {split} shards in {data_root} hold {self.epoch_tokens} tokens, "
                              f"fewer than one batch of B*T+1 = {B * T + 1}")
+        self._epoch = (None,)
         self.reset()
 
     def reset(self):
@@ -409,10 +410,12 @@ class DataLoaderLite:
         self.seed, self.position = state["seed"], state["position"]
 
     def _order(self, epoch):
-        """Shard order of an epoch and the cumulative token offsets of that order (cheap: one per shard)."""
-        n, shuffled = len(self.shards), self.split == "train" and epoch > 0
-        order = np.random.default_rng([self.seed, epoch]).permutation(n) if shuffled else np.arange(n)
-        return order, np.concatenate([[0], np.cumsum(self.lengths[order])])
+        """Shard order of an epoch and the cumulative token offsets of that order."""
+        if self._epoch[0] != (self.seed, epoch):  # the stream only moves forward: one epoch's order kept
+            n, shuffled = len(self.shards), self.split == "train" and epoch > 0
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if shuffled else np.arange(n)
+            self._epoch = ((self.seed, epoch), order, np.concatenate([[0], np.cumsum(self.lengths[order])]))
+        return self._epoch[1:]
 
     def _read(self, start, n):
         """n tokens of the stream from offset start, as int64, across shard and epoch boundaries."""
@@ -634,7 +637,6 @@ def train(args):
         np.random.seed(args.seed)
         random.seed(args.seed)
         raw_model = (pretrained if pretrained is not None else GPT(config)).to(proc.device)
-        pretrained = None
         proc.print0(f"model: {raw_model.get_num_params():,} parameters")
         if args.fsdp:
             shard_model(raw_model, use_bf16)
