@@ -770,9 +770,10 @@ def load_hf_model(name):
 
 
 def build_parser():
-    p = fineweb.OneLineParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' GPT2LMHeadModel "
-                                    "(completion style: acc = lowest summed loss, acc_norm = lowest mean loss of "
-                                    "the ending tokens)", epilog=f"To score {CHECKPOINT_HINT}.")
+    p = fineweb.OneLineParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' "
+                                          "GPT2LMHeadModel (completion style: acc = lowest summed loss, "
+                                          "acc_norm = lowest mean loss of the ending tokens)",
+                              epilog=f"To score {CHECKPOINT_HINT}.")
     p.add_argument("-m", "--model", required=True,
                    help=f"{', '.join(OPENAI_MODELS)} (openai-community/<name> on the hub), another hub name, "
                         "or a local save_pretrained directory")
