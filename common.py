@@ -1,0 +1,384 @@
+"""What the three command lines (train_gpt2.py, fineweb.py, hellaswag.py) share.
+
+- errors a user can fix, reported as one line: UsageError, one_line, DiskFullError;
+- files written safely: atomic_write (never a truncated file), umask, dir_lock (one process per folder);
+- command lines: OneLineParser, HelpFormatter, the bounded argparse types, print0 and exit_process;
+- device, dtype and TF32: resolve_device, autocast_for, enable_tf32.
+
+Nothing here trains, downloads or starts anything at import; torch is imported only where needed.
+"""
+
+import argparse
+import contextlib
+import errno
+import json
+import math
+import os
+import shlex
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+
+# ===== Errors a user can fix: one line, exit status 1 ===========================================
+class UsageError(Exception):
+    """A problem the user can fix (flags, data, files, no network): the CLIs print it as one line,
+    `error: ...`, and exit 1. Under torchrun only rank 0 reports it (every rank meets the same
+    problem), unless it is this rank's own (rank_specific)."""
+
+    def __init__(self, message, rank_specific=False):
+        super().__init__(message)
+        self.rank_specific = rank_specific
+
+
+DISK_FULL = {errno.ENOSPC} | ({errno.EDQUOT} if hasattr(errno, "EDQUOT") else set())
+
+
+def one_line(e, limit=300):
+    """An exception (or text) as one line of at most `limit` characters. An OSError of a full disk
+    or quota names the path and the space left there, as DiskFullError does."""
+    if isinstance(e, OSError) and not isinstance(e, DiskFullError) and e.errno in DISK_FULL:
+        free = None
+        with contextlib.suppress(OSError, TypeError):
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(e.filename))).free
+        e = DiskFullError(e.errno, e.filename or "a file", free)
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if len(msg) <= limit:
+        return msg
+    return msg[: limit - 3] + "..."
+
+
+def human_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+class DiskFullError(OSError):
+    """atomic_write ran out of space (ENOSPC) or quota (EDQUOT). Its temp file is gone and nothing
+    under the final name changed; str() is one line naming the path, the space left there and what
+    was written or needed."""
+
+    def __init__(self, err, path, free=None, written=None, needed=None):
+        self.path, self.free, self.written, self.needed = path, free, written, needed
+        what = "no space left on device"
+        if err == getattr(errno, "EDQUOT", None):
+            what = "disk quota exceeded"
+        facts = ["free space unknown"]
+        if free is not None:
+            facts = [f"{human_bytes(free)} free on its filesystem"]
+        if written is not None:
+            of = f" of about {human_bytes(needed)}" if needed else ""
+            facts.append(f"{human_bytes(written)} written{of}")
+        elif needed:
+            facts.append(f"about {human_bytes(needed)} needed")
+        self.message = (f"{what} writing {path} ({', '.join(facts)}); it was not written: "
+                        f"free some space and run again")
+        super().__init__(err, self.message)
+
+    def __str__(self):
+        return self.message
+
+
+# ===== Files written safely ======================================================================
+def atomic_write(path, write, size=None):
+    """Write a file through write(f) (binary) under a temp name, then rename it into place.
+
+    A crash never leaves a truncated file under the final name, and the temp name is unique to this
+    writer, so two writers never write into one temp file. It ends in .tmp: shard and checkpoint
+    globs (*.npy, model_*.pt) never see it. Every file this repository writes for keeps goes
+    through here. The file gets the mode open() would give it (0o666 less the umask), not mkstemp's
+    0600, so that a group sharing a run can read it. Out of space or quota: the temp file is removed
+    and DiskFullError says so in one line (size, the bytes the file takes when the caller knows).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        f = os.fdopen(fd, "wb")
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        with contextlib.suppress(OSError):  # a filesystem without modes (FUSE, SMB) keeps its own
+            os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, path)
+    except BaseException as e:
+        written = None
+        if tmp is not None and os.path.exists(tmp):
+            written = os.path.getsize(tmp)
+        full = _disk_full_errno(e, tmp)
+        if f is not None:
+            with contextlib.suppress(OSError):  # its buffer cannot be written either
+                f.close()
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+        if full is None:
+            raise
+        free = None
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(folder).free
+        raise DiskFullError(full, path, free, written, size) from e
+
+
+PROBE_BYTES = 1 << 12
+
+
+def _disk_full_errno(e, tmp):
+    """ENOSPC / EDQUOT when e (or an error it wraps: torch.save raises RuntimeError from the
+    OSError) is one."""
+    seen, errno_less = set(), False
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            if e.errno in DISK_FULL:
+                return e.errno
+            errno_less |= e.errno is None
+        e = e.__cause__ or e.__context__
+    if not errno_less or tmp is None or not os.path.exists(tmp):
+        return None
+    # numpy's tofile (np.save to a file) reports a short write with no errno: one more block
+    # appended to the temp file, which is about to be removed, says whether the filesystem is full
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return None
+    try:
+        if os.write(fd, b"\0" * PROBE_BYTES) < PROBE_BYTES:
+            return errno.ENOSPC
+        return None
+    except OSError as probe:
+        return probe.errno if probe.errno in DISK_FULL else None
+    finally:
+        os.close(fd)
+
+
+_fallback_umask = None
+
+
+def umask():
+    """The process umask, read without setting it (os.umask can only swap it, which races with
+    threads that create files meanwhile); where /proc has no Umask line, swapped once and kept."""
+    global _fallback_umask
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    if _fallback_umask is None:
+        _fallback_umask = os.umask(0o022)
+        os.umask(_fallback_umask)
+    return _fallback_umask
+
+
+def _live_holder(record):
+    """The holder record at `record` as 'pid N on HOST, since T: COMMAND' when it names a live
+    process, else None: a killed holder's record stays until the next holder writes over it."""
+    try:
+        with open(record) as f:
+            h = json.load(f)
+        pid, host = h["pid"], h["host"]
+        text = f"pid {pid} on {host}, since {h['started']}: {one_line(h['command'], 1000)}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if type(pid) is not int or pid <= 0:  # os.kill(0, 0) would signal our own process group
+        return None
+    if host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            pass  # alive, another user's
+        except (OSError, OverflowError):
+            return None
+    return text  # or another host's on a shared filesystem, which this host cannot check
+
+
+@contextlib.contextmanager
+def dir_lock(folder, name, busy, error=UsageError, wait_for_holder=10.0):
+    """Hold folder/name, an flock, while the body runs: one process at a time per folder. The kernel
+    drops an flock when its process dies (kill -9 included), so it is never stale. The holder
+    records its pid, host, start time and command in folder/name.holder (filelock records none) and
+    removes it on release.
+
+    When another process holds the lock, this retries for up to wait_for_holder seconds until that
+    record names a live process (the holder writes it just after taking the lock), then raises
+    error(f"{folder} {busy}"), "{holder}" in busy replaced by that record, or by "pid not recorded"
+    if none turned up. folder must exist; an OSError (not writable, disk full) passes through."""
+    import filelock  # only a prep or a training run needs it
+
+    lock = filelock.FileLock(os.path.join(folder, name), thread_local=False, is_singleton=False)
+    record = os.path.join(folder, name + ".holder")
+    deadline = time.monotonic() + wait_for_holder
+    while True:
+        try:
+            lock.acquire(timeout=0)
+            break
+        except filelock.Timeout:
+            holder = _live_holder(record)
+        if holder or time.monotonic() > deadline:
+            raise error(f"{folder} " + busy.replace("{holder}", holder or "pid not recorded"))
+        time.sleep(0.02)
+    try:
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "command": shlex.join(["python", *sys.argv])}).encode()
+        atomic_write(record, lambda f: f.write(info))
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(record)
+        lock.release()
+
+
+# ===== Command lines =============================================================================
+def rank():
+    """This process's rank under torchrun (0 without it)."""
+    return int(os.environ.get("RANK", 0))
+
+
+def print0(*args, **kwargs):
+    """print on rank 0 only: every rank runs the same code, one of them reports."""
+    if rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (`error: ... (see --help)`, exit status 1); under
+    torchrun only rank 0 prints it, as every rank meets the same flags."""
+
+    def error(self, message):
+        if rank() == 0:
+            print(f"error: {one_line(message, 10_000)} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with each flag's default, and descriptions printed as written."""
+
+
+def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None):
+    """An argparse type: a finite int or float in [low, high], either end open if asked."""
+    if what is None:
+        what = f">= {low}"
+        if low_open or (kind is int and low == 1):
+            what = "positive"
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        if not (math.isfinite(value) and above and below):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
+        return value
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
+POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+
+
+def exit_process(code):
+    """sys.exit(code); under torchrun, without Python's interpreter shutdown: torch keeps process
+    groups alive past destroy_process_group, and a gloo thread freeing a tensor during shutdown
+    aborts a good run."""
+    if "WORLD_SIZE" in os.environ:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+# ===== Device, dtype, TF32: one policy for training, sampling and evaluation =====================
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
+def resolve_device(name):
+    """A device string for `name`: "auto" picks cuda > mps > cpu; "cpu", "cuda", "cuda:1", "mps"
+    are checked to exist here. A UsageError naming --device for junk or a device this machine
+    does not have."""
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    mps_ok = mps is not None and mps.is_available()
+    if name in (None, "auto"):
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if mps_ok else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in DEVICE_TYPES:
+        raise UsageError(f"--device: unknown device {name!r}: expected auto, cpu, cuda, cuda:N "
+                         f"or mps")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"--device {name!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= count:
+            raise UsageError(f"--device {name!r}: this machine has {count} CUDA device(s) "
+                             f"(cuda:0..cuda:{count - 1})")
+    if dev.type == "mps" and not mps_ok:
+        raise UsageError(f"--device {name!r}: MPS is not available on this machine")
+    return str(name)
+
+
+def device_type_of(device):
+    """'cuda' for 'cuda:3': autocast, fused AdamW and synchronize take the type, not the index."""
+    return str(device).split(":")[0]
+
+
+def autocast(device_type, dtype):
+    """torch.autocast(device_type, dtype), or a do-nothing context when dtype is None (fp32).
+
+    An autocast torch cannot honour (CUDA unavailable, a dtype the device lacks) turns itself off
+    with only a warning, and everything would run in fp32 while bf16 was asked for: a ValueError
+    (one line, with torch's reason) instead."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    import warnings
+
+    import torch
+
+    device_type = device_type_of(device_type)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx = torch.autocast(device_type=device_type, dtype=dtype)
+        with ctx:
+            enabled = torch.is_autocast_enabled(device_type)
+    if not enabled:
+        why = "; ".join(one_line(w.message, 100) for w in caught) or "torch turned it off"
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(f"autocast to {name} on {device_type} is not available here ({why})")
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return ctx
+
+
+def autocast_for(dtype, device_type):
+    """(autocast context, uses bf16) for a --dtype of auto|fp32|bf16, auto being bf16 on CUDA and
+    fp32 elsewhere; a dtype the device cannot honour is a UsageError."""
+    import torch
+
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type_of(device_type) == "cuda")
+    try:
+        return autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
+    except ValueError as e:  # torch would have run fp32 in silence
+        raise UsageError(f"--dtype {dtype}: {e}; use --dtype fp32") from None
+
+
+def enable_tf32(device_type):
+    """TF32 matmuls on CUDA (set_float32_matmul_precision("high")); nothing elsewhere."""
+    if device_type_of(device_type) == "cuda":
+        import torch
+
+        torch.set_float32_matmul_precision("high")
