@@ -1,7 +1,8 @@
 """What the three command lines (train_gpt2.py, fineweb.py, hellaswag.py) share.
 
 - errors a user can fix, reported as one line: UsageError, one_line, DiskFullError;
-- files written safely: atomic_write (never a truncated file), umask, dir_lock (one process per folder);
+- files written safely: atomic_write (never a truncated file), umask, dir_lock (one process
+  per folder);
 - command lines: OneLineParser, HelpFormatter, the bounded argparse types, print0 and exit_process;
 - device, dtype and TF32: resolve_device, autocast_for, enable_tf32.
 
