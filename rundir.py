@@ -1,0 +1,557 @@
+"""A training run's directory (--log_dir) and what keeps the run in it safe and readable.
+
+- checkpoints: model_{step:05d}.pt, written atomically, the newest --keep_last kept, found and
+  checked for --resume (train_gpt2.py decides what a checkpoint holds; this file only stores it);
+- the claim on the log dir: one run at a time (a lock), an earlier run never overwritten by
+  accident, a rollback's later checkpoints set aside, run_config.json;
+- log.txt: one `step kind value` line per number, written and parsed only here;
+- flag checks that need the resumed checkpoint or several flags at once;
+- the step line, W&B, the profiler and the stop signals.
+
+train_gpt2.py imports it; it imports nothing of train_gpt2.py.
+"""
+
+import argparse
+import contextlib
+import glob
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import textwrap
+import threading
+
+import numpy as np
+import torch
+
+from common import UsageError, atomic_write, dir_lock, one_line, rank
+
+
+# ===== Checkpoint files ==========================================================================
+CKPT_RE = re.compile(r"model_(\d+)\.pt$")
+# what resuming needs; sample, export and eval need only the first two
+RESUME_KEYS = ("model", "config", "optimizer", "step", "val_loss", "loader", "rng", "args")
+
+
+def checkpoint_path(log_dir, step):
+    return os.path.join(log_dir, f"model_{step:05d}.pt")
+
+
+def checkpoint_step(path):
+    return int(CKPT_RE.search(os.path.basename(path)).group(1))
+
+
+def find_checkpoints(log_dir):
+    """Checkpoint paths in log_dir, oldest step first."""
+    found = glob.glob(os.path.join(log_dir, "model_*.pt"))
+    found = [p for p in found if CKPT_RE.search(os.path.basename(p))]
+    return sorted(found, key=checkpoint_step)
+
+
+def non_finite(model_state):
+    """The name of the first weight holding a NaN or inf, or None."""
+    for name, value in model_state.items():
+        if value.is_floating_point() and not value.isfinite().all():
+            return name
+    return None
+
+
+def write_checkpoint(path, checkpoint, keep_last=0, master=True, agree=None):
+    """torch.save(checkpoint) to path on the master process, under a temp name renamed when
+    complete (never a truncated model_*.pt, even on a crash); then only the newest keep_last
+    checkpoints are kept (0: all). agree (Proc.agree, or None after a failure that may be one
+    rank's alone): every rank stops if the master could not write (a full disk)."""
+    error = None
+    if master:
+        try:
+            if bad := non_finite(checkpoint["model"]):
+                raise UsageError(f"{bad} holds NaN or inf")
+            atomic_write(path, lambda f: torch.save(checkpoint, f))
+            if keep_last > 0:
+                # the newest is this one: a resumed run set later ones aside when it started
+                for old in find_checkpoints(os.path.dirname(path))[:-keep_last]:
+                    os.remove(old)
+        except (UsageError, OSError) as e:
+            error = e
+    ok = error is None
+    if agree is not None:
+        ok = agree(ok)
+    if error is not None:
+        raise UsageError(f"saving {path} failed: {one_line(error)}")
+    if not ok:
+        raise UsageError("saving failed on rank 0")
+
+
+def rng_state():
+    """The python, numpy, torch (and CUDA) random generators' states, for an exact resume."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and len(state.get("cuda", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_checkpoint(path, keys=("model", "config"), check_weights=True):
+    """The dict in one of our checkpoints (memory-mapped), in today's layout, or a UsageError
+    saying why it cannot be used; check_weights=False skips the scan for NaN/inf."""
+    if not os.path.isfile(path):
+        raise UsageError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # truncated, or not a torch file at all
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
+    if check_weights and (bad := non_finite(ckpt["model"])):
+        raise UsageError(f"{path} holds NaN or inf weights ({bad}): a diverged run's")
+    return upgrade_checkpoint(ckpt)
+
+
+def upgrade_checkpoint(ckpt):
+    """A checkpoint in today's layout, from any layout train_gpt2.py has written."""
+    args = ckpt.get("args") or {}
+    if "tokens_seen" not in ckpt and "step" in ckpt:  # no batch ramp yet: every step a full batch
+        ckpt["tokens_seen"] = (ckpt["step"] + 1) * args["total_batch_size"]
+    if "args" in ckpt:
+        args.setdefault("optimizer", "adamw")  # the only optimizer there was
+    parts = ckpt.get("optimizer")
+    if isinstance(parts, dict) and set(parts) == {"adamw", "muon"}:  # Muon's state kept apart
+        ckpt["optimizer"] = {
+            "state": {**parts["adamw"]["state"], **parts["muon"]["state"]},
+            "param_groups": parts["adamw"]["param_groups"] + parts["muon"]["param_groups"]}
+    return ckpt
+
+
+def find_resume_checkpoint(resume, log_dir, print0=print):
+    """(path, checkpoint) for --resume latest|PATH; latest skips unusable newer files with a
+    warning."""
+    if resume != "latest":
+        return resume, read_checkpoint(resume, keys=RESUME_KEYS)
+    found = find_checkpoints(log_dir)
+    for path in reversed(found):
+        try:
+            return path, read_checkpoint(path, keys=RESUME_KEYS)
+        except UsageError as e:
+            print0(f"warning: skipping {e}")
+    if found:
+        raise UsageError(f"--resume latest: none of the {len(found)} checkpoints in {log_dir} "
+                         f"is usable")
+    raise UsageError(f"--resume latest: no model_*.pt checkpoint in {log_dir}")
+
+
+def failure_message(e, step, saved):
+    """The one line for an error of the environment or the input that stopped a run at `step`,
+    naming the checkpoint that holds the last finished step (or None)."""
+    what = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {one_line(e)}"
+    line = f"step {step} failed ({what})"
+    if saved:
+        line += f"; {saved} holds step {checkpoint_step(saved)}: continue with --resume latest"
+    return line
+
+
+# ===== The log dir: one run at a time, an earlier run never overwritten by accident ==============
+def claim_log_dir(log_dir, resume_step, overwrite, run_config, master, agree):
+    """Rank 0 locks log_dir for the run, readies it and saves the run config; every rank stops if
+    it cannot. Returns an ExitStack whose close() releases the lock."""
+    held, error = contextlib.ExitStack(), None
+    if master:
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            held.enter_context(dir_lock(log_dir, ".lock", "is in use by a live run ({holder}): "
+                                        "wait for it to end, or choose another --log_dir"))
+            for warning in prepare_log_dir(log_dir, resume_step, overwrite):
+                print(f"warning: {warning}", flush=True)
+            save_run_config(log_dir, run_config)
+        except OSError as e:  # a file in the way, no permission, a read-only or full filesystem
+            error = UsageError(f"--log_dir {log_dir}: cannot write there ({one_line(e)})")
+        except UsageError as e:
+            error = e
+    if not agree(error is None):
+        held.close()
+        raise error or UsageError("rank 0 could not claim the log dir (see its message)")
+    return held
+
+
+def prepare_log_dir(log_dir, resume_step, overwrite):
+    """Ready log_dir for this run (the lock is held); returns the warnings to print. Removes a
+    crash's temp files. A resumed run moves later checkpoints (a rollback, or newer damaged files)
+    and a copy of log.txt to after_step_N/, where --resume latest cannot pick up an abandoned step,
+    and cuts log.txt back to its checkpoint. --overwrite deletes an earlier run's log and
+    checkpoints; otherwise such a run is refused."""
+    for tmp in glob.glob(os.path.join(log_dir, "*.tmp")):
+        os.remove(tmp)
+    log_file, warnings = os.path.join(log_dir, "log.txt"), []
+    if resume_step is None:
+        earlier = os.path.exists(log_file) and os.path.getsize(log_file) > 0
+        if (earlier or find_checkpoints(log_dir)) and not overwrite:
+            raise UsageError(f"{log_dir} holds an earlier run (log.txt or model_*.pt): pass "
+                             f"--resume latest to continue it, --overwrite to start afresh, or "
+                             f"another --log_dir")
+        for path in find_checkpoints(log_dir):
+            os.remove(path)
+        open(log_file, "w").close()
+        return warnings
+
+    later = [p for p in find_checkpoints(log_dir) if checkpoint_step(p) > resume_step]
+    if later:
+        base, n = os.path.join(log_dir, f"after_step_{resume_step:05d}"), 1
+        dest = base
+        while os.path.exists(dest):
+            n += 1
+            dest = f"{base}_{n}"
+        os.makedirs(dest)
+        if os.path.exists(log_file):
+            shutil.copy2(log_file, os.path.join(dest, "log.txt"))
+        for path in later:
+            os.replace(path, os.path.join(dest, os.path.basename(path)))
+        warnings.append(f"resuming at step {resume_step}: {len(later)} later checkpoint(s) and a "
+                        f"copy of log.txt moved to {dest}")
+    if damaged := truncate_log(log_file, resume_step):
+        warnings.append(f"dropped {damaged} damaged line(s) from {log_file}")
+    return warnings
+
+
+def format_run_config(run_config, groups):
+    """The run config in short, wrapped at 100 columns: the set values of each group of flags
+    ({title: [names]}), then what the run worked out, then the model."""
+    shown = {"model"}
+    for names in groups.values():
+        shown.update(names)
+    groups = {**groups, "this run": [k for k in run_config if k not in shown]}
+    lines = ["run config:"]
+    for title, names in groups.items():
+        values = [f"{k}={run_config[k]}" for k in names
+                  if run_config[k] is not None and run_config[k] is not False]
+        if values:
+            lines.append(textwrap.fill(" ".join(values), 100, break_long_words=False,
+                                       initial_indent=f"  {title.split(' (')[0]}: ",
+                                       subsequent_indent="    "))
+    model = " ".join(f"{k}={v}" for k, v in run_config["model"].items())
+    lines.append(textwrap.fill(model, 100, initial_indent="  model: ", subsequent_indent="    "))
+    return "\n".join(lines)
+
+
+def save_run_config(log_dir, run_config):
+    """The whole run config, printed in short at the start, as log_dir/run_config.json."""
+    data = (json.dumps(run_config, indent=1, default=str) + "\n").encode()
+    atomic_write(os.path.join(log_dir, "run_config.json"), lambda f: f.write(data))
+
+
+# ===== log.txt: one `step kind value` line per number ============================================
+LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
+
+
+def append_log(path, step, kind, value):
+    with open(path, "a") as f:
+        f.write(f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n")
+
+
+def parse_log_line(line):
+    """(step, kind, value) of a log.txt line, or None for a damaged one (a crash can leave NUL
+    bytes)."""
+    parts = line.split()
+    if len(parts) != 3 or parts[1] not in LOG_FORMATS:
+        return None
+    try:
+        return int(parts[0]), parts[1], float(parts[2])
+    except ValueError:
+        return None
+
+
+def read_log(path):
+    """{kind: (steps, values)} for the kinds in a log.txt ('train', 'val', 'hella'); bad lines
+    skipped."""
+    series = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            parsed = parse_log_line(line)
+            if parsed is None:
+                continue
+            step, kind, value = parsed
+            steps, values = series.setdefault(kind, ([], []))
+            steps.append(step)
+            values.append(value)
+    return series
+
+
+def truncate_log(path, last_step):
+    """Keep the lines up to last_step; returns how many damaged lines were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, errors="replace") as f:
+        lines = [(line, parse_log_line(line)) for line in f if line.strip()]
+    kept = [line for line, parsed in lines if parsed is not None and parsed[0] <= last_step]
+    atomic_write(path, lambda f: f.writelines(line.encode() for line in kept))
+    return sum(parsed is None for _, parsed in lines)
+
+
+# ===== Flag checks: what argparse cannot check alone, all before any work ========================
+# the flags that decide which tokens each step sees and at which LR: a change on resume is stated
+SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_batch_size",
+                  "batch_ramp_tokens", "batch_ramp_start", "seed")
+
+
+def end_step(args):
+    """The step the run stops before: --max_steps, or --stop_step when that comes first."""
+    if args.stop_step is None:
+        return args.max_steps
+    return min(args.max_steps, args.stop_step)
+
+
+def check_flags(args, given, ckpt, shape_flags, asked_shape, lr_at):
+    """One-line UsageErrors for flags that cannot work together, or (ckpt) with the checkpoint
+    resumed; returns warnings for settings that work but look like mistakes. given: the flags on
+    the command line; asked_shape: the model config the flags describe; lr_at(step, flags): the
+    LR of a step under a dict of flags."""
+    shape = sorted(f"--{k}" for k in shape_flags if k in given)
+    if args.init_from and shape:
+        raise UsageError(f"--init_from takes the model's shape from the weights: drop "
+                         f"{', '.join(shape)}")
+    for key in ("log_dir", "data_root"):  # found now, not mid-run
+        path = getattr(args, key)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--{key} {path} is a file, not a folder")
+    warnings = []
+    if args.warmup_steps >= args.max_steps:
+        warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: "
+                        f"the LR never leaves warmup")
+    if args.init_from and "preset" in given:
+        warnings.append(f"--init_from {args.init_from}: --preset {args.preset} gives only run "
+                        f"settings, not the shape")
+    if "input" in given and glob.glob(os.path.join(args.data_root, "*.npy")):
+        warnings.append(f"--input has no effect: {args.data_root} already holds shards (use "
+                        f"another --data_root to prepare one from it)")
+    # flags given for a part of the run that is off: stated, not dropped in silence
+    muon_flags = [k for k in given if k.startswith("muon_")]
+    off = [(args.eval_every <= 0, "--eval_every 0", ["val_tokens", "val_steps"]),
+           (args.sample_every <= 0, "--sample_every 0",
+            ["sample_prompt", "num_samples", "sample_tokens"]),
+           (args.hellaswag_every <= 0, "--hellaswag_every 0", ["hellaswag_limit"]),
+           (args.batch_ramp_tokens <= 0, "no --batch_ramp_tokens", ["batch_ramp_start"]),
+           (not args.profile, "no --profile", ["profile_schedule"]),
+           (not args.wandb_project, "no --wandb_project", ["wandb_run_name"]),
+           (args.optimizer != "muon", "no --optimizer muon", muon_flags)]
+    for is_off, why, keys in off:
+        unused = sorted(f"--{k}" for k in keys if k in given)
+        if is_off and unused:
+            verb = "has" if len(unused) == 1 else "have"
+            warnings.append(f"{', '.join(unused)} {verb} no effect with {why}")
+    if ckpt is None:
+        return warnings
+    return warnings + check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, lr_at)
+
+
+def check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, lr_at):
+    """check_flags' part for a resumed run: the flags against the checkpoint they continue."""
+    # a block switched on now: its settings, maybe the checkpoint's zeros, must be usable
+    for on, keys in ((args.eval_every, ["val_tokens"]),
+                     (args.sample_every, ["num_samples", "sample_tokens"])):
+        values = [getattr(args, k) for k in keys]
+        if on and any(v is not None and v < 1 for v in values):
+            shown = ", ".join(f"--{k} {v}" for k, v in zip(keys, values))
+            raise UsageError(f"{args.resume} has {shown}: give positive values now that this "
+                             f"block is on")
+
+    # the model's shape is the checkpoint's: shape flags (and -T, --preset) given now must agree
+    saved, step = ckpt["args"], ckpt["step"]
+    asked = {**asked_shape, "sequence_length": args.sequence_length, "preset": args.preset}
+    had = {**ckpt["config"], "sequence_length": saved.get("sequence_length"),
+           "preset": saved.get("preset")}
+    checked = set(shape_flags) | {"dropout", "sequence_length", "preset"}
+    differ = sorted(k for k in checked & set(given) if asked[k] != had[k])
+    if differ:
+        had_s = ", ".join(f"{k}={had[k]}" for k in differ)
+        asked_s = ", ".join(f"{k}={asked[k]}" for k in differ)
+        raise UsageError(f"{args.resume} holds a model trained with {had_s}; the flags ask for "
+                         f"{asked_s} (a resumed run needs no shape flags)")
+    if args.optimizer != saved["optimizer"]:
+        kind = saved["optimizer"]
+        raise UsageError(f"{args.resume} holds {kind} optimizer state but --optimizer "
+                         f"{args.optimizer} was given: resume with --optimizer {kind} (or without "
+                         f"the flag), or start a new run")
+
+    # nothing left but the final evaluation (a checkpoint of step max_steps - 1) is fine
+    if step + 1 >= end_step(args) and step + 1 != args.max_steps:
+        stop = f" / --stop_step {args.stop_step}" if args.stop_step else ""
+        raise UsageError(f"{args.resume} is at step {step}: --max_steps {args.max_steps}{stop} "
+                         f"leave nothing to train")
+
+    warnings = []
+    for k in SCHEDULE_FLAGS:
+        if k in given and k in saved and getattr(args, k) != saved[k]:
+            warnings.append(f"--{k} is {getattr(args, k)} now but was {saved[k]} in the "
+                            f"checkpoint")
+    then = lr_at(step + 1, {**vars(args), **saved})
+    now = lr_at(step + 1, vars(args))
+    if not math.isclose(then, now, rel_tol=1e-9):
+        warnings.append(f"the schedule changed: step {step + 1} gets LR {now:.4e} (the "
+                        f"checkpoint's schedule would give {then:.4e})")
+    return warnings
+
+
+
+# ===== The step line, log.txt and W&B ============================================================
+# Peak dense bf16 FLOP/s (half NVIDIA's with-sparsity figures), matched in order as substrings of
+# the device name: SXM parts have no form factor in theirs, so NVL and PCIe come first.
+PEAK_BF16_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+                   ("H200 NVL", 835e12), ("H200", 989e12), ("A100", 312e12)]
+
+
+def peak_flops(device_name):
+    """Peak dense bf16 FLOP/s of a GPU named like torch.cuda.get_device_name(), or None."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.casefold() in device_name.casefold():
+            return flops
+    return None
+
+
+def format_eta(seconds):
+    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
+
+
+class Metrics:
+    """Where a run's numbers go: the step line (loss, lr, norm, speed, MFU, memory, ETA) on stdout,
+    log.txt on rank 0, and W&B when a project is given."""
+
+    def __init__(self, log_dir, device, world_size, flops_per_token, first_step, end,
+                 peak=None, show_batch=False, wandb_project=None, wandb_run_name=None,
+                 run_config=None):
+        self.log_file, self.device = os.path.join(log_dir, "log.txt"), device
+        self.world_size, self.flops_per_token = world_size, flops_per_token
+        self.first_step, self.end, self.show_batch = first_step, end, show_batch
+        self.on_cuda, self.master = str(device).startswith("cuda"), rank() == 0
+        self.peak = peak
+        if peak is None and self.on_cuda:
+            self.peak = peak_flops(torch.cuda.get_device_name(device))
+        self.wandb_run, self.dt_avg = None, None
+        if wandb_project and self.master:
+            try:
+                import wandb
+            except ImportError:
+                raise UsageError("--wandb_project needs the wandb package: pip install wandb") \
+                    from None
+            self.wandb_run = wandb.init(project=wandb_project, name=wandb_run_name,
+                                        config=run_config)
+
+    def log(self, step, kind, value, **extra):
+        """kind is a log.txt series (train/val/hella); extra numbers (lr, norm, ...) go to W&B."""
+        if self.master:
+            append_log(self.log_file, step, kind, value)
+        if self.wandb_run is not None:
+            extra = {f"{kind}/{k}": v for k, v in extra.items()}
+            self.wandb_run.log({kind: value, **extra}, step=step)
+
+    def report_step(self, step, loss, lr, norm, dt, batch_size):
+        tokens_per_sec = batch_size / dt
+        if step > self.first_step:  # the first step compiles and warms up: not in the ETA
+            if self.dt_avg is None:
+                self.dt_avg = dt
+            else:
+                self.dt_avg = 0.9 * self.dt_avg + 0.1 * dt
+        extra = {"lr": lr, "norm": norm, "tok_per_sec": tokens_per_sec}
+        line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
+                f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}")
+        if self.show_batch:
+            line += f" | batch {batch_size}"
+        if self.peak:
+            extra["mfu"] = self.flops_per_token * tokens_per_sec / (self.peak * self.world_size)
+            line += f" | mfu {100 * extra['mfu']:.1f}%"
+        if self.on_cuda:
+            extra["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            line += f" | mem {extra['mem_gib']:.1f}GiB"
+        if self.dt_avg is not None:
+            line += f" | eta {format_eta((self.end - step - 1) * self.dt_avg)}"
+        if self.master:
+            print(line, flush=True)
+        self.log(step, "train", loss, **extra)
+
+    def finish(self):
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+# ===== The profiler and the stop signals =========================================================
+def profile_schedule(text):
+    """argparse type of --profile_schedule: WAIT,WARMUP,ACTIVE steps."""
+    if not re.fullmatch(r"\d+,\d+,0*[1-9]\d*", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers WAIT,WARMUP,ACTIVE "
+                                         f"(>= 0, >= 0, >= 1)")
+    return text
+
+
+class Profiler:
+    """torch.profiler over a few training steps (--profile_schedule): a trace, then the top ops.
+    mode None: off, every call does nothing."""
+
+    def __init__(self, mode, schedule, log_dir, device_type, process_rank):
+        self.mode, self.steps_left, self.on_cuda = mode, 0, device_type == "cuda"
+        if mode is None:
+            return
+        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+        wait, warmup, active = (int(v) for v in schedule.split(","))
+        activities = [ProfilerActivity.CPU]
+        if self.on_cuda:
+            activities.append(ProfilerActivity.CUDA)
+        self.out = os.path.join(log_dir, "profile")
+        handler = tensorboard_trace_handler(self.out, f"rank{process_rank}")
+        self.prof = profile(activities=activities, record_shapes=True, on_trace_ready=handler,
+                            schedule=torch.profiler.schedule(wait=wait, warmup=warmup,
+                                                             active=active, repeat=1))
+        self.prof.start()
+        self.steps_left = wait + warmup + active
+
+    def step(self):
+        """Call after each training step; True when the run should stop here (--profile exit)."""
+        if self.mode is None or self.steps_left < 0:
+            return False
+        self.steps_left -= 1
+        if self.steps_left >= 0:
+            self.prof.step()
+        if self.steps_left != 0:  # still recording
+            return False
+        self.steps_left = -1
+        self.prof.stop()  # the trace handler wrote <log_dir>/profile/rank{r}.*.pt.trace.json
+        if rank() == 0:
+            sort = "self_cuda_time_total" if self.on_cuda else "self_cpu_time_total"
+            print(self.prof.key_averages().table(sort_by=sort, row_limit=20), flush=True)
+            print(f"profiler trace in {self.out} (open in ui.perfetto.dev or TensorBoard)",
+                  flush=True)
+        return self.mode == "exit"
+
+
+class StopSignals:
+    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before a time limit) while training: the run
+    finishes its step, saves a checkpoint and exits with 128 + the signal. A second Ctrl-C leaves
+    at once. Installed when made; restore() puts the previous handlers back."""
+
+    def __init__(self):
+        self.signum, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+                self.previous[s] = signal.signal(s, self.handle)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is not None and signum == signal.SIGINT:
+            os.write(2, f"error: {name} again: leaving now, without saving this step\n".encode())
+            os._exit(128 + signum)
+        self.signum = self.signum or signum
+        if rank() == 0:
+            os.write(2, f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again: "
+                        f"now)\n".encode())
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
