@@ -177,6 +177,26 @@ def umask():
     return _fallback_umask
 
 
+def write_new_dir(path, flag, write):
+    """Fill a new (or empty) directory through write(tmp), tmp a folder beside it renamed to path
+    at the end: a failed write leaves nothing behind. flag names the path in errors."""
+    out = os.path.abspath(path)
+    parent = os.path.dirname(out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UsageError(f"{flag} {path} exists and is not an empty directory: choose a new one")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: its parent {parent} is not an existing folder")
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.{os.getpid()}.tmp")
+    try:
+        os.makedirs(tmp)
+        write(tmp)
+        os.replace(tmp, out)
+    except OSError as e:  # a read-only parent, a full disk
+        raise UsageError(f"{flag} {path}: cannot write there ({one_line(e)})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _live_holder(record):
     """The holder record at `record` as 'pid N on HOST, since T: COMMAND' when it names a live
     process, else None: a killed holder's record stays until the next holder writes over it."""
@@ -285,6 +305,56 @@ def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None
 
 POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
 POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+
+
+def flag_dest(flags):
+    """The argparse dest of a table entry's flags: "-B --micro_batch_size" -> micro_batch_size."""
+    return flags.split()[-1].lstrip("-")
+
+
+def add_flags(parser, entries, shown=None):
+    """argparse arguments for (flags, default, type, meaning) entries, --help giving each default
+    once. A type is an argparse type, a list of choices, bool (--x / --no-x) or a dict of argparse
+    keywords. shown=None: the defaults are argparse's own. train_gpt2.py passes shown (its preset's
+    defaults) and leaves argparse's at None, which is how it tells which flags were given."""
+    for flags, default, kind, meaning in entries:
+        kwargs = {}
+        if shown is None:
+            kwargs["default"] = default
+        else:
+            default = shown.get(flag_dest(flags), default)
+        if default is not None:
+            meaning += f" (default: {default})"
+        kwargs["help"] = meaning.replace("%", "%%")
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(kind, dict):
+            kwargs.update(kind)
+        elif isinstance(kind, list):
+            kwargs["choices"] = kind
+        else:
+            kwargs["type"] = kind
+        parser.add_argument(*flags.split(), **kwargs)
+
+
+def run_cli(main, *args):
+    """main(*args)'s exit status, with what a user can fix as one line on stderr: a UsageError
+    (status 1; under torchrun from rank 0, or from the rank it concerns), a full disk (1), Ctrl-C
+    outside a training loop (130). Anything else is a bug and keeps its traceback."""
+    try:
+        return main(*args)
+    except UsageError as e:
+        if e.rank_specific or rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def exit_process(code):

@@ -21,13 +21,14 @@ import random
 import re
 import shutil
 import signal
+import sys
 import textwrap
 import threading
 
 import numpy as np
 import torch
 
-from common import UsageError, atomic_write, dir_lock, one_line, rank
+from common import UsageError, atomic_write, dir_lock, flag_dest, one_line, print0, rank
 
 
 # ===== Checkpoint files ==========================================================================
@@ -121,11 +122,11 @@ def read_checkpoint(path, keys=("model", "config"), check_weights=True):
 
 def upgrade_checkpoint(ckpt):
     """A checkpoint in today's layout, from any layout train_gpt2.py has written."""
-    args = ckpt.get("args") or {}
-    if "tokens_seen" not in ckpt and "step" in ckpt:  # no batch ramp yet: every step a full batch
-        ckpt["tokens_seen"] = (ckpt["step"] + 1) * args["total_batch_size"]
-    if "args" in ckpt:
+    args = ckpt.get("args")
+    if isinstance(args, dict):
         args.setdefault("optimizer", "adamw")  # the only optimizer there was
+        if "tokens_seen" not in ckpt and "step" in ckpt:  # no batch ramp: every step a full batch
+            ckpt["tokens_seen"] = (ckpt["step"] + 1) * args["total_batch_size"]
     parts = ckpt.get("optimizer")
     if isinstance(parts, dict) and set(parts) == {"adamw", "muon"}:  # Muon's state kept apart
         ckpt["optimizer"] = {
@@ -151,27 +152,37 @@ def find_resume_checkpoint(resume, log_dir, print0=print):
     raise UsageError(f"--resume latest: no model_*.pt checkpoint in {log_dir}")
 
 
-def failure_message(e, step, saved):
-    """The one line for an error of the environment or the input that stopped a run at `step`,
-    naming the checkpoint that holds the last finished step (or None)."""
-    what = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {one_line(e)}"
-    line = f"step {step} failed ({what})"
-    if saved:
-        line += f"; {saved} holds step {checkpoint_step(saved)}: continue with --resume latest"
-    return line
+def report_failure(e, step, log_dir, last_saved):
+    """Raise what stopped a run at `step`, naming the checkpoint of the last finished step: an
+    error of the environment or the input (UsageError, OSError) as one line, a bug with its
+    traceback."""
+    saved = ""
+    if last_saved >= 0:
+        path = checkpoint_path(log_dir, last_saved)
+        saved = f"; {path} holds step {last_saved}: continue with --resume latest"
+    if isinstance(e, UsageError):
+        raise UsageError(f"step {step} failed ({e}){saved}") from None
+    if isinstance(e, OSError):
+        raise UsageError(f"step {step} failed ({type(e).__name__}: {one_line(e)}){saved}") \
+            from None
+    print(f"error at step {step}{saved}", file=sys.stderr, flush=True)
+    raise e
 
 
 # ===== The log dir: one run at a time, an earlier run never overwritten by accident ==============
-def claim_log_dir(log_dir, resume_step, overwrite, run_config, master, agree):
-    """Rank 0 locks log_dir for the run, readies it and saves the run config; every rank stops if
-    it cannot. Returns an ExitStack whose close() releases the lock."""
+def claim_log_dir(args, ckpt, run_config, master, agree):
+    """Rank 0 locks --log_dir for the run, readies it for a new run or for resuming ckpt, and saves
+    the run config; every rank stops if it cannot. Returns an ExitStack; close() unlocks."""
+    log_dir, resume_step = args.log_dir, None
+    if ckpt is not None:
+        resume_step = ckpt["step"]
     held, error = contextlib.ExitStack(), None
     if master:
         try:
             os.makedirs(log_dir, exist_ok=True)
             held.enter_context(dir_lock(log_dir, ".lock", "is in use by a live run ({holder}): "
                                         "wait for it to end, or choose another --log_dir"))
-            for warning in prepare_log_dir(log_dir, resume_step, overwrite):
+            for warning in prepare_log_dir(log_dir, resume_step, args.overwrite):
                 print(f"warning: {warning}", flush=True)
             save_run_config(log_dir, run_config)
         except OSError as e:  # a file in the way, no permission, a read-only or full filesystem
@@ -223,13 +234,14 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
     return warnings
 
 
-def format_run_config(run_config, groups):
-    """The run config in short, wrapped at 100 columns: the set values of each group of flags
-    ({title: [names]}), then what the run worked out, then the model."""
+def format_run_config(run_config, settings):
+    """The run config in short, wrapped at 100 columns: the set values of each group of flags in
+    settings ({title: [(flags, ...)]}), then what the run worked out, then the model."""
+    groups = {title: [flag_dest(e[0]) for e in entries] for title, entries in settings.items()}
     shown = {"model"}
     for names in groups.values():
         shown.update(names)
-    groups = {**groups, "this run": [k for k in run_config if k not in shown]}
+    groups["this run"] = [k for k in run_config if k not in shown]
     lines = ["run config:"]
     for title, names in groups.items():
         values = [f"{k}={run_config[k]}" for k in names
@@ -303,6 +315,20 @@ SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_
                   "batch_ramp_tokens", "batch_ramp_start", "seed")
 
 
+def usable_val_tokens(args, train_tokens, val_tokens_held, val_tokens):
+    """The val size the val shards can give (a warning when less than asked); also notes a run
+    that reads its train data more than once."""
+    reads = args.max_steps * args.total_batch_size
+    if reads > train_tokens:
+        print0(f"note: the run reads {reads:,} train tokens and {args.data_root} holds "
+               f"{train_tokens:,}: it passes over them {reads / train_tokens:.1f} times")
+    if args.eval_every > 0 and val_tokens > val_tokens_held:  # ==: a prep's own val size
+        print0(f"warning: the val loss is asked over {val_tokens:,} tokens but the val shards "
+               f"hold {val_tokens_held - 1:,} targets: it is taken over those")
+        return val_tokens_held - 1
+    return val_tokens
+
+
 def end_step(args):
     """The step the run stops before: --max_steps, or --stop_step when that comes first."""
     if args.stop_step is None:
@@ -310,11 +336,11 @@ def end_step(args):
     return min(args.max_steps, args.stop_step)
 
 
-def check_flags(args, given, ckpt, shape_flags, asked_shape, lr_at):
+def check_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
     """One-line UsageErrors for flags that cannot work together, or (ckpt) with the checkpoint
     resumed; returns warnings for settings that work but look like mistakes. given: the flags on
-    the command line; asked_shape: the model config the flags describe; lr_at(step, flags): the
-    LR of a step under a dict of flags."""
+    the command line; asked_shape: the model config the flags describe; get_lr: train_gpt2's
+    schedule."""
     shape = sorted(f"--{k}" for k in shape_flags if k in given)
     if args.init_from and shape:
         raise UsageError(f"--init_from takes the model's shape from the weights: drop "
@@ -350,10 +376,10 @@ def check_flags(args, given, ckpt, shape_flags, asked_shape, lr_at):
             warnings.append(f"{', '.join(unused)} {verb} no effect with {why}")
     if ckpt is None:
         return warnings
-    return warnings + check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, lr_at)
+    return warnings + check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, get_lr)
 
 
-def check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, lr_at):
+def check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
     """check_flags' part for a resumed run: the flags against the checkpoint they continue."""
     # a block switched on now: its settings, maybe the checkpoint's zeros, must be usable
     for on, keys in ((args.eval_every, ["val_tokens"]),
@@ -393,8 +419,11 @@ def check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, lr_at):
         if k in given and k in saved and getattr(args, k) != saved[k]:
             warnings.append(f"--{k} is {getattr(args, k)} now but was {saved[k]} in the "
                             f"checkpoint")
-    then = lr_at(step + 1, {**vars(args), **saved})
-    now = lr_at(step + 1, vars(args))
+    lrs = []
+    for f in ({**vars(args), **saved}, vars(args)):
+        lrs.append(get_lr(step + 1, f["max_lr"], f["max_lr"] * f["min_lr_ratio"],
+                          f["warmup_steps"], f["max_steps"]))
+    then, now = lrs
     if not math.isclose(then, now, rel_tol=1e-9):
         warnings.append(f"the schedule changed: step {step + 1} gets LR {now:.4e} (the "
                         f"checkpoint's schedule would give {then:.4e})")
@@ -423,26 +452,24 @@ def format_eta(seconds):
 
 class Metrics:
     """Where a run's numbers go: the step line (loss, lr, norm, speed, MFU, memory, ETA) on stdout,
-    log.txt on rank 0, and W&B when a project is given."""
+    log.txt on rank 0, and W&B with --wandb_project."""
 
-    def __init__(self, log_dir, device, world_size, flops_per_token, first_step, end,
-                 peak=None, show_batch=False, wandb_project=None, wandb_run_name=None,
-                 run_config=None):
-        self.log_file, self.device = os.path.join(log_dir, "log.txt"), device
+    def __init__(self, args, device, world_size, first_step, end, flops_per_token, run_config):
+        self.log_file, self.device = os.path.join(args.log_dir, "log.txt"), device
         self.world_size, self.flops_per_token = world_size, flops_per_token
-        self.first_step, self.end, self.show_batch = first_step, end, show_batch
+        self.first_step, self.end, self.show_batch = first_step, end, args.batch_ramp_tokens > 0
         self.on_cuda, self.master = str(device).startswith("cuda"), rank() == 0
-        self.peak = peak
-        if peak is None and self.on_cuda:
+        self.peak = args.peak_flops
+        if self.peak is None and self.on_cuda:
             self.peak = peak_flops(torch.cuda.get_device_name(device))
         self.wandb_run, self.dt_avg = None, None
-        if wandb_project and self.master:
+        if args.wandb_project and self.master:
             try:
                 import wandb
             except ImportError:
                 raise UsageError("--wandb_project needs the wandb package: pip install wandb") \
                     from None
-            self.wandb_run = wandb.init(project=wandb_project, name=wandb_run_name,
+            self.wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name,
                                         config=run_config)
 
     def log(self, step, kind, value, **extra):
@@ -493,18 +520,18 @@ def profile_schedule(text):
 
 class Profiler:
     """torch.profiler over a few training steps (--profile_schedule): a trace, then the top ops.
-    mode None: off, every call does nothing."""
+    Without --profile every call does nothing."""
 
-    def __init__(self, mode, schedule, log_dir, device_type, process_rank):
-        self.mode, self.steps_left, self.on_cuda = mode, 0, device_type == "cuda"
-        if mode is None:
+    def __init__(self, args, device_type, process_rank):
+        self.mode, self.steps_left, self.on_cuda = args.profile, 0, device_type == "cuda"
+        if self.mode is None:
             return
         from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-        wait, warmup, active = (int(v) for v in schedule.split(","))
+        wait, warmup, active = (int(v) for v in args.profile_schedule.split(","))
         activities = [ProfilerActivity.CPU]
         if self.on_cuda:
             activities.append(ProfilerActivity.CUDA)
-        self.out = os.path.join(log_dir, "profile")
+        self.out = os.path.join(args.log_dir, "profile")
         handler = tensorboard_trace_handler(self.out, f"rank{process_rank}")
         self.prof = profile(activities=activities, record_shapes=True, on_trace_ready=handler,
                             schedule=torch.profiler.schedule(wait=wait, warmup=warmup,

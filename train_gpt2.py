@@ -18,7 +18,6 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import time
@@ -33,15 +32,16 @@ import torch.nn.functional as F
 import fineweb
 import hellaswag
 import rundir
-from common import (DISK_FULL, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, OneLineParser,
-                    UsageError, autocast_for, bounded, device_type_of, enable_tf32, exit_process,
-                    one_line, print0, rank, resolve_device)
+from common import (NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, OneLineParser,
+                    UsageError, add_flags, autocast_for, bounded, device_type_of, enable_tf32,
+                    exit_process, flag_dest, one_line, print0, rank, resolve_device,
+                    run_cli, write_new_dir)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 
 # ===== Run settings ==============================================================================
-# Every training flag once: (flag, default, type, meaning). A type is an argparse type, a list of
-# choices, bool (--x / --no-x) or a dict of argparse keywords. A --preset and a resumed checkpoint
-# change the defaults (parse_args); `python train_gpt2.py --preset tiny --help` shows tiny's.
+# Every training flag once: (flags, default, type, meaning); common.add_flags turns them into
+# argparse arguments. A --preset, then a resumed checkpoint, change the defaults (parse_args):
+# `python train_gpt2.py --preset tiny --help` shows tiny's.
 FRACTION = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
 THIS_INVOCATION = "this invocation (a resumed run does not take these from its checkpoint)"
 RUN_SETTINGS = {
@@ -57,8 +57,7 @@ RUN_SETTINGS = {
         ("--bias", True, bool, "biases in Linear and LayerNorm"),
     ],
     "optimisation": [
-        ("--optimizer", "adamw", ["adamw", "muon"],
-         "adamw (GPT-2's), or muon: torch.optim.Muon for the blocks' 2-D weights, AdamW the rest"),
+        ("--optimizer", "adamw", ["adamw", "muon"], "muon: Muon for the blocks' matrices"),
         ("--muon_lr", None, POSITIVE, "Muon's peak LR (default: --max_lr), scheduled like it"),
         ("--muon_momentum", 0.95, FRACTION, "Muon's Nesterov momentum"),
         ("--muon_ns_steps", 5, bounded(int, 1, 99, what="in 1..99"), "Newton-Schulz steps"),
@@ -70,18 +69,15 @@ RUN_SETTINGS = {
         ("--max_steps", 19073, POSITIVE_INT, "optimizer steps (19073 x 2^19 = 10B tokens)"),
         ("--weight_decay", 0.1, NONNEG, "decoupled weight decay of matmuls and embeddings"),
         ("--grad_clip", 1.0, NONNEG, "clip the global gradient norm to this (0: off)"),
-        ("--total_batch_size", 524288, POSITIVE_INT,
-         "tokens per optimizer step, all processes together: a multiple of B*T*processes"),
-        ("--batch_ramp_tokens", 0, NONNEG_INT,
-         "GPT-3's ramp: the batch grows from --batch_ramp_start over the first N tokens (0: off)"),
+        ("--total_batch_size", 524288, POSITIVE_INT, "tokens per step, a multiple of B*T*ranks"),
+        ("--batch_ramp_tokens", 0, NONNEG_INT, "GPT-3's batch ramp over the first N tokens"),
         ("--batch_ramp_start", 32768, POSITIVE_INT, "first batch of the ramp, in tokens"),
         ("-B --micro_batch_size", 64, POSITIVE_INT, "sequences per forward pass, per process"),
         ("-T --sequence_length", 1024, POSITIVE_INT, "tokens per sequence"),
     ],
     "evaluation, sampling, checkpoints (every 0: off)": [
         ("--eval_every", 250, NONNEG_INT, "val loss every N steps and at the end"),
-        ("--val_tokens", 10_485_760, POSITIVE_INT,
-         "val loss over the first N val tokens, for any world size and -B"),
+        ("--val_tokens", 10_485_760, POSITIVE_INT, "val loss over the first N val tokens"),
         ("--val_steps", None, POSITIVE_INT, "instead: N batches of B*T tokens per process"),
         ("--sample_every", 250, NONNEG_INT, "samples every N steps (not 0) and at the end"),
         ("--sample_prompt", "Hello, I'm a language model,", str, "prompt for the samples"),
@@ -94,64 +90,31 @@ RUN_SETTINGS = {
     ],
     "data": [
         ("--seed", 1337, int, "seed for init, data order and sampling"),
-        ("--data_root", fineweb.DEFAULT_DATA_ROOT, str,
-         "folder of *_train_*.npy / *_val_*.npy shards; rank 0 prepares missing ones"),
+        ("--data_root", fineweb.DEFAULT_DATA_ROOT, str, "shard folder; rank 0 prepares it"),
         ("--fineweb_name", "sample-10BT", list(fineweb.NAMES), "FineWeb-Edu sample to prepare"),
-        ("--input", None, {"nargs": "+", "metavar": "PATH"},
-         "prepare --data_root from these .txt/.md/.jsonl/.parquet files instead of FineWeb-Edu"),
+        ("--input", None, {"nargs": "+", "metavar": "PATH"}, "prepare it from these files"),
         ("--text_column", "text", str, "text field of --input .jsonl/.parquet files"),
     ],
     THIS_INVOCATION: [
         ("--log_dir", "log", str, "where log.txt, run_config.json and model_*.pt go"),
-        ("--resume", None, {"metavar": "latest|PATH"},
-         "continue from the newest usable checkpoint in --log_dir, or PATH; later ones move to "
-         "after_step_N/"),
+        ("--resume", None, {"metavar": "latest|PATH"}, "continue from a checkpoint"),
         ("--overwrite", False, bool, "start afresh: delete log.txt and model_*.pt"),
         ("--stop_step", None, POSITIVE_INT, "leave after N steps, saved, on --max_steps' schedule"),
-        ("--init_from", None, {"metavar": "gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR"},
-         "OpenAI's GPT-2 weights (a hub name, or a save_pretrained directory)"),
+        ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
         ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
         ("--dtype", "auto", ["auto", "fp32", "bf16"], "autocast dtype; auto: bf16 on CUDA"),
         ("--compile", None, bool, "torch.compile (default: on CUDA only)"),
         ("--fsdp", False, bool, "shard the model across torchrun processes (FSDP2)"),
         ("--peak_flops", None, POSITIVE, "peak bf16 FLOP/s of one GPU, for the MFU"),
         ("--profile", None, {"nargs": "?", "const": "continue", "choices": ["continue", "exit"]},
-         "torch.profiler over a few steps: a trace in <log_dir>/profile/, the top ops, go on"),
-        ("--profile_schedule", "1,1,3", rundir.profile_schedule,
-         "profiler steps WAIT,WARMUP,ACTIVE: skipped, warmed up, recorded"),
+         "torch.profiler over a few steps: a trace in <log_dir>/profile/, the top ops"),
+        ("--profile_schedule", "1,1,3", rundir.profile_schedule, "WAIT,WARMUP,ACTIVE steps"),
         ("--wandb_project", None, str, "also log to this Weights & Biases project"),
         ("--wandb_run_name", None, str, "W&B run name (default: W&B picks one)"),
     ],
 }
-
-def flag_name(flags):
-    return flags.split()[-1].lstrip("-")
-
-DEFAULTS = {flag_name(f): default for group in RUN_SETTINGS.values() for f, default, *_ in group}
+DEFAULTS = {flag_dest(f): default for group in RUN_SETTINGS.values() for f, default, *_ in group}
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "bias")
-
-def add_flags(parser, entries, shown=None):
-    """argparse arguments for (flag, default, type, meaning) entries, --help giving each default
-    once. shown=None: the defaults are argparse's own. Training passes shown (its preset's
-    defaults) and leaves argparse's at None, which is how parse_args tells what was given."""
-    for flags, default, kind, meaning in entries:
-        kwargs = {}
-        if shown is None:
-            kwargs["default"] = default
-        else:
-            default = shown.get(flag_name(flags), default)
-        if default is not None:
-            meaning += f" (default: {default})"
-        kwargs["help"] = meaning.replace("%", "%%")
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif isinstance(kind, dict):
-            kwargs.update(kind)
-        elif isinstance(kind, list):
-            kwargs["choices"] = kind
-        else:
-            kwargs["type"] = kind
-        parser.add_argument(*flags.split(), **kwargs)
 
 # ===== Model config and presets ==================================================================
 @dataclass
@@ -217,8 +180,7 @@ def model_config_from_args(args):
 
 # ===== The model =================================================================================
 class KVCache:
-    """Keys and values (n_layer, B, n_kv_head, max_len, hs) of the tokens so far; `pos` are
-    filled."""
+    """Keys and values (n_layer, B, n_kv_head, max_len, hs) of the tokens so far, `pos` of them."""
 
     def __init__(self, config: GPTConfig, batch_size, max_len, device, dtype):
         hs = config.n_embd // config.n_head
@@ -311,8 +273,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
         # 0 for real tokens, -inf for padding ids, added in the lm_head matmul: padding is never
-        # sampled, never an argmax, never in a softmax's share. A buffer, not a parameter: the state
-        # dict stays GPT-2's
+        # sampled nor in a softmax's share. A buffer, not a parameter: the state dict stays GPT-2's
         real = torch.arange(config.vocab_size) < config.real_vocab_size
         self.register_buffer("vocab_mask", torch.where(real, 0.0, float("-inf")), persistent=False)
         self.apply(self._init_weights)
@@ -320,10 +281,8 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
-                # each block adds two projections to the residual stream: scaled down, its variance
-                # stays put
-                std *= (2 * self.config.n_layer) ** -0.5
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):  # the residual stream's variance
+                std *= (2 * self.config.n_layer) ** -0.5  # stays put over 2 adds per block
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
@@ -333,16 +292,12 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=False):
         """Parameter count (the tied wte/lm_head once); non_embedding=True also leaves out wpe."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets
-        (or None). With a kv_cache, idx continues the cached sequence. logits_to_keep as
-        transformers' GPT2LMHeadModel: 0 keeps every position, k > 0 the last k, a 1-D tensor those
-        positions (scoring and generation need few, and the vocab matmul is most of a small model's
-        work)."""
+        (or None). With a kv_cache, idx continues the cached sequence. logits_to_keep as in
+        transformers: 0 keeps every position, k > 0 the last k, a 1-D tensor those positions."""
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
@@ -354,10 +309,9 @@ class GPT(nn.Module):
             x = block(x, kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T
-        if not isinstance(logits_to_keep, int) or logits_to_keep > 0:
-            if targets is not None:
-                raise ValueError("targets need the logits of every position: leave "
-                                 "logits_to_keep at 0")
+        if not isinstance(logits_to_keep, int) or logits_to_keep > 0:  # the vocab matmul is most
+            if targets is not None:  # of a small model's work: scoring, sampling need few rows
+                raise ValueError("targets need every position's logits: leave logits_to_keep 0")
             if isinstance(logits_to_keep, int):
                 x = x[:, -logits_to_keep:]
             else:
@@ -376,9 +330,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """OpenAI GPT-2 weights through transformers: a hub name (gpt2 .. gpt2-xl) or a
-        save_pretrained dir, the vocab padded to a multiple of 64 (50257 -> 50304) with zero (and
-        masked) rows."""
+        """OpenAI's GPT-2 through transformers (a hub name, gpt2 .. gpt2-xl, or a save_pretrained
+        dir), the vocab padded to a multiple of 64 (50257 -> 50304) with zero, masked rows."""
         from transformers import GPT2LMHeadModel
         try:
             hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
@@ -387,11 +340,11 @@ class GPT(nn.Module):
                              f" offline, pass a local directory written by "
                              f"GPT2LMHeadModel.save_pretrained") from None
         hc = hf.config
-        odd = [k for k in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
-               if getattr(hc, k, False)]
-        width_ok = hc.n_inner in (None, 4 * hc.n_embd)
-        if odd or hc.activation_function != "gelu_new" or hc.layer_norm_epsilon != 1e-5 \
-                or not width_ok:
+        standard = (hc.activation_function == "gelu_new" and hc.layer_norm_epsilon == 1e-5
+                    and hc.n_inner in (None, 4 * hc.n_embd)
+                    and not getattr(hc, "scale_attn_by_inverse_layer_idx", False)
+                    and not getattr(hc, "reorder_and_upcast_attn", False))
+        if not standard:
             raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture (activation, MLP "
                              f"width or attention options differ)")
         padded_vocab = math.ceil(hc.vocab_size / 64) * 64
@@ -415,13 +368,12 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True,
                              muon=None):
-        """AdamW with decay on matmul weights and embeddings (dim >= 2) only, never biases or
+        """AdamW with decay on matmul weights and embeddings (dim >= 2), never on biases or
         LayerNorm. muon (make_muon's keyword arguments, or None): the blocks' 2-D weights go to
         torch.optim.Muon instead, and the two come back as one CombinedOptimizer."""
         matrices = []  # Muon's share: the 2-D weights inside the blocks (attention and MLP)
         if muon is not None:
-            matrices = [p for p in self.transformer.h.parameters()
-                        if p.requires_grad and p.dim() == 2]
+            matrices = [p for p in self.transformer.h.parameters() if p.dim() == 2]
         taken = {id(p) for p in matrices}
         params = [p for p in self.parameters() if p.requires_grad and id(p) not in taken]
         decay = [p for p in params if p.dim() >= 2]
@@ -429,12 +381,12 @@ class GPT(nn.Module):
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         if verbose:
-            parts = [("decayed parameter tensors", decay), ("non-decayed parameter tensors",
-                                                            no_decay)]
+            parts = {"decayed": decay, "non-decayed": no_decay}
             if muon is not None:
-                parts.append(("Muon matrices", matrices))
-            for what, ps in parts:
-                print(f"{what}: {len(ps)}, with {sum(p.numel() for p in ps):,} parameters")
+                parts["Muon"] = matrices
+            for what, ps in parts.items():
+                print(f"{what} parameter tensors: {len(ps)}, with {sum(p.numel() for p in ps):,} "
+                      f"parameters")
         fused = device_type == "cuda"  # one kernel for the whole update instead of one per tensor
         adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8,
                                   fused=fused)
@@ -445,10 +397,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None,
                  use_cache=True):
-        """The prompt idx (B, T0) and max_new_tokens tokens sampled after it (greedy if top_k=1
-        or T=0), in eval mode. The KV cache runs the prompt once, then one token a step; without
-        it the whole sequence is recomputed every step (the reference the cache is tested
-        against)."""
+        """The prompt idx (B, T0) and max_new_tokens tokens sampled after it, in eval mode. The KV
+        cache runs the prompt once, then one token a step; without it (the reference the cache is
+        tested against) the whole sequence is recomputed every step."""
         B, T0 = idx.size()
         if T0 + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
@@ -477,7 +428,7 @@ class GPT(nn.Module):
 
 def sample_next(logits, temperature=1.0, top_k=50, generator=None):
     """One token id per row of logits (B, V): top-k sampling at a temperature; greedy for top_k=1
-    or T=0."""
+    or temperature 0."""
     logits = logits.float()
     if temperature == 0 or top_k == 1:
         return logits.argmax(dim=-1, keepdim=True)
@@ -496,12 +447,9 @@ def export_hf(model, out_dir):
     vocab unpadded."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = model.config
-    if not c.bias:
-        raise UsageError("only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
-                         "no biases")
-    if c.n_kv_head != c.n_head:
+    if not c.bias or c.n_kv_head != c.n_head:
         raise UsageError(f"only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
-                         f"n_kv_head {c.n_kv_head} != n_head {c.n_head}")
+                         f"bias={c.bias}, n_kv_head={c.n_kv_head}, n_head={c.n_head}")
     hf = GPT2LMHeadModel(GPT2Config(
         vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
@@ -520,22 +468,19 @@ def export_hf(model, out_dir):
     return hf
 
 def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B). n_params
-    leaves out wpe (a lookup) and counts the tied wte/lm_head once; 12·L·H·Q·T are the attention
-    matmuls."""
+    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B): n_params
+    without wpe (a lookup), the tied wte/lm_head once; 12·L·H·Q·T the attention matmuls."""
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, seq_len
     return 6 * n_params + 12 * L * H * Q * T
 
 # ===== Data loader: uint16 token shards written by fineweb.py ====================================
 class DataLoaderLite:
-    """Batches (x, y) of shape (B, T) from the `*_{split}_NNNNNN.npy` shards in data_root,
-    memory-mapped.
+    """Batches (x, y) of shape (B, T) from the memory-mapped `*_{split}_NNNNNN.npy` shards.
 
     A split is one endless stream of tokens: its shards in order, then (train only) again in an
     order drawn from a seeded RNG at each epoch. Rank r reads window r of each group of
-    num_processes windows of B*T (+1) tokens; a window that reaches a shard's end goes on into the
-    next. The position is one number, so the batches are the same for any number of processes,
-    and `state_dict()` resumes exactly."""
+    num_processes windows of B*T (+1) tokens, across shard ends. The position is one number: the
+    batches are the same for any number of processes, and `state_dict()` resumes exactly."""
 
     def __init__(self, B, T, process_rank=0, num_processes=1, split="train",
                  data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337, vocab_size=GPT2_VOCAB_SIZE):
@@ -557,7 +502,7 @@ class DataLoaderLite:
         if self.epoch_tokens < B * T + 1:
             raise UsageError(f"the {split} shards in {data_root} hold {self.epoch_tokens} tokens, "
                              f"fewer than one batch of B*T+1 = {B * T + 1}")
-        self.order_key = None  # (seed, epoch) of the shard order kept in self.order, self.starts
+        self.order_key = None  # (seed, epoch) of the shard order in self.order, self.starts
         self.reset()
 
     def reset(self):
@@ -576,8 +521,8 @@ class DataLoaderLite:
         self.seed, self.position = state["seed"], state["position"]
 
     def _use_epoch(self, epoch):
-        """Set self.order (an epoch's shard order) and self.starts (its token offsets); the stream
-        only moves forward, so one epoch's order is kept."""
+        """self.order, an epoch's shard order, and self.starts, its token offsets; the stream only
+        moves forward, so the order of one epoch is kept."""
         if self.order_key == (self.seed, epoch):
             return
         self.order = np.arange(len(self.shards))
@@ -612,7 +557,7 @@ class DataLoaderLite:
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
               adjust_lr_fn="match_rms_adamw"):
     """torch.optim.Muon over `matrices`, decoupled weight decay as AdamW's. match_rms_adamw puts
-    its lr on AdamW's scale, so one schedule drives both: a group's LR is the scheduled one times
+    its LR on AdamW's scale, so one schedule drives both: a group's LR is the scheduled one times
     its lr_scale."""
     lr = max_lr if lr is None else lr
     return torch.optim.Muon([{"params": matrices, "lr_scale": lr / max_lr}], lr=lr,
@@ -649,8 +594,7 @@ class CombinedOptimizer:
             opt.load_state_dict(state)
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
-    """Linear warmup to max_lr over warmup_steps, cosine decay to min_lr at max_steps, constant
-    after."""
+    """Linear warmup to max_lr, cosine decay to min_lr at max_steps, constant after."""
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= max_steps:
@@ -660,9 +604,8 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     return min_lr + coeff * (max_lr - min_lr)
 
 def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768):
-    """GPT-3's ramp: tokens in the next step, linear from `start` to total over the first
-    ramp_tokens, rounded down to a multiple of unit = B*T*world_size (one micro-step on every rank),
-    at least one unit."""
+    """GPT-3's ramp: tokens in the next step, linear from `start` to the total over the first
+    ramp_tokens, a multiple of unit = B*T*world_size (a micro-step on every rank), at least one."""
     if ramp_tokens <= 0 or tokens_seen >= ramp_tokens:
         return total_batch_size
     start = min(start, total_batch_size)
@@ -696,10 +639,6 @@ class Proc:
         self.master = self.rank == 0
         self.device_type = device_type_of(self.device)  # autocast, fused AdamW: never 'cuda:3'
 
-    def print0(self, *args, **kwargs):
-        if self.master:
-            print(*args, **kwargs, flush=True)
-
     def agree(self, ok, long_wait=False):
         """True when ok is true on every rank; also a barrier. long_wait: on a gloo group that
         waits 48 h (data prep takes hours, past NCCL's timeout)."""
@@ -719,7 +658,7 @@ def setup_distributed(args):
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.fsdp and not distributed:
         raise UsageError("--fsdp shards the model across processes: launch with torchrun")
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(args.device)
     if distributed and device.startswith("cuda"):
@@ -731,7 +670,7 @@ def setup_distributed(args):
         torch.cuda.set_device(device)
     if distributed:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return Proc(distributed, rank, local_rank, world_size, device)
+    return Proc(distributed, rank(), local_rank, world_size, device)
 
 def shard_model(raw_model, use_bf16):
     """FSDP2 on every block and then the root (embeddings, tied lm_head, ln_f); in place."""
@@ -749,9 +688,8 @@ def shard_model(raw_model, use_bf16):
 # ===== Evaluation: val loss, samples =============================================================
 @torch.no_grad()
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
-    """Mean loss over the first n_tokens targets of the loader's split, all ranks together: the same
-    tokens for any B and process count (targets past n_tokens are ignored), the same passes on every
-    rank."""
+    """Mean loss over the first n_tokens targets of the loader's split, all ranks together: the
+    same tokens for any B and process count, the same passes on every rank."""
     was_training = model.training
     model.eval()
     loader.reset()
@@ -762,7 +700,7 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
         start = loader.position + loader.process_rank * per_rank
         valid = max(0, min(per_rank, n_tokens - start))
         x, y = loader.next_batch()
-        if valid < per_rank:
+        if valid < per_rank:  # targets past n_tokens are ignored
             y = y.clone()  # x and y are views of one buffer: masking y in place would corrupt x
             y.view(-1)[valid:] = -100  # F.cross_entropy's ignore_index
         x, y = x.to(device), y.to(device)
@@ -776,46 +714,23 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return (total[0] / total[1]).item()
 
-def fit_val_tokens(args, train_loader, val_loader, val_tokens):
-    """The val size the val shards can give (with a warning when less than asked); also notes a run
-    that reads its train data more than once."""
-    reads, have = args.max_steps * args.total_batch_size, train_loader.epoch_tokens
-    if reads > have:
-        print0(f"note: the run reads {reads:,} train tokens and {args.data_root} holds {have:,}: "
-               f"it passes over them {reads / have:.1f} times")
-    if args.eval_every > 0 and val_tokens > val_loader.epoch_tokens:  # ==: a prep's own val size
-        print0(f"warning: the val loss is asked over {val_tokens:,} tokens but the val shards hold"
-               f" {val_loader.epoch_tokens - 1:,} targets: it is taken over those")
-        return val_loader.epoch_tokens - 1
-    return val_tokens
-
 def encode_prompt(enc, text):
     """Token ids of a prompt; an empty prompt starts from <|endoftext|>, as a new document."""
     return enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
 
 def decode_sample(enc, tokens, n_prompt):
-    """A sample as text: the prompt and what follows up to the first <|endoftext|>, blank lines
-    squeezed."""
+    """A sample as text: the prompt and what follows up to <|endoftext|>, blank lines squeezed."""
     new = tokens[n_prompt:]
     if EOT in new:
         new = new[: new.index(EOT)]
     text = enc.decode([t for t in tokens[:n_prompt] if t != EOT] + new)
     return re.sub(r"\n\s*\n", "\n", text).strip()
 
-def check_prompt_fits(n_prompt, n_new, block_size, prompt_flag, new_flag, hint=""):
+def check_prompt_fits(enc, prompt, n_new, block_size, flags, hint=""):
+    n_prompt = len(encode_prompt(enc, prompt))
     if n_prompt + n_new > block_size:
-        raise UsageError(f"{prompt_flag} ({n_prompt} tokens) + {new_flag} ({n_new}) exceeds the "
+        raise UsageError(f"{flags[0]} ({n_prompt} tokens) + {flags[1]} ({n_new}) exceeds the "
                          f"model's block_size {block_size}{hint}")
-
-def sample_tokenizer(args, block_size):
-    """The GPT-2 tokenizer when samples are on, once the prompt and sample length fit."""
-    if args.sample_every <= 0:
-        return None
-    enc = fineweb.get_encoding()
-    check_prompt_fits(len(encode_prompt(enc, args.sample_prompt)), args.sample_tokens, block_size,
-                      "--sample_prompt", "--sample_tokens",
-                      ": shorten them, or turn samples off with --sample_every 0")
-    return enc
 
 def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autocast_ctx, seed,
                  **generate):
@@ -858,8 +773,8 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, 
         "rng": rundir.rng_state(),  # python, numpy, torch (and CUDA) generators
         "args": state.args,
     }
-    agree = proc.agree if collective else None
-    rundir.write_checkpoint(path, checkpoint, keep_last, proc.master, agree)
+    rundir.write_checkpoint(path, checkpoint, keep_last, proc.master,
+                            proc.agree if collective else None)
 
 def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
     """Load a checkpoint into the model (FSDP: each rank its shard), the optimizer, the loader and
@@ -868,8 +783,8 @@ def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
     options = dcp.StateDictOptions(full_state_dict=True)
     dcp.set_model_state_dict(raw_model, ckpt["model"], options=options)
     # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags
-    keep = ("fused", "foreach", "lr_scale")
-    kept = [{k: g[k] for k in keep if k in g} for g in optimizer.param_groups]
+    kept = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g}
+            for g in optimizer.param_groups]
     dcp.set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
     for group, values in zip(optimizer.param_groups, kept):
         group.update(values)
@@ -887,35 +802,30 @@ def train(args, ckpt=None):
     if args.init_from:
         pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
         config = pretrained.config
-    if ckpt is not None:
+    if ckpt is not None:  # the shape of the model resumed
         config = GPTConfig(**ckpt["config"])
 
     # each rank runs micro-steps of B*T tokens, accumulated into steps of total_batch_size tokens
     B, T = args.micro_batch_size, args.sequence_length
     grad_accum_steps = accumulation_steps(args, proc.world_size, config.block_size)
     unit = B * T * proc.world_size  # tokens of one micro-step, all ranks together
-    val_tokens = args.val_tokens
-    if args.val_steps is not None:
-        val_tokens = args.val_steps * unit
+    val_tokens = args.val_tokens if args.val_steps is None else args.val_steps * unit
     end = rundir.end_step(args)  # the run stops before this step: --max_steps or --stop_step
     autocast_ctx, use_bf16 = autocast_for(args.dtype, proc.device_type)
-    use_compile = args.compile
-    if use_compile is None:
-        use_compile = proc.device_type == "cuda"
+    use_compile = proc.device_type == "cuda" if args.compile is None else args.compile
     enable_tf32(proc.device_type)  # TF32 for the fp32 matmuls that remain
-    enc = sample_tokenizer(args, config.block_size)
+    enc = fineweb.get_encoding()
+    if args.sample_every > 0:
+        check_prompt_fits(enc, args.sample_prompt, args.sample_tokens, config.block_size,
+                          ("--sample_prompt", "--sample_tokens"),
+                          ": shorten them, or turn samples off with --sample_every 0")
     run_config = {**vars(args), "device": proc.device, "world_size": proc.world_size,
                   "grad_accum_steps": grad_accum_steps, "bf16": use_bf16, "compile": use_compile,
                   "val_tokens": val_tokens, "model": asdict(config)}
-    groups = {title: [flag_name(e[0]) for e in entries] for title, entries in RUN_SETTINGS.items()}
-    proc.print0(rundir.format_run_config(run_config, groups))
+    print0(rundir.format_run_config(run_config, RUN_SETTINGS))
 
     # one run per log dir (a lock, released at the end however the run ends); stop signals caught
-    resume_step = None
-    if ckpt is not None:
-        resume_step = ckpt["step"]
-    claim = rundir.claim_log_dir(args.log_dir, resume_step, args.overwrite, run_config,
-                                 proc.master, proc.agree)
+    claim = rundir.claim_log_dir(args, ckpt, run_config, proc.master, proc.agree)
     stop = rundir.StopSignals()  # SIGTERM, SIGINT, SIGUSR1: finish the step, save, exit
     state, step, last_saved, stopped_by = TrainState(args=vars(args)), None, -1, None
     try:
@@ -923,23 +833,20 @@ def train(args, ckpt=None):
         fineweb.ensure_prepared(args.data_root, train_tokens=args.max_steps * args.total_batch_size,
                                 val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
                                 text_column=args.text_column, master=proc.master,
-                                agree=proc.agree, print0=proc.print0,
-                                vocab_size=config.real_vocab_size)
+                                agree=proc.agree, print0=print0, vocab_size=config.real_vocab_size)
         train_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "train", args.data_root,
                                       args.seed, config.real_vocab_size)
         val_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "val", args.data_root,
                                     args.seed, config.real_vocab_size)
-        val_tokens = fit_val_tokens(args, train_loader, val_loader, val_tokens)
+        val_tokens = rundir.usable_val_tokens(args, train_loader.epoch_tokens,
+                                              val_loader.epoch_tokens, val_tokens)
 
         # ---- the model (raw: unwrapped and uncompiled, for saving, HellaSwag and samples)
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
         random.seed(args.seed)
-        raw_model = pretrained
-        if raw_model is None:
-            raw_model = GPT(config)
-        raw_model.to(proc.device)
-        proc.print0(f"model: {raw_model.get_num_params():,} parameters")
+        raw_model = (GPT(config) if pretrained is None else pretrained).to(proc.device)
+        print0(f"model: {raw_model.get_num_params():,} parameters")
         if args.fsdp:
             shard_model(raw_model, use_bf16)
         muon = None
@@ -951,25 +858,18 @@ def train(args, ckpt=None):
         if ckpt is not None:
             state = restore_checkpoint(ckpt, raw_model, optimizer, train_loader)
             state.args, last_saved, ckpt = vars(args), state.step, None  # weights in the model now
-            proc.print0(f"resumed from {args.resume} at step {state.step + 1}")
-        model = raw_model
-        if use_compile:
-            model = torch.compile(raw_model)
+            print0(f"resumed from {args.resume} at step {state.step + 1}")
+        model = torch.compile(raw_model) if use_compile else raw_model
         ddp = proc.distributed and not args.fsdp  # FSDP reduce-scatters every micro-step
         if ddp:
-            device_ids = [proc.local_rank] if proc.device_type == "cuda" else None
-            model = DDP(model, device_ids=device_ids)
+            model = DDP(model, device_ids=[proc.local_rank] if proc.device_type == "cuda" else None)
 
         n_params = raw_model.get_num_params(non_embedding=True)
-        metrics = rundir.Metrics(args.log_dir, proc.device, proc.world_size,
-                                 flops_per_token(config, n_params, T), state.step + 1, end,
-                                 args.peak_flops, args.batch_ramp_tokens > 0, args.wandb_project,
-                                 args.wandb_run_name, run_config)  # step line, log.txt, W&B
-        profiler = rundir.Profiler(args.profile, args.profile_schedule, args.log_dir,
-                                   proc.device_type, proc.rank)
-        hellaswag_on = args.hellaswag_every > 0
-        if hellaswag_on:
-            hellaswag_on = hellaswag.ready_on_every_rank(proc.master, proc.agree)
+        metrics = rundir.Metrics(args, proc.device, proc.world_size, state.step + 1, end,
+                                 flops_per_token(config, n_params, T), run_config)
+        profiler = rundir.Profiler(args, proc.device_type, proc.rank)
+        hellaswag_on = args.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc.master,
+                                                                                  proc.agree)
 
         # ============================== training ==============================
         for step in range(state.step + 1, args.max_steps + 1):
@@ -981,7 +881,7 @@ def train(args, ckpt=None):
             if due(args.eval_every, step, last_step):
                 state.val_loss = evaluate_loss(model, val_loader, val_tokens, proc.device,
                                                autocast_ctx, proc.world_size)
-                proc.print0(f"validation loss: {state.val_loss:.4f}")
+                print0(f"validation loss: {state.val_loss:.4f}")
                 metrics.log(step, "val", state.val_loss)
 
             # once in a while: HellaSwag, on the raw model, its examples split over the ranks
@@ -992,11 +892,11 @@ def train(args, ckpt=None):
                                              device_type=proc.device_type,
                                              autocast_dtype=torch.bfloat16 if use_bf16 else None)
                 except hellaswag.HellaSwagUnavailable as e:  # the data went away: off from now
-                    proc.print0(f"warning: HellaSwag evaluation turned off: {e}")
+                    print0(f"warning: HellaSwag evaluation turned off: {e}")
                     hellaswag_on = False
                 else:
-                    proc.print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}="
-                                f"{res['acc_norm']:.4f}")
+                    print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}="
+                           f"{res['acc_norm']:.4f}")
                     metrics.log(step, "hella", res["acc_norm"])
 
             # once in a while: samples from each rank, with its own seed
@@ -1037,8 +937,7 @@ def train(args, ckpt=None):
                 dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, divide
                 loss_accum /= proc.world_size
                 dist.all_reduce(go_on, op=dist.ReduceOp.MIN)
-            loss_value, norm_value, go_on_value = torch.stack([loss_accum, norm.float(),
-                                                               go_on]).tolist()
+            loss_value, norm_value, go_on = torch.stack([loss_accum, norm.float(), go_on]).tolist()
             if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
                 raise UsageError(f"the loss is {loss_value} and the gradient norm {norm_value}: "
                                  f"the run diverged and stopped before this update (lower "
@@ -1057,18 +956,16 @@ def train(args, ckpt=None):
                 break  # --profile exit
 
             # a checkpoint every --save_every steps, at the end, and when a signal says stop
-            stopping = go_on_value == 0.0
-            if step == end - 1 or stopping or (step > 0 and due(args.save_every, step)):
+            if step == end - 1 or not go_on or (step > 0 and due(args.save_every, step)):
                 path = rundir.checkpoint_path(args.log_dir, step)
                 save_checkpoint(path, raw_model, optimizer, state, train_loader, args.keep_last,
                                 proc)
                 last_saved = step
-                proc.print0(f"saved {path}")
-            if stopping:
+                print0(f"saved {path}")
+            if not go_on:
                 stopped_by = stop.signum or signal.SIGTERM  # another rank's signal: the same exit
-                proc.print0(f"stopped by {signal.Signals(stopped_by).name} after step {step}: "
-                            f"continue with python train_gpt2.py --resume latest --log_dir "
-                            f"{args.log_dir}")
+                print0(f"stopped by {signal.Signals(stopped_by).name} after step {step}: continue"
+                       f" with python train_gpt2.py --resume latest --log_dir {args.log_dir}")
                 break
 
         metrics.finish()  # W&B uploads: can fail after all
@@ -1081,18 +978,10 @@ def train(args, ckpt=None):
         # keep the last finished step, without a collective: the failure may be this rank's alone
         # (FSDP, which must gather its shards to save, keeps the last checkpoint written instead)
         if state.step > last_saved and not (args.fsdp and proc.world_size > 1):
-            path = rundir.checkpoint_path(args.log_dir, state.step)
-            save_checkpoint(path, raw_model, optimizer, state, train_loader, args.keep_last, proc,
-                            collective=False)
             last_saved = state.step
-        saved = None
-        if last_saved >= 0:
-            saved = rundir.checkpoint_path(args.log_dir, last_saved)
-        if isinstance(e, (UsageError, OSError)):  # the environment or the input: one line
-            raise UsageError(rundir.failure_message(e, step, saved)) from None
-        if saved is not None:
-            print(f"error at step {step}: {saved} holds step {last_saved}", file=sys.stderr)
-        raise  # a bug: its traceback
+            save_checkpoint(rundir.checkpoint_path(args.log_dir, last_saved), raw_model, optimizer,
+                            state, train_loader, args.keep_last, proc, collective=False)
+        rundir.report_failure(e, step, args.log_dir, last_saved)  # one line, or a bug's traceback
     finally:
         stop.restore()
         claim.close()
@@ -1101,11 +990,6 @@ def train(args, ckpt=None):
     return 0
 
 # ===== The command line: the training flags, the sample / export / eval commands, main ===========
-def lr_from_flags(step, flags):
-    """get_lr at step under a dict of run flags (a resumed run's check of a changed schedule)."""
-    return get_lr(step, flags["max_lr"], flags["max_lr"] * flags["min_lr_ratio"],
-                  flags["warmup_steps"], flags["max_steps"])
-
 def parse_args(argv=None):
     """The run's settings and the checkpoint it resumes (None for a new run). A flag takes the first
     value found on: the command line, the resumed checkpoint (all but THIS_INVOCATION's flags), the
@@ -1131,7 +1015,7 @@ def parse_args(argv=None):
     if "resume" in given:  # every flag not given again comes from the checkpoint
         log_dir = given.get("log_dir", settings["log_dir"])
         given["resume"], ckpt = rundir.find_resume_checkpoint(given["resume"], log_dir, print0)
-        this_invocation = {flag_name(entry[0]) for entry in RUN_SETTINGS[THIS_INVOCATION]}
+        this_invocation = {flag_dest(entry[0]) for entry in RUN_SETTINGS[THIS_INVOCATION]}
         for k, v in ckpt["args"].items():
             if k in settings and k not in this_invocation:
                 settings[k] = v
@@ -1143,20 +1027,42 @@ def parse_args(argv=None):
     asked_shape = None
     if ckpt is not None:
         asked_shape = asdict(model_config_from_args(args))
-    for warning in rundir.check_flags(args, set(given), ckpt, SHAPE_FLAGS, asked_shape,
-                                      lr_from_flags):
+    for warning in rundir.check_flags(args, set(given), ckpt, SHAPE_FLAGS, asked_shape, get_lr):
         print0(f"warning: {warning}")
     return args, ckpt
 
-COMMANDS_HELP = {
-    "sample": "text from a checkpoint or from OpenAI's GPT-2",
-    "export": "a checkpoint as a transformers GPT2LMHeadModel directory",
-    "eval": "HellaSwag accuracy of a checkpoint or of OpenAI's GPT-2 (acc: lowest summed loss of "
-            "the ending, acc_norm: lowest mean loss)"}
+CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
+SHARED_FLAGS = [e for e in RUN_SETTINGS[THIS_INVOCATION] if e[0] in ("--init_from", "--device",
+                                                                     "--dtype")]
+COMMAND_FLAGS = {  # the commands' meaning, then their flags
+    "sample": ["text from a checkpoint or from OpenAI's GPT-2", *SHARED_FLAGS, CHECKPOINT,
+               ("--prompt", "Hello, I'm a language model,", str, "text to continue"),
+               ("--num_samples", 4, POSITIVE_INT, "independent samples"),
+               ("--max_new_tokens", 64, POSITIVE_INT, "new tokens per sample"),
+               ("--top_k", 50, POSITIVE_INT, "the k likeliest tokens (1: greedy)"),
+               ("--temperature", 1.0, NONNEG, "softmax temperature (0: greedy)"),
+               ("--seed", 1337, int, "sampling seed"),
+               ("--no_kv_cache", False, {"action": "store_true"}, "recompute it all each token")],
+    "export": ["a checkpoint as a transformers GPT2LMHeadModel directory",
+               ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
+               ("--out", None, {"required": True}, "a new (or empty) directory to write")],
+    "eval": ["HellaSwag accuracy of a checkpoint or of OpenAI's GPT-2 (acc: lowest summed loss of "
+             "the ending, acc_norm: lowest mean loss)", *SHARED_FLAGS, CHECKPOINT,
+             ("--limit", None, POSITIVE_INT, "only the first N examples"),
+             ("--batch_tokens", 8192, NONNEG_INT, "tokens a pass (0: one example)"),
+             ("--hellaswag_dir", None, str, "folder of hellaswag_val.jsonl (default: "
+                                            "hellaswag.py's)"),
+             ("--data_dir", None, {"dest": "hellaswag_dir", "help": argparse.SUPPRESS}, "")],
+}
 
-def build_parser(shown=DEFAULTS):
-    """The parser of the training flags, RUN_SETTINGS group by group."""
-    commands = "\n".join(f"  {c:8} {h}" for c, h in COMMANDS_HELP.items())
+def build_parser(shown=DEFAULTS, command=None):
+    """The parser of the training flags (RUN_SETTINGS group by group), or of a command's."""
+    if command is not None:
+        meaning, *flags = COMMAND_FLAGS[command]
+        p = OneLineParser(prog=f"train_gpt2.py {command}", description=f"{command}: {meaning}")
+        add_flags(p, flags)
+        return p
+    commands = "\n".join(f"  {c:8} {flags[0]}" for c, flags in COMMAND_FLAGS.items())
     p = OneLineParser(prog="train_gpt2.py", formatter_class=argparse.RawDescriptionHelpFormatter,
                       usage="%(prog)s [flags]  |  %(prog)s {sample,export,eval} [flags]",
                       description="Pretrain GPT-2 on FineWeb-Edu shards: python train_gpt2.py on "
@@ -1165,42 +1071,6 @@ def build_parser(shown=DEFAULTS):
                                   + commands)
     for title, entries in RUN_SETTINGS.items():
         add_flags(p.add_argument_group(title), entries, shown)
-    return p
-
-CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
-COMMAND_FLAGS = {
-    "sample": [
-        CHECKPOINT,
-        ("--prompt", "Hello, I'm a language model,", str, "text to continue"),
-        ("--num_samples", 4, POSITIVE_INT, "independent samples"),
-        ("--max_new_tokens", 64, POSITIVE_INT, "new tokens per sample"),
-        ("--top_k", 50, POSITIVE_INT, "the k likeliest tokens (1: greedy)"),
-        ("--temperature", 1.0, NONNEG, "softmax temperature (0: greedy)"),
-        ("--seed", 1337, int, "sampling seed"),
-        ("--no_kv_cache", False, {"action": "store_true"}, "recompute the sequence each token"),
-    ],
-    "export": [
-        ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
-        ("--out", None, {"required": True}, "a new (or empty) directory to write"),
-    ],
-    "eval": [
-        CHECKPOINT,
-        ("--limit", None, POSITIVE_INT, "only the first N examples"),
-        ("--batch_tokens", 8192, NONNEG_INT, "tokens a pass (0: one example)"),
-        ("--hellaswag_dir", None, str, "folder of hellaswag_val.jsonl (default: hellaswag.py's)"),
-        ("--data_dir", None, {"dest": "hellaswag_dir", "help": argparse.SUPPRESS}, ""),
-    ],
-}
-
-def command_parser(command):
-    """The parser of the sample, export or eval command."""
-    p = OneLineParser(prog=f"train_gpt2.py {command}", description=f"{command}: "
-                      f"{COMMANDS_HELP[command]}")
-    if command != "export":  # the same flags as training's, with the same meaning
-        shared = [e for e in RUN_SETTINGS[THIS_INVOCATION]
-                  if flag_name(e[0]) in ("init_from", "device", "dtype")]
-        add_flags(p, shared)
-    add_flags(p, COMMAND_FLAGS[command])
     return p
 
 def model_from_checkpoint(path):
@@ -1226,8 +1096,8 @@ def model_for_command(args):
 def sample_main(args):
     model, device, ctx, _ = model_for_command(args)
     enc = fineweb.get_encoding()
-    check_prompt_fits(len(encode_prompt(enc, args.prompt)), args.max_new_tokens,
-                      model.config.block_size, "--prompt", "--max_new_tokens")
+    check_prompt_fits(enc, args.prompt, args.max_new_tokens, model.config.block_size,
+                      ("--prompt", "--max_new_tokens"))
     texts = sample_texts(model, enc, args.prompt, args.num_samples, args.max_new_tokens, device,
                          ctx, args.seed, temperature=args.temperature, top_k=args.top_k,
                          use_cache=not args.no_kv_cache)
@@ -1236,24 +1106,8 @@ def sample_main(args):
     return 0
 
 def export_main(args):
-    """Written into a temp folder beside --out, renamed at the end: a failed export leaves
-    nothing behind."""
-    out = os.path.abspath(args.out)
-    parent = os.path.dirname(out)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UsageError(f"--out {args.out} exists and is not an empty directory: choose a new one")
-    if not os.path.isdir(parent):
-        raise UsageError(f"--out {args.out}: its parent {parent} is not an existing folder")
-    model = model_from_checkpoint(args.checkpoint)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.{os.getpid()}.tmp")
-    try:
-        os.makedirs(tmp)
-        export_hf(model, tmp)
-        os.replace(tmp, out)
-    except OSError as e:  # a read-only parent, a full disk
-        raise UsageError(f"--out {args.out}: cannot write there ({one_line(e)})") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_new_dir(args.out, "--out", lambda tmp: export_hf(model_from_checkpoint(args.checkpoint),
+                                                           tmp))
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
@@ -1271,24 +1125,15 @@ def eval_main(args):
 
 COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
 
+def run(argv):
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](build_parser(command=argv[0]).parse_args(argv[1:]))
+    return train(*parse_args(argv))
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """The exit status of a command or a training run; what a user can fix is one error line."""
     try:
-        if argv and argv[0] in COMMANDS:
-            return COMMANDS[argv[0]](command_parser(argv[0]).parse_args(argv[1:]))
-        return train(*parse_args(argv))
-    except UsageError as e:  # a data prep's error too (DataPrepError), HellaSwagUnavailable
-        if e.rank_specific or rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a full disk outside a run (an export): nothing partial is left
-        if e.errno not in DISK_FULL:
-            raise
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop (set-up, data prep, a command)
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        return run_cli(run, sys.argv[1:] if argv is None else list(argv))
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
