@@ -615,7 +615,7 @@ def bench_fineweb_naive(tmp, num_proc, inputs, shard_size=10_000_000):
     The documents are read into memory first (not timed) for both; "end to end" is fineweb.prepare
     on the files, reading included; "limit" is single-thread encode_ordinary x the cores."""
     # fineweb's own reader, so the documents are exactly the ones prepare() tokenizes
-    docs = [t for t in fineweb._iter_files(fineweb._expand_inputs(inputs), "text") if t]
+    docs = [t for t in fineweb.read_documents(inputs) if t]
     enc = fineweb.get_encoding()
     enc.encode_ordinary("warm up")
     t0 = time.perf_counter()
@@ -625,10 +625,9 @@ def bench_fineweb_naive(tmp, num_proc, inputs, shard_size=10_000_000):
     os.makedirs(naive)
     naive_s = _naive_shards(docs, naive, shard_size)
     os.makedirs(ours)
-    manifest = fineweb._new_manifest({})
     t0 = time.perf_counter()
-    fineweb._write_shards(ours, iter(docs), manifest, shard_size=shard_size, val_tokens=shard_size, max_tokens=None,
-                          num_proc=num_proc, progress=False)
+    fineweb.write_shards(ours, iter(docs), shard_size=shard_size, val_tokens=shard_size,
+                         num_proc=num_proc)
     ours_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     fineweb.prepare(end_to_end, inputs=inputs, shard_size=shard_size, num_proc=num_proc, progress=False)

@@ -363,6 +363,11 @@ def _iter_files(files, text_column):
             raise DataPrepError(f"cannot read {path}: {one_line(e)}") from None
 
 
+def read_documents(inputs, text_column="text"):
+    """The documents of local files (paths or globs, as --input takes), as prepare() reads them."""
+    return _iter_files(_expand_inputs(inputs), text_column)
+
+
 def _is_network_error(e):
     # datasets / huggingface_hub wrap connection problems differently from version to
     # version; look through the whole exception chain for something network-shaped
@@ -691,9 +696,13 @@ class _ShardWriter:
         self.index = 2
 
 
-def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tokens, num_proc, progress):
-    """Tokenize `texts` (an iterator positioned at the resume point) into shards, after the
-    ones manifest["shards"] already lists; returns every shard path, val first."""
+def write_shards(local_dir, texts, manifest=None, *, shard_size, val_tokens, max_tokens=None,
+                 num_proc=1, progress=False):
+    """Tokenize the documents `texts` into shards in local_dir, after those manifest["shards"] lists
+    (texts starts at their end; no manifest: a new prep, FineWeb's shard names); returns every
+    shard path, val first. prepare() is this plus its checks, the lock and the resume."""
+    if manifest is None:
+        manifest = _new_manifest({})
     writer = _ShardWriter(local_dir, manifest, shard_size, val_tokens)
     shards = manifest["shards"]
     done = sum(s["tokens"] for s in shards)
@@ -972,8 +981,8 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
             _check_inputs(files, text_column)
             texts = itertools.islice(_iter_files(files, text_column), skip, None)
         _remove_stale_temps(local_dir)
-        return _write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=args["val_tokens"],
-                             max_tokens=args["max_tokens"], num_proc=num_proc, progress=progress)
+        return write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=args["val_tokens"],
+                            max_tokens=args["max_tokens"], num_proc=num_proc, progress=progress)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1071,7 +1071,7 @@ HOLD_THE_LOCK = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
 import fineweb
-real_write_shards = fineweb._write_shards
+real_write_shards = fineweb.write_shards
 
 def write_shards_when_told(*args, **kwargs):  # the lock is held from here on
     open({holding!r}, "w").close()
@@ -1079,7 +1079,7 @@ def write_shards_when_told(*args, **kwargs):  # the lock is held from here on
         time.sleep(0.01)
     return real_write_shards(*args, **kwargs)
 
-fineweb._write_shards = write_shards_when_told
+fineweb.write_shards = write_shards_when_told
 sys.exit(fineweb.main(sys.argv[1:]))
 """
 
