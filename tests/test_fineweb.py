@@ -24,6 +24,7 @@ sys.path.insert(0, REPO)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import common  # noqa: E402
 import fineweb  # noqa: E402
 from conftest import write_shards  # noqa: E402
 from fineweb import EOT, DataPrepError, prepare  # noqa: E402
@@ -1131,12 +1132,12 @@ def write_then_fail(err, after=5000):
 def test_atomic_write_disk_full_keeps_the_old_file(tmp_path, err, what):
     path = tmp_path / "model_00010.pt"
     path.write_bytes(b"the good checkpoint")
-    with pytest.raises(fineweb.DiskFullError) as e:
-        fineweb.atomic_write(str(path), write_then_fail(err))
+    with pytest.raises(common.DiskFullError) as e:
+        common.atomic_write(str(path), write_then_fail(err))
     assert isinstance(e.value, OSError) and e.value.errno == err and e.value.written == 5000
     free = e.value.free
     assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < 1 << 30
-    assert str(e.value) == (f"{what} writing {path} ({fineweb._human_bytes(free)} free on its filesystem, 4.9 KiB "
+    assert str(e.value) == (f"{what} writing {path} ({common.human_bytes(free)} free on its filesystem, 4.9 KiB "
                             f"written); it was not written: free some space and run again")
     assert os.listdir(tmp_path) == ["model_00010.pt"] and path.read_bytes() == b"the good checkpoint"
 
@@ -1147,20 +1148,20 @@ def test_atomic_write_finds_a_wrapped_disk_full_and_passes_other_errors_on(tmp_p
             write_then_fail(errno.ENOSPC)(f)
         except OSError as e:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from e
-    with pytest.raises(fineweb.DiskFullError, match="no space left on device writing"):
-        fineweb.atomic_write(str(tmp_path / "a.pt"), torch_like)
+    with pytest.raises(common.DiskFullError, match="no space left on device writing"):
+        common.atomic_write(str(tmp_path / "a.pt"), torch_like)
     for error in (OSError(errno.EIO, "Input/output error"), OSError("42 requested and 7 written"), ValueError("bad")):
         def fail(f, error=error):
             f.write(b"data")
             raise error
         with pytest.raises(type(error)) as e:
-            fineweb.atomic_write(str(tmp_path / "b.npy"), fail)
+            common.atomic_write(str(tmp_path / "b.npy"), fail)
         assert e.value is error  # not taken for a full disk: the probe write fitted
     assert os.listdir(tmp_path) == []
 
 
 def test_human_bytes():
-    assert [fineweb._human_bytes(n) for n in (0, 1023, 1024, 5000, 3 << 20, 5 << 50)] == \
+    assert [common.human_bytes(n) for n in (0, 1023, 1024, 5000, 3 << 20, 5 << 50)] == \
         ["0 B", "1,023 B", "1.0 KiB", "4.9 KiB", "3.0 MiB", "5,120.0 TiB"]
 
 
@@ -1252,8 +1253,8 @@ def test_written_files_follow_the_umask(tmp_path, umask):
     src = write_jsonl(tmp_path / "d.jsonl", make_docs(10, seed=27))
     old = os.umask(umask)
     try:
-        assert fineweb.umask() == umask
-        fineweb.atomic_write(str(tmp_path / "log.txt"), lambda f: f.write(b"0 train 10.9\n"))
+        assert common.umask() == umask
+        common.atomic_write(str(tmp_path / "log.txt"), lambda f: f.write(b"0 train 10.9\n"))
         paths = prepare(tmp_path / "out", inputs=[src], shard_size=500, num_proc=1, progress=False)
     finally:
         os.umask(old)
