@@ -12,6 +12,7 @@ https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu
 From Python: prepare(), prep_status(), open_shard() and ensure_prepared() (data on first use).
 """
 
+import argparse
 import collections
 import contextlib
 import dataclasses
@@ -647,10 +648,10 @@ def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens
         # a full shard of val data, as build-nanogpt; but only 10% of a small --max_tokens
         val_tokens = shard_size if max_tokens is None else max(1, min(shard_size, max_tokens // 10))
     if not 1 <= val_tokens <= shard_size:
-        raise DataPrepError(f"--val_tokens must be between 1 and --shard_size "
+        raise DataPrepError(f"--val_shard_tokens must be between 1 and --shard_size "
                             f"({shard_size}), got {val_tokens}")
     if inputs is None and dataset == HF_DATASET and name not in NAMES:
-        raise DataPrepError(f"unknown --name {name!r}; choose one of {', '.join(NAMES)}")
+        raise DataPrepError(f"unknown --fineweb_name {name!r}; choose one of {', '.join(NAMES)}")
     args = {"tokenizer": TOKENIZER, "shard_size": int(shard_size), "val_tokens": int(val_tokens),
             "max_tokens": None if max_tokens is None else int(max_tokens),
             "text_column": text_column}
@@ -682,12 +683,12 @@ def _manifest_for(local_dir, args):
         if list_shards(local_dir, "val") or list_shards(local_dir, "train"):
             raise DataPrepError(f"{local_dir} already holds .npy shards but no {MANIFEST} (made by "
                                 f"another tool?); refusing to mix or overwrite them: use another "
-                                f"--local_dir or delete them")
+                                f"--data_root or delete them")
         return _new_manifest(args)
     if manifest["args"] != args:
         raise DataPrepError(f"{local_dir} was prepared with different arguments "
                             f"({_args_diff(manifest['args'], args)}); refusing to mix: use "
-                            f"another --local_dir, or delete it to start over")
+                            f"another --data_root, or delete it to start over")
     return manifest
 
 
@@ -765,11 +766,11 @@ class PrepStatus:
 
 def _command_line(data_root, kwargs):
     """The fineweb.py command line that calls prepare(data_root, **kwargs)."""
-    flags = {"dataset": "--dataset", "name": "--name", "shard_size": "--shard_size",
-             "max_tokens": "--max_tokens", "val_tokens": "--val_tokens",
+    flags = {"dataset": "--dataset", "name": "--fineweb_name", "shard_size": "--shard_size",
+             "max_tokens": "--max_tokens", "val_tokens": "--val_shard_tokens",
              "text_column": "--text_column"}  # prepare()'s keyword -> the flag that sets it
     parser = build_parser()
-    words = ["python", "fineweb.py", "--local_dir", data_root]
+    words = ["python", "fineweb.py", "--data_root", data_root]
     if "inputs" in kwargs:
         words += ["--input", *kwargs["inputs"]]
     for key, flag in flags.items():
@@ -936,26 +937,30 @@ def build_parser():
     p = OneLineParser(
         description="Download FineWeb-Edu (or read local files) and tokenize it with GPT-2 BPE "
                     "into uint16 .npy shards for train_gpt2.py. Re-run the same command to resume.",
-        epilog="Validation split: shard 0 (val) gets the first --val_tokens tokens, default "
+        epilog="Validation split: shard 0 (val) gets the first --val_shard_tokens tokens, default "
                "one full shard (as build-nanogpt), or 10% of --max_tokens (capped at one shard) "
                "when that is given. If the data ends before the first train token, the tokens "
                "collected are split: the first 10% (at least 1) become the val shard and the rest "
                "the train shard, so even a tiny corpus can train.",
         formatter_class=HelpFormatter)
-    p.add_argument("--name", default="sample-10BT", choices=NAMES,
+    # flag names as train_gpt2.py's; the old names (hidden) still work
+    p.add_argument("--fineweb_name", default="sample-10BT", choices=NAMES,
                    help="FineWeb-Edu sample to download")
+    p.add_argument("--name", dest="fineweb_name", choices=NAMES, help=argparse.SUPPRESS)
     p.add_argument("--dataset", default=HF_DATASET,
                    help="HF dataset repo id, or a local copy of it with the same configs")
-    p.add_argument("--local_dir", default=None,
+    p.add_argument("--data_root", default=None,
                    help=f"output directory; if not given, {os.path.basename(DEFAULT_DATA_ROOT)}/ "
                         f"beside this script (the one train_gpt2.py reads), or "
                         f"{os.path.basename(LOCAL_DATA_ROOT)}/ beside it with --input")
+    p.add_argument("--local_dir", dest="data_root", help=argparse.SUPPRESS)
     p.add_argument("--shard_size", type=int, default=SHARD_SIZE, help="tokens per shard")
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
     p.add_argument("--max_tokens", type=int, default=None,
-                   help="stop after this many tokens (streamed: nothing more is downloaded)")
-    p.add_argument("--val_tokens", type=int, default=None,
+                   help="stop after this many tokens; streamed, so no more is downloaded")
+    p.add_argument("--val_shard_tokens", type=int, default=None,
                    help="tokens in the val shard (see below)")
+    p.add_argument("--val_tokens", dest="val_shard_tokens", type=int, help=argparse.SUPPRESS)
     p.add_argument("--input", dest="inputs", nargs="+", metavar="PATH", default=None,
                    help="local .txt/.md/.jsonl/.parquet files or globs to use instead of "
                         "downloading (a .txt or .md file is one document)")
@@ -966,25 +971,25 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.local_dir is None:
-        args.local_dir = LOCAL_DATA_ROOT if args.inputs is not None else DEFAULT_DATA_ROOT
+    if args.data_root is None:
+        args.data_root = LOCAL_DATA_ROOT if args.inputs is not None else DEFAULT_DATA_ROOT
     t0 = time.time()
     try:
-        paths = prepare(args.local_dir, name=args.name, inputs=args.inputs,
+        paths = prepare(args.data_root, name=args.fineweb_name, inputs=args.inputs,
                         text_column=args.text_column, shard_size=args.shard_size,
-                        max_tokens=args.max_tokens, val_tokens=args.val_tokens,
+                        max_tokens=args.max_tokens, val_tokens=args.val_shard_tokens,
                         num_proc=args.num_proc, dataset=args.dataset)
     except UsageError as e:  # a DataPrepError: bad input, a mismatched directory, no network
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # a full disk (DiskFullError), an unwritable --local_dir, ...
+    except OSError as e:  # a full disk (DiskFullError), an unwritable --data_root, ...
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: run the same command again to continue where it stopped",
               file=sys.stderr)
         return 130
-    status = prep_status(args.local_dir)
+    status = prep_status(args.data_root)
     print(f"{status.tokens:,} tokens in {len(paths)} shards in {status.data_root} "
           f"({time.time() - t0:.1f}s)")
     return 0
