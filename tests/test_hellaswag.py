@@ -16,6 +16,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
+import common  # noqa: E402
 import hellaswag  # noqa: E402
 
 # --------------------------------------------------------------------------
@@ -714,29 +715,29 @@ def test_no_work_at_import():
 
 
 def test_resolve_device():
-    assert hellaswag.resolve_device("cpu") == "cpu"
+    assert common.resolve_device("cpu") == "cpu"
     expected = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
-    assert hellaswag.resolve_device("auto") == expected
+    assert common.resolve_device("auto") == expected
     bad = ["nosuchdevice", "cuda:x", "meta", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
     for name in bad:
-        with pytest.raises(hellaswag.fineweb.UsageError) as ei:
-            hellaswag.resolve_device(name)
+        with pytest.raises(common.UsageError) as ei:
+            common.resolve_device(name)
         assert "\n" not in str(ei.value) and repr(name) in str(ei.value)
 
 
 def test_autocast_and_tf32():
     x = torch.randn(4, 4)
-    with hellaswag.autocast("cpu", None):
+    with common.autocast("cpu", None):
         assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-    with hellaswag.autocast("cpu", torch.bfloat16):
+    with common.autocast("cpu", torch.bfloat16):
         assert (x @ x).dtype == torch.bfloat16
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        hellaswag.enable_tf32("cpu")
-        hellaswag.enable_tf32("mps")
+        common.enable_tf32("cpu")
+        common.enable_tf32("mps")
         assert torch.get_float32_matmul_precision() == "highest"
-        hellaswag.enable_tf32("cuda:1")
+        common.enable_tf32("cuda:1")
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
