@@ -16,13 +16,14 @@ of ours::
 One of our checkpoints is scored by ``python train_gpt2.py eval --checkpoint log/model_19072.pt``
 (same :func:`evaluate`); timing lives in ``python bench.py --only hellaswag``.
 
-Data: ``hellaswag_{train,val,test}.jsonl`` live in a folder next to this file (``--data_dir`` /
-``$HELLASWAG_DIR`` override it). A missing file is fetched from the ``Rowan/hellaswag`` dataset's
+Data: ``hellaswag_{train,val,test}.jsonl`` live in a folder next to this file (``--hellaswag_dir``
+/ ``$HELLASWAG_DIR`` override it). A missing file is fetched from the ``Rowan/hellaswag`` dataset's
 parquet conversion through HF ``datasets`` and written in the original record schema. Every record
 is checked before it is scored. Nothing is downloaded, spawned or opened at import time, and
 neither torch nor datasets is imported then.
 """
 
+import argparse
 import inspect
 import itertools
 import json
@@ -139,8 +140,8 @@ def manual_step(split, path):
 def _unavailable_message(split, path, why):
     return one_line(f"HellaSwag data unavailable: {path} is missing and fetching it from HF "
                     f"{HF_DATASET} (revision {HF_REVISION}) failed ({why}); fetch it by hand with "
-                    f"{manual_step(split, path)} (or place hellaswag_{split}.jsonl in --data_dir / "
-                    f"$HELLASWAG_DIR)", limit=10_000)
+                    f"{manual_step(split, path)} (or place hellaswag_{split}.jsonl in "
+                    f"--hellaswag_dir / $HELLASWAG_DIR)", limit=10_000)
 
 
 def _write_rows(rows, split, path, f):
@@ -699,12 +700,12 @@ def build_parser():
     p.add_argument("--limit", type=POSITIVE_INT, default=None, help="only the first N examples")
     p.add_argument("--batch_tokens", type=NONNEG_INT, default=8192,
                    help="token budget of one forward pass (0 = one example per forward)")
-    p.add_argument("--data_dir", default=None,
+    p.add_argument("--hellaswag_dir", default=None,
                    help="folder of hellaswag_*.jsonl (default $HELLASWAG_DIR or ./hellaswag next "
                         "to this script)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="fp32 (default: the reference values were measured in fp32) or bf16 "
-                        "autocast")
+    p.add_argument("--data_dir", dest="hellaswag_dir", help=argparse.SUPPRESS)  # its old name
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
     return p
 
 
@@ -720,7 +721,7 @@ def main(argv=None):
         return e.code if isinstance(e.code, int) else 1
     try:
         # fail early on missing or bad data, before importing torch or loading a model
-        for _ in itertools.islice(iterate_examples(args.split, args.data_dir), args.limit):
+        for _ in itertools.islice(iterate_examples(args.split, args.hellaswag_dir), args.limit):
             pass
         import torch
 
@@ -730,7 +731,7 @@ def main(argv=None):
         model = load_hf_model(args.model).to(device)
         t0 = time.perf_counter()
         res = evaluate(model, device, split=args.split, limit=args.limit,
-                       batch_tokens=args.batch_tokens, data_dir=args.data_dir, progress=True,
+                       batch_tokens=args.batch_tokens, data_dir=args.hellaswag_dir, progress=True,
                        autocast_dtype=torch.bfloat16 if use_bf16 else None)
         dtype = "bf16" if use_bf16 else "fp32"
         print(summary(args.model, device, dtype, args.split, res, time.perf_counter() - t0))
