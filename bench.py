@@ -1,16 +1,17 @@
 """
 Measure the hot paths of this repository for one setting, and print one table (or --json).
 
-    python bench.py --preset tiny                                   # CPU, under a minute
-    python bench.py --preset gpt2 -B 64 -T 1024 --device cuda        # GPT-2 124M on a GPU (bf16, compiled)
-    python bench.py --suite gpu --out results/                      # CUDA tests + GPU benchmark, one JSON + one table
-    python bench.py --suite gpu-estimate                            # no GPU: GPT-2's memory, FLOPs, roofline on an H100
+    python bench.py --preset tiny                               # CPU, under a minute
+    python bench.py --preset gpt2 -B 64 -T 1024 --device cuda   # GPT-2 124M, a GPU (bf16, compiled)
+    python bench.py --suite gpu --out results/  # CUDA tests + GPU benchmark, one JSON + one table
+    python bench.py --suite gpu-estimate        # no GPU: GPT-2's memory, FLOPs, roofline on an H100
 
 Rows: training (tokens/s, ms/step, MFU, peak memory; median of timed steps after warm-up, GPU
 synchronized), HellaSwag scoring (batched vs one example per forward), generation (KV cache vs
 recompute, 128 new tokens), DataLoaderLite (µs/batch and resident memory over memory-mapped shards),
-fineweb tokenization (tokens/s; `--only fineweb_naive` compares it with the build-nanogpt loop). All
-inputs are synthetic, so nothing needs to be downloaded (`--fineweb_input` takes a real corpus instead).
+fineweb tokenization (tokens/s; `--only fineweb_naive` compares it with the build-nanogpt loop).
+All inputs are synthetic, so nothing needs to be downloaded (`--fineweb_input` takes a real corpus
+instead).
 """
 
 import argparse
@@ -77,7 +78,8 @@ def rss_bytes():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
 
 
 def bench_training(args, config, device, device_type, autocast_ctx):
@@ -87,7 +89,8 @@ def bench_training(args, config, device, device_type, autocast_ctx):
         for g in optimizer.param_groups:
             g["fused"], g["foreach"] = False, True
     train_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
-    loader = RandomLoader(args.micro_batch_size, args.sequence_length, config.real_vocab_size, device)
+    loader = RandomLoader(args.micro_batch_size, args.sequence_length, config.real_vocab_size,
+                          device)
     accum = args.grad_accum
 
     def step():
@@ -100,11 +103,14 @@ def bench_training(args, config, device, device_type, autocast_ctx):
         torch.cuda.reset_peak_memory_stats(device)
     dt = timed(step, device_type, args.warmup, args.steps)
     tokens = args.micro_batch_size * args.sequence_length * accum
-    flops = tg.flops_per_token(config, model.get_num_params(non_embedding=True), args.sequence_length)
-    peak = args.peak_flops or (tg.peak_flops(torch.cuda.get_device_name(device)) if device_type == "cuda" else None)
+    flops = tg.flops_per_token(config, model.get_num_params(non_embedding=True),
+                               args.sequence_length)
+    peak = args.peak_flops or (tg.peak_flops(torch.cuda.get_device_name(device))
+                               if device_type == "cuda" else None)
     row = {"tokens_per_sec": tokens / dt, "ms_per_step": dt * 1000, "tokens_per_step": tokens,
            "mfu": flops * tokens / dt / peak if peak else None,
-           "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device_type == "cuda" else None}
+           "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
+                            if device_type == "cuda" else None)}
     return row
 
 
@@ -126,22 +132,28 @@ def bench_generation(args, config, device, device_type, autocast_ctx):
 
 
 def synthetic_hellaswag(n, seed=0):
-    """n made-up examples in HellaSwag's record schema, with realistic lengths (context ~40, endings ~20 tokens)."""
+    """n made-up examples in HellaSwag's record schema, with realistic lengths (context ~40,
+    endings ~20 tokens)."""
     import random
 
     rng = random.Random(seed)
-    words = "the a man woman dog ball runs jumps into water slowly then picks up throws it over fence and".split()
-    sentence = lambda lo, hi: " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
-    return [{"ctx": sentence(25, 55).capitalize() + ".", "endings": [sentence(10, 30) + "." for _ in range(4)],
-             "label": rng.randrange(4)} for _ in range(n)]
+    words = ("the a man woman dog ball runs jumps into water slowly then picks up throws it over "
+             "fence and").split()
+
+    def sentence(lo, hi):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+    return [{"ctx": sentence(25, 55).capitalize() + ".",
+             "endings": [sentence(10, 30) + "." for _ in range(4)], "label": rng.randrange(4)}
+            for _ in range(n)]
 
 
 def time_scoring(model, examples, device, modes, autocast_dtype=None, warmup=1, repeats=3):
-    """Median seconds per pass over examples and the predictions of each mode ({name: score_examples kwargs}).
+    """Median seconds per pass over examples and the predictions of each mode ({name:
+    score_examples kwargs}).
 
-    A fresh process is much slower at first (above all in a VM): warmup untimed passes come first, then
-    repeats timed ones with the modes interleaved pass by pass, so load changes on the machine hit them alike.
-    Rendering is included in every pass.
+    A fresh process is much slower at first (above all in a VM): warmup untimed passes come first,
+    then repeats timed ones with the modes interleaved pass by pass, so load changes on the machine
+    hit them alike. Rendering is included in every pass.
     """
     import hellaswag
 
@@ -152,7 +164,8 @@ def time_scoring(model, examples, device, modes, autocast_dtype=None, warmup=1, 
             for name, kwargs in modes.items():
                 sync(device_type)
                 t0 = time.perf_counter()
-                res = hellaswag.score_examples(model, examples, device, autocast_dtype=autocast_dtype, **kwargs)
+                res = hellaswag.score_examples(model, examples, device,
+                                               autocast_dtype=autocast_dtype, **kwargs)
                 sync(device_type)
                 if it >= warmup:
                     times[name].append(time.perf_counter() - t0)
@@ -161,8 +174,9 @@ def time_scoring(model, examples, device, modes, autocast_dtype=None, warmup=1, 
 
 
 def bench_hellaswag(args, config, device, autocast_ctx):
-    """Examples/s of the classic loop (one example per forward, logits at every position) vs batched
-    scoring (batch_tokens per forward, vocab projection only at the scored positions), same model."""
+    """Examples/s of the classic loop (one example per forward, logits at every position) vs
+    batched scoring (batch_tokens per forward, vocab projection only at the scored positions), same
+    model."""
     torch.manual_seed(0)
     model = tg.GPT(config).to(device).eval()
     dtype = None if isinstance(autocast_ctx, contextlib.nullcontext) else torch.bfloat16
@@ -172,29 +186,34 @@ def bench_hellaswag(args, config, device, autocast_ctx):
     secs, preds = time_scoring(model, examples, device, modes, dtype)
     row = {name: len(examples) / secs[name] for name in modes}
     return {**row, "speedup": row["batched"] / row["one_per_forward"], "examples": len(examples),
-            "batch_tokens": args.hellaswag_batch_tokens, "same_predictions": preds["batched"] == preds["one_per_forward"]}
+            "batch_tokens": args.hellaswag_batch_tokens,
+            "same_predictions": preds["batched"] == preds["one_per_forward"]}
 
 
 def bench_loader(args, tmp):
-    """DataLoaderLite over two 10M-token shards: µs per next_batch and the resident memory it adds."""
+    """DataLoaderLite over two 10M-token shards: µs per next_batch and the resident memory it
+    adds."""
     rng = np.random.default_rng(0)
     for i, split in enumerate(("val", "train", "train")):
         np.save(os.path.join(tmp, fineweb.shard_name(i, split, prefix="bench")),
                 rng.integers(0, tg.GPT2_VOCAB_SIZE, 10_000_000, dtype=np.uint16))
     before = rss_bytes()
-    loader = tg.DataLoaderLite(args.micro_batch_size, args.sequence_length, split="train", data_root=tmp)
-    n = max(1, min(2000, 20_000_000 // (args.micro_batch_size * args.sequence_length)))  # about one pass
+    loader = tg.DataLoaderLite(args.micro_batch_size, args.sequence_length, split="train",
+                               data_root=tmp)
+    # about one pass
+    n = max(1, min(2000, 20_000_000 // (args.micro_batch_size * args.sequence_length)))
     t0 = time.perf_counter()
     for _ in range(n):
         loader.next_batch()
     dt = time.perf_counter() - t0
-    return {"us_per_batch": dt / n * 1e6, "batches": n, "rss_added_mib": (rss_bytes() - before) / 2**20,
-            "shard_tokens": 10_000_000}
+    return {"us_per_batch": dt / n * 1e6, "batches": n,
+            "rss_added_mib": (rss_bytes() - before) / 2**20, "shard_tokens": 10_000_000}
 
 
 def bench_train_loop(args, device):
-    """train_gpt2.py's own loop (loader, micro-steps, clipping, LR, update, the step line), run through its
-    main() on synthetic shards: the median `dt` of its step lines after the warm-up steps."""
+    """train_gpt2.py's own loop (loader, micro-steps, clipping, LR, update, the step line), run
+    through its main() on synthetic shards: the median `dt` of its step lines after the warm-up
+    steps."""
     import contextlib
     import io
     import re
@@ -205,10 +224,11 @@ def bench_train_loop(args, device):
         for i, split in enumerate(("val", "train")):
             np.save(os.path.join(tmp, fineweb.shard_name(i, split, prefix="bench")),
                     rng.integers(0, tg.GPT2_VOCAB_SIZE, max(10 * tokens, 100_000), dtype=np.uint16))
-        flags = ["--preset", args.preset, "--device", device, "--dtype", args.dtype, "--data_root", tmp,
-                 "--log_dir", os.path.join(tmp, "log"), "-B", str(args.micro_batch_size),
-                 "-T", str(args.sequence_length), "--total_batch_size", str(tokens),
-                 "--max_steps", str(args.warmup + args.steps), "--warmup_steps", "1", "--eval_every", "0",
+        flags = ["--preset", args.preset, "--device", device, "--dtype", args.dtype,
+                 "--data_root", tmp, "--log_dir", os.path.join(tmp, "log"),
+                 "-B", str(args.micro_batch_size), "-T", str(args.sequence_length),
+                 "--total_batch_size", str(tokens), "--max_steps", str(args.warmup + args.steps),
+                 "--warmup_steps", "1", "--eval_every", "0",
                  "--sample_every", "0", "--hellaswag_every", "0", "--save_every", "0",
                  "--compile" if args.compile else "--no-compile"]
         out = io.StringIO()
@@ -233,7 +253,8 @@ def release(device_type):
 
 
 def junit_summary(path):
-    """Counts, per-test outcomes (with skip/failure messages) and recorded properties from pytest's JUnit XML."""
+    """Counts, per-test outcomes (with skip/failure messages) and recorded properties from pytest's
+    JUnit XML."""
     import xml.etree.ElementTree as ET
 
     cases, properties = [], {}
@@ -244,8 +265,10 @@ def junit_summary(path):
             if el is not None:
                 outcome, message = kind, el.get("message")
                 break
-        cases.append({"name": tc.get("name"), "outcome": outcome, "seconds": float(tc.get("time") or 0),
-                      **({"message": message} if message else {})})
+        case = {"name": tc.get("name"), "outcome": outcome, "seconds": float(tc.get("time") or 0)}
+        if message:
+            case["message"] = message
+        cases.append(case)
         for prop in tc.iter("property"):
             value = prop.get("value")
             try:
@@ -253,12 +276,14 @@ def junit_summary(path):
             except (TypeError, ValueError):
                 pass
             properties.setdefault(tc.get("name"), {})[prop.get("name")] = value
-    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
+    counts = {k: sum(c["outcome"] == k for c in cases)
+              for k in ("passed", "failure", "error", "skipped")}
     return {"counts": counts, "cases": cases, "properties": properties}
 
 
 def run_cuda_tests(out, timeout):
-    """pytest tests/test_cuda.py in a subprocess (a fresh CUDA context): its output, summary line and outcomes."""
+    """pytest tests/test_cuda.py in a subprocess (a fresh CUDA context): its output, summary line
+    and outcomes."""
     xml, log = os.path.join(out, "test_cuda.xml"), os.path.join(out, "test_cuda.txt")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
            os.path.join("tests", "test_cuda.py"), f"--junitxml={xml}"]
@@ -274,21 +299,23 @@ def run_cuda_tests(out, timeout):
     with open(log, "w") as f:
         f.write(output)
     lines = [line for line in output.splitlines() if line.strip()]
-    res = {"command": " ".join(cmd[1:]), "returncode": code, "ok": code == 0, "seconds": time.perf_counter() - t0,
-           "summary": lines[-1].strip("= ") if lines else "", "output": log}
+    res = {"command": " ".join(cmd[1:]), "returncode": code, "ok": code == 0,
+           "seconds": time.perf_counter() - t0, "summary": lines[-1].strip("= ") if lines else "",
+           "output": log}
     if code is not None and os.path.exists(xml):
         res.update(junit_summary(xml))
     return res
 
 
 def suite_training(args, config, device, device_type, autocast_ctx):
-    """The training row for ours (compiled on CUDA, fused AdamW) and build-nanogpt's configuration (eager,
-    fused AdamW, the same SDPA flash attention and model), one after the other."""
+    """The training row for ours (compiled on CUDA, fused AdamW) and build-nanogpt's configuration
+    (eager, fused AdamW, the same SDPA flash attention and model), one after the other."""
     rows = {}
     for name, compiled in (("ours", args.compile), ("build_nanogpt", False)):
         run = argparse.Namespace(**{**vars(args), "compile": compiled, "foreach_adamw": False})
         rows[name] = {**bench_training(run, config, device, device_type, autocast_ctx),
-                      "compile": compiled, "fused_adamw": device_type == "cuda"}  # configure_optimizers' rule
+                      "compile": compiled,
+                      "fused_adamw": device_type == "cuda"}  # configure_optimizers' rule
         release(device_type)
     rows["speedup"] = rows["ours"]["tokens_per_sec"] / rows["build_nanogpt"]["tokens_per_sec"]
     return rows
@@ -298,40 +325,51 @@ def suite_markdown(r):
     """The suite's results as one Markdown page."""
     s, t, h, g = r["setting"], r["train"], r["hellaswag"], r["generate"]
     tests = r.get("tests")
+    tested = "CUDA tests: not run (--skip_tests)"
+    if tests:
+        tested = f"CUDA tests (`{tests['command']}`): {tests['summary']}"
     lines = [f"# GPU suite: {s['gpu'] or s['device']}", "",
-             f"torch {s['torch']} (CUDA {s['cuda']}), {s['date']}; model {s['preset']}, B={s['B']}, T={s['T']}, "
-             f"{s['grad_accum']} micro-steps ({t['ours']['tokens_per_step']:,} tokens per step), {s['dtype']}", "",
-             f"CUDA tests (`{tests['command']}`): {tests['summary']}" if tests else "CUDA tests: not run (--skip_tests)", "",
+             f"torch {s['torch']} (CUDA {s['cuda']}), {s['date']}; model {s['preset']}, "
+             f"B={s['B']}, T={s['T']}, {s['grad_accum']} micro-steps "
+             f"({t['ours']['tokens_per_step']:,} tokens per step), {s['dtype']}", "",
+             tested, "",
              "| training | tokens/s | ms/step | MFU | peak memory |", "|---|---:|---:|---:|---:|"]
     for key, label in (("ours", "ours"), ("build_nanogpt", "build-nanogpt")):
         row = t[key]
-        what = f"{label}: {'compiled' if row['compile'] else 'eager'}, {'fused' if row['fused_adamw'] else 'foreach'} AdamW"
-        lines.append(f"| {what} | {fmt(row['tokens_per_sec'])} | {fmt(row['ms_per_step'])} | "
-                     f"{fmt(row['mfu'] * 100 if row['mfu'] else None, '%')} | {fmt(row['peak_mem_gib'], ' GiB')} |")
+        compiled = "compiled" if row["compile"] else "eager"
+        adamw = "fused" if row["fused_adamw"] else "foreach"
+        mfu = fmt(row["mfu"] * 100 if row["mfu"] else None, "%")
+        lines.append(f"| {label}: {compiled}, {adamw} AdamW | {fmt(row['tokens_per_sec'])} | "
+                     f"{fmt(row['ms_per_step'])} | {mfu} | {fmt(row['peak_mem_gib'], ' GiB')} |")
+    new = g["new_tokens"]
     lines += ["", f"ours / build-nanogpt tokens/s: {fmt(t['speedup'], 'x')}", "",
               "| scoring and generation | value |", "|---|---:|",
-              f"| HellaSwag ex/s, one example per forward ({h['examples']} examples) | {fmt(h['one_per_forward'])} |",
-              f"| HellaSwag ex/s, batched ({h['batch_tokens']} tokens per forward) | {fmt(h['batched'])} |",
+              f"| HellaSwag ex/s, one example per forward ({h['examples']} examples) | "
+              f"{fmt(h['one_per_forward'])} |",
+              f"| HellaSwag ex/s, batched ({h['batch_tokens']} tokens per forward) | "
+              f"{fmt(h['batched'])} |",
               f"| HellaSwag batched speedup | {fmt(h['speedup'], 'x')} |",
               f"| HellaSwag same predictions | {'yes' if h['same_predictions'] else 'NO'} |",
-              f"| generate tok/s, KV cache ({g['new_tokens']} new tokens) | {fmt(g['kv_cache'])} |",
-              f"| generate tok/s, recompute ({g['new_tokens']} new tokens) | {fmt(g['no_cache'])} |",
+              f"| generate tok/s, KV cache ({new} new tokens) | {fmt(g['kv_cache'])} |",
+              f"| generate tok/s, recompute ({new} new tokens) | {fmt(g['no_cache'])} |",
               f"| generate KV-cache speedup | {fmt(g['speedup'], 'x')} |"]
     return "\n".join(lines) + "\n"
 
 
 def run_gpu_suite(args, device, config, autocast_ctx, setting):
-    """--suite gpu: the CUDA tests, then every GPU benchmark row; writes gpu_suite.json and gpu_suite.md."""
+    """--suite gpu: the CUDA tests, then every GPU benchmark row; writes gpu_suite.json and
+    gpu_suite.md."""
     import datetime
 
     device_type = device.split(":")[0]
     if device_type != "cuda" and args.device == "auto":
-        print("error: --suite gpu needs CUDA and there is none here (to smoke-test the suite on CPU: "
-              "--device cpu --preset tiny --skip_tests)", file=sys.stderr)
+        print("error: --suite gpu needs CUDA and there is none here (to smoke-test the suite on "
+              "CPU: --device cpu --preset tiny --skip_tests)", file=sys.stderr)
         return 1
     os.makedirs(args.out, exist_ok=True)
-    setting = {**setting, "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "warmup": args.warmup, "timed_steps": args.steps}
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    setting = {**setting, "cuda": torch.version.cuda, "date": now, "warmup": args.warmup,
+               "timed_steps": args.steps}
     results = {"setting": setting}
     if not args.skip_tests:
         results["tests"] = run_cuda_tests(args.out, args.tests_timeout)
@@ -354,30 +392,33 @@ def run_gpu_suite(args, device, config, autocast_ctx, setting):
 
 
 ESTIMATE_METHOD = [
-    "peak memory: torch's MemTracker over one steady-state step (AdamW state already made) on FakeTensors: "
-    "tensor bytes only; the CUDA context, cuBLAS workspaces and the caching allocator's slack come on top "
-    "(not estimated)",
-    "attention: the flash kernel, as CUDA's SDPA takes it on an H100 (a CPU build of torch would decompose it "
-    "into the math path, which stores (B, H, T, T) attention matrices)",
-    "FLOPs: torch's FlopCounterMode over forward + backward, against 6N (N: non-embedding parameters) and "
-    "train_gpt2.flops_per_token (6N + 12*L*H*Q*T, the MFU column's formula)",
-    "roofline: each aten op of the step takes at least max(FLOPs / 989 TFLOP/s, bytes read and written / "
-    "3.35 TB/s) on an H100 SXM; summed with no overlap and no fusion: a lower bound on eager's step time. "
-    "MFU ceiling = flops_per_token x tokens / (that time x 989 TFLOP/s): eager's; torch.compile (the default "
-    "on CUDA) fuses memory-bound ops and is not bound by it",
-    "compiled: not estimated: MemTracker does not see the tensors inside a compiled graph (it reports almost no "
-    "activations) and inductor's fused kernels need Triton, which a CPU-only torch does not have",
+    "peak memory: torch's MemTracker over one steady-state step (AdamW state already made) on "
+    "FakeTensors: tensor bytes only; the CUDA context, cuBLAS workspaces and the caching "
+    "allocator's slack come on top (not estimated)",
+    "attention: the flash kernel, as CUDA's SDPA takes it on an H100 (a CPU build of torch would "
+    "decompose it into the math path, which stores (B, H, T, T) attention matrices)",
+    "FLOPs: torch's FlopCounterMode over forward + backward, against 6N (N: non-embedding "
+    "parameters) and train_gpt2.flops_per_token (6N + 12*L*H*Q*T, the MFU column's formula)",
+    "roofline: each aten op of the step takes at least max(FLOPs / 989 TFLOP/s, bytes read and "
+    "written / 3.35 TB/s) on an H100 SXM; summed with no overlap and no fusion: a lower bound on "
+    "eager's step time. MFU ceiling = flops_per_token x tokens / (that time x 989 TFLOP/s): "
+    "eager's; torch.compile (the default on CUDA) fuses memory-bound ops and is not bound by it",
+    "compiled: not estimated: MemTracker does not see the tensors inside a compiled graph (it "
+    "reports almost no activations) and inductor's fused kernels need Triton, which a CPU-only "
+    "torch does not have",
 ]
 
 
 def estimate_rows(est):
-    """Per micro-batch size: the figures gpu-estimate prints, from simcuda_checks.py estimate's result."""
+    """Per micro-batch size: the figures gpu-estimate prints, from simcuda_checks.py estimate's
+    result."""
     rows = {}
     for B, r in est["rows"].items():
         roof = r["roofline"]
         seconds = sum(op["seconds"] for op in roof.values())
         bound_by_memory = {name: op["seconds"] for name, op in roof.items()
                            if op["bytes"] / est["bytes_per_s"] > op["flops"] / est["peak_flops"]}
+        slowest = sorted(bound_by_memory.items(), key=lambda kv: -kv[1])[:4]
         rows[int(B)] = {
             "tokens": r["tokens"], "peak_mem_gib": r["peak_bytes"] / 2**30,
             "peak_by_kind_gib": {k: v / 2**30 for k, v in r["peak_by_kind"].items() if v},
@@ -385,15 +426,16 @@ def estimate_rows(est):
             "matmul_flops_over_6n": r["matmul_flops"] / r["six_n"],
             "roofline_ms": seconds * 1e3, "all_at_peak_ms": r["flops"] / est["peak_flops"] * 1e3,
             "memory_bound_ms": sum(bound_by_memory.values()) * 1e3,
-            "top_memory_bound_ms": {k: v * 1e3 for k, v in sorted(bound_by_memory.items(), key=lambda kv: -kv[1])[:4]},
+            "top_memory_bound_ms": {k: v * 1e3 for k, v in slowest},
             "mfu_ceiling": r["formula"] / (seconds * est["peak_flops"]),
             "tokens_per_sec_ceiling": r["tokens"] / seconds}
     return rows
 
 
 def run_gpu_estimate(args):
-    """--suite gpu-estimate: GPT-2's training step on one simulated H100 (tests/simcuda.py), in a child
-    process (the simulation's library must load before torch); figures from the code, not a measurement."""
+    """--suite gpu-estimate: GPT-2's training step on one simulated H100 (tests/simcuda.py), in a
+    child process (the simulation's library must load before torch); figures from the code, not a
+    measurement."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     import simcuda
 
@@ -404,15 +446,18 @@ def run_gpu_estimate(args):
     config = tg.GPTConfig(**tg.MODEL_PRESETS[args.preset])
     T = args.sequence_length or config.block_size
     if T > config.block_size:
-        print(f"error: -T {T} exceeds the {args.preset} block size {config.block_size}", file=sys.stderr)
+        print(f"error: -T {T} exceeds the {args.preset} block size {config.block_size}",
+              file=sys.stderr)
         return 1
     try:
-        sizes = [args.micro_batch_size] if args.micro_batch_size else [int(b) for b in args.estimate_batch_sizes.split(",")]
+        sizes = [int(b) for b in args.estimate_batch_sizes.split(",")]
+        if args.micro_batch_size:
+            sizes = [args.micro_batch_size]
         if min(sizes) < 1:
             raise ValueError
     except ValueError:
-        print(f"error: --estimate_batch_sizes {args.estimate_batch_sizes!r}: expected positive integers, e.g. 16,32,64",
-              file=sys.stderr)
+        print(f"error: --estimate_batch_sizes {args.estimate_batch_sizes!r}: expected positive "
+              f"integers, e.g. 16,32,64", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -423,17 +468,19 @@ def run_gpu_estimate(args):
         cmd = [sys.executable, os.path.join(REPO, "tests", "simcuda_checks.py"), lib,
                f"estimate:{args.preset}:{','.join(map(str, sizes))}:{T}"]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    found = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    found = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines()
+             if line.startswith("RESULT ")]
     if r.returncode != 0 or not found or not found[-1]["ok"]:
         why = (found[-1]["error"] if found else r.stderr).strip().splitlines() or ["no output"]
         print(f"error: the estimate failed: {why[-1]}", file=sys.stderr)
         return 1
     est = found[-1]["result"]
-    results = {"setting": {"preset": args.preset, "T": T, "dtype": "bf16" if est["bf16"] else "fp32", "compile": False,
-                           "gpu": simcuda.H100, "peak_flops": est["peak_flops"], "bytes_per_s": est["bytes_per_s"],
-                           "non_embedding_params": est["non_embedding_params"], "torch": torch.__version__,
-                           "command": "python bench.py " + " ".join(shlex.quote(a) for a in args.argv)},
-               "estimate": estimate_rows(est), "method": ESTIMATE_METHOD}
+    setting = {"preset": args.preset, "T": T, "dtype": "bf16" if est["bf16"] else "fp32",
+               "compile": False, "gpu": simcuda.H100, "peak_flops": est["peak_flops"],
+               "bytes_per_s": est["bytes_per_s"],
+               "non_embedding_params": est["non_embedding_params"], "torch": torch.__version__,
+               "command": "python bench.py " + " ".join(shlex.quote(a) for a in args.argv)}
+    results = {"setting": setting, "estimate": estimate_rows(est), "method": ESTIMATE_METHOD}
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -443,20 +490,26 @@ def run_gpu_estimate(args):
 
 def print_estimate(results):
     s = results["setting"]
-    print(f"GPU estimate (from the code, not measured): {s['preset']} ({s['non_embedding_params']:,} non-embedding "
-          f"parameters), T={s['T']}, {s['dtype']} autocast, eager, fused AdamW, one {s['gpu']} "
-          f"({s['peak_flops'] / 1e12:.0f} TFLOP/s bf16 dense, {s['bytes_per_s'] / 1e12:.2f} TB/s); torch {s['torch']}")
+    print(f"GPU estimate (from the code, not measured): {s['preset']} "
+          f"({s['non_embedding_params']:,} non-embedding parameters), T={s['T']}, {s['dtype']} "
+          f"autocast, eager, fused AdamW, one {s['gpu']} "
+          f"({s['peak_flops'] / 1e12:.0f} TFLOP/s bf16 dense, {s['bytes_per_s'] / 1e12:.2f} TB/s); "
+          f"torch {s['torch']}")
     print(f"command: {s['command']}")
-    print("| B | tokens/step | peak tensor memory | FLOPs fwd+bwd | / flops_per_token | matmuls / 6N "
-          "| roofline step | of which memory-bound ops | MFU ceiling | tokens/s ceiling |")
+    print("| B | tokens/step | peak tensor memory | FLOPs fwd+bwd | / flops_per_token "
+          "| matmuls / 6N | roofline step | of which memory-bound ops | MFU ceiling "
+          "| tokens/s ceiling |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for B, r in sorted(results["estimate"].items()):
-        print(f"| {B} | {r['tokens']:,} | {r['peak_mem_gib']:.1f} GiB | {r['flops'] / 1e12:.2f} T | "
-              f"{r['flops_over_formula']:.3f} | {r['matmul_flops_over_6n']:.4f} | {r['roofline_ms']:.1f} ms | "
-              f"{r['memory_bound_ms']:.1f} ms | {100 * r['mfu_ceiling']:.0f}% | {r['tokens_per_sec_ceiling']:,.0f} |")
+        print(f"| {B} | {r['tokens']:,} | {r['peak_mem_gib']:.1f} GiB | "
+              f"{r['flops'] / 1e12:.2f} T | {r['flops_over_formula']:.3f} | "
+              f"{r['matmul_flops_over_6n']:.4f} | {r['roofline_ms']:.1f} ms | "
+              f"{r['memory_bound_ms']:.1f} ms | "
+              f"{100 * r['mfu_ceiling']:.0f}% | {r['tokens_per_sec_ceiling']:,.0f} |")
     for B, r in sorted(results["estimate"].items()):
         kinds = ", ".join(f"{k.lower()} {v:.1f}" for k, v in r["peak_by_kind_gib"].items())
-        ops = ", ".join(f"{k.replace('aten.', '')} {v:.1f}" for k, v in r["top_memory_bound_ms"].items())
+        ops = ", ".join(f"{k.replace('aten.', '')} {v:.1f}"
+                        for k, v in r["top_memory_bound_ms"].items())
         print(f"B={B}: peak GiB by kind: {kinds}; slowest memory-bound ops (ms): {ops}")
     print("method:")
     for line in results["method"]:
@@ -464,10 +517,12 @@ def print_estimate(results):
 
 
 def bench_optimizers(args, config, device, device_type, autocast_ctx):
-    """ms per optimizer.step() alone, --optimizer adamw vs muon, on the same model and the same gradients."""
+    """ms per optimizer.step() alone, --optimizer adamw vs muon, on the same model and the same
+    gradients."""
     torch.manual_seed(0)
     model = tg.GPT(config).to(device)
-    loader = RandomLoader(args.micro_batch_size, args.sequence_length, config.real_vocab_size, device)
+    loader = RandomLoader(args.micro_batch_size, args.sequence_length, config.real_vocab_size,
+                          device)
     forward_backward(model, loader, 1, autocast_ctx)  # gradients that every timed step reuses
     row = {}
     for kind, muon in (("adamw", None), ("muon", {})):
@@ -479,22 +534,23 @@ def bench_optimizers(args, config, device, device_type, autocast_ctx):
 
 
 def stdlib_docstrings(path):
-    """Every docstring of this Python's standard library (tests and site-packages left out), in path order,
-    as one text file: a few MB of English prose that any machine with Python has."""
+    """Every docstring of this Python's standard library (tests and site-packages left out), in
+    path order, as one text file: a few MB of English prose that any machine with Python has."""
     import ast
     import sysconfig
 
     root, docs = sysconfig.get_paths()["stdlib"], []
     for folder, subdirs, files in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in ("test", "tests", "site-packages", "__pycache__"))
+        skipped = ("test", "tests", "site-packages", "__pycache__")
+        subdirs[:] = sorted(d for d in subdirs if d not in skipped)
         for name in sorted(f for f in files if f.endswith(".py")):
             try:
                 with open(os.path.join(folder, name), encoding="utf-8") as f:
                     tree = ast.parse(f.read())
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
-            docs += [ast.get_docstring(n) for n in ast.walk(tree)
-                     if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+            kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            docs += [ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds)]
     with open(path, "w") as f:
         f.write("\n\n".join(d for d in docs if d))
     return path
@@ -506,21 +562,26 @@ def steps_to_reach(steps, values, target):
 
 
 def compare_optimizers(args, device):
-    """Train the tiny preset with AdamW and then with Muon on the same local text; their val loss curves.
+    """Train the tiny preset with AdamW and then with Muon on the same local text; their val loss
+    curves.
 
     The run's step lines go to stderr, so that the table (or --json) is all that stdout holds."""
     tiny = tg.RUN_PRESETS["tiny"]
     with tempfile.TemporaryDirectory() as tmp:
-        inputs = args.compare_input or [stdlib_docstrings(os.path.join(tmp, "stdlib_docstrings.txt"))]
+        inputs = args.compare_input
+        if not inputs:
+            inputs = [stdlib_docstrings(os.path.join(tmp, "stdlib_docstrings.txt"))]
         data = os.path.join(tmp, "data")
-        # the val shard holds just what the tiny preset evaluates on; every other token is for training
-        fineweb.prepare(data, inputs=inputs, shard_size=10_000_000, val_tokens=tiny["val_tokens"], progress=False)
+        # the val shard holds just what the tiny preset evaluates on; every other token trains
+        fineweb.prepare(data, inputs=inputs, shard_size=10_000_000, val_tokens=tiny["val_tokens"],
+                        progress=False)
         runs = {}
         for kind in ("adamw", "muon"):
             log_dir = os.path.join(tmp, kind)
-            flags = ["--preset", "tiny", "--optimizer", kind, "--data_root", data, "--log_dir", log_dir,
-                     "--max_steps", str(args.compare_steps), "--eval_every", str(args.compare_eval_every),
-                     "--sample_every", "0", "--device", device, *shlex.split(args.compare_flags)]
+            flags = ["--preset", "tiny", "--optimizer", kind, "--data_root", data,
+                     "--log_dir", log_dir, "--max_steps", str(args.compare_steps),
+                     "--eval_every", str(args.compare_eval_every), "--sample_every", "0",
+                     "--device", device, *shlex.split(args.compare_flags)]
             t0 = time.perf_counter()
             with contextlib.redirect_stdout(sys.stderr):
                 if tg.main(flags) != 0:
@@ -529,8 +590,9 @@ def compare_optimizers(args, device):
             runs[kind] = {"steps": steps, "val": values, "seconds": time.perf_counter() - t0}
     target = runs["adamw"]["val"][-1]
     return {"inputs": args.compare_input or ["stdlib docstrings"], "max_steps": args.compare_steps,
-            "flags": args.compare_flags, **runs,
-            "adamw_final_val": target, "muon_steps_to_adamw_final": steps_to_reach(runs["muon"]["steps"], runs["muon"]["val"], target)}
+            "flags": args.compare_flags, **runs, "adamw_final_val": target,
+            "muon_steps_to_adamw_final": steps_to_reach(runs["muon"]["steps"],
+                                                        runs["muon"]["val"], target)}
 
 
 def print_compare(c):
@@ -557,13 +619,16 @@ def synthetic_corpus(path, n_docs=3000, seed=0):
     import random
 
     rng = random.Random(seed)
-    words = ("the of and to in is was for on that with as by at from his her an were are which this be or "
-             "river mountain city school teacher student science history water light energy plant animal "
-             "learned built grew studied measured found wrote taught because however during between").split()
+    words = ("the of and to in is was for on that with as by at from his her an were are which "
+             "this be or river mountain city school teacher student science history water light "
+             "energy plant animal learned built grew studied measured found wrote taught because "
+             "however during between").split()
+
+    def sentence():
+        return " ".join(rng.choice(words) for _ in range(rng.randint(8, 20))).capitalize() + "."
     with open(path, "w") as f:
         for _ in range(n_docs):
-            doc = " ".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, 20))).capitalize() + "."
-                           for _ in range(rng.randint(10, 30)))
+            doc = " ".join(sentence() for _ in range(rng.randint(10, 30)))
             f.write(json.dumps({"text": doc}) + "\n")
     return [path]
 
@@ -571,7 +636,8 @@ def synthetic_corpus(path, n_docs=3000, seed=0):
 def bench_fineweb(tmp, num_proc, inputs):
     """fineweb.prepare on the corpus: tokens/s, files to shards."""
     t0 = time.perf_counter()
-    fineweb.prepare(os.path.join(tmp, "shards"), inputs=inputs, shard_size=1_000_000, num_proc=num_proc, progress=False)
+    fineweb.prepare(os.path.join(tmp, "shards"), inputs=inputs, shard_size=1_000_000,
+                    num_proc=num_proc, progress=False)
     dt = time.perf_counter() - t0
     tokens = fineweb.prep_status(os.path.join(tmp, "shards")).tokens
     return {"tokens_per_sec": tokens / dt, "tokens": tokens, "num_proc": num_proc}
@@ -582,7 +648,8 @@ def _naive_tokenize(text):
     tokens = [fineweb.EOT]
     tokens.extend(fineweb.get_encoding().encode_ordinary(text))
     tokens_np = np.array(tokens)
-    assert (0 <= tokens_np).all() and (tokens_np < 2**16).all(), "token dictionary too large for uint16"
+    assert (0 <= tokens_np).all() and (tokens_np < 2**16).all(), \
+        "token dictionary too large for uint16"
     return tokens_np.astype(np.uint16)
 
 
@@ -611,11 +678,12 @@ def _naive_shards(docs, folder, shard_size):
 
 
 def bench_fineweb_naive(tmp, num_proc, inputs, shard_size=10_000_000):
-    """Tokens/s of fineweb.py vs. the naive build-nanogpt loop on the same corpus, both writing shards.
-    The documents are read into memory first (not timed) for both; "end to end" is fineweb.prepare
-    on the files, reading included; "limit" is single-thread encode_ordinary x the cores."""
+    """Tokens/s of fineweb.py vs. the naive build-nanogpt loop on the same corpus, both writing
+    shards. The documents are read into memory first (not timed) for both; "end to end" is
+    fineweb.prepare on the files, reading included; "limit" is single-thread encode_ordinary x the
+    cores."""
     # fineweb's own reader, so the documents are exactly the ones prepare() tokenizes
-    docs = [t for t in fineweb._iter_files(fineweb._expand_inputs(inputs), "text") if t]
+    docs = [t for t in fineweb.read_documents(inputs) if t]
     enc = fineweb.get_encoding()
     enc.encode_ordinary("warm up")
     t0 = time.perf_counter()
@@ -625,19 +693,23 @@ def bench_fineweb_naive(tmp, num_proc, inputs, shard_size=10_000_000):
     os.makedirs(naive)
     naive_s = _naive_shards(docs, naive, shard_size)
     os.makedirs(ours)
-    manifest = fineweb._new_manifest({})
     t0 = time.perf_counter()
-    fineweb._write_shards(ours, iter(docs), manifest, shard_size=shard_size, val_tokens=shard_size, max_tokens=None,
-                          num_proc=num_proc, progress=False)
+    fineweb.write_shards(ours, iter(docs), shard_size=shard_size, val_tokens=shard_size,
+                         num_proc=num_proc)
     ours_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    fineweb.prepare(end_to_end, inputs=inputs, shard_size=shard_size, num_proc=num_proc, progress=False)
+    fineweb.prepare(end_to_end, inputs=inputs, shard_size=shard_size, num_proc=num_proc,
+                    progress=False)
     end_to_end_s = time.perf_counter() - t0
     # the three wrote the same token stream (checked after the timing)
-    stream = lambda folder: np.concatenate([np.load(p) for split in ("val", "train") for p in fineweb.list_shards(folder, split)])
-    same = np.array_equal(stream(naive), stream(ours)) and np.array_equal(stream(end_to_end), stream(ours))
-    return {"documents": len(docs), "tokens": n_tokens, "cores": os.cpu_count(), "num_proc": num_proc,
-            "naive_processes": max(1, (os.cpu_count() or 1) // 2), "single_thread_tok_s": single,
+    def stream(folder):
+        return np.concatenate([np.load(p) for split in ("val", "train")
+                               for p in fineweb.list_shards(folder, split)])
+    same = np.array_equal(stream(naive), stream(ours))
+    same = same and np.array_equal(stream(end_to_end), stream(ours))
+    return {"documents": len(docs), "tokens": n_tokens, "cores": os.cpu_count(),
+            "num_proc": num_proc, "naive_processes": max(1, (os.cpu_count() or 1) // 2),
+            "single_thread_tok_s": single,
             "limit_tok_s": single * (os.cpu_count() or 1), "naive_tok_s": n_tokens / naive_s,
             "ours_tok_s": n_tokens / ours_s, "ours_end_to_end_tok_s": n_tokens / end_to_end_s,
             "speedup": naive_s / ours_s, "same_tokens": same}
@@ -671,62 +743,89 @@ def fineweb_rows(results):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=sorted(tg.MODEL_PRESETS), help="model shape")
-    p.add_argument("-B", "--micro_batch_size", type=int, default=None, help="sequences per forward (default: 64 on CUDA, 8 elsewhere)")
-    p.add_argument("-T", "--sequence_length", type=int, default=None, help="tokens per sequence (default: the preset's block size)")
+    p.add_argument("-B", "--micro_batch_size", type=int, default=None,
+                   help="sequences per forward (default: 64 on CUDA, 8 elsewhere)")
+    p.add_argument("-T", "--sequence_length", type=int, default=None,
+                   help="tokens per sequence (default: the preset's block size)")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="bf16 on CUDA for auto")
-    p.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction, help="torch.compile (default: on for CUDA)")
-    p.add_argument("--compile_mode", default=None, choices=[None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="bf16 on CUDA for auto")
+    p.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                   help="torch.compile (default: on for CUDA)")
+    p.add_argument("--compile_mode", default=None,
+                   choices=[None, "default", "reduce-overhead", "max-autotune",
+                            "max-autotune-no-cudagraphs"],
                    help="torch.compile mode")
-    p.add_argument("--foreach_adamw", action="store_true", help="multi-tensor AdamW instead of the fused one on CUDA")
-    p.add_argument("--peak_flops", type=float, default=None, help="peak FLOP/s for MFU (default: known GPUs)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed training steps first (default: 3, 10 with compile)")
-    p.add_argument("--steps", type=int, default=5, help="timed training steps (the median is reported)")
-    p.add_argument("--only", default="train,train_loop,optimizers,hellaswag,generate,loader,fineweb",
-                   help="comma-separated subset of rows to measure (train_loop: train_gpt2.main's own loop; also: "
-                        "fineweb_naive, fineweb.py vs the "
-                        "build-nanogpt loop; optimizers_compare, the tiny preset trained with AdamW and with Muon)")
+    p.add_argument("--foreach_adamw", action="store_true",
+                   help="multi-tensor AdamW instead of the fused one on CUDA")
+    p.add_argument("--peak_flops", type=float, default=None,
+                   help="peak FLOP/s for MFU (default: known GPUs)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed training steps first (default: 3, 10 with compile)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed training steps (the median is reported)")
+    p.add_argument("--only",
+                   default="train,train_loop,optimizers,hellaswag,generate,loader,fineweb",
+                   help="comma-separated subset of rows to measure (train_loop: train_gpt2.main's "
+                        "own loop; also: fineweb_naive, fineweb.py vs the build-nanogpt loop; "
+                        "optimizers_compare, the tiny preset trained with AdamW and with Muon)")
     p.add_argument("--fineweb_input", nargs="+", metavar="PATH", default=None,
-                   help="corpus (.txt/.jsonl/.parquet) for the fineweb rows (default: a synthetic ~6 MB one)")
-    p.add_argument("--gen_tokens", type=int, default=128, help="new tokens per generation (after a 16-token prompt)")
-    p.add_argument("--hellaswag_examples", type=int, default=40, help="synthetic HellaSwag examples to score")
+                   help="corpus (.txt/.jsonl/.parquet) for the fineweb rows (default: a synthetic "
+                        "~6 MB one)")
+    p.add_argument("--gen_tokens", type=int, default=128,
+                   help="new tokens per generation (after a 16-token prompt)")
+    p.add_argument("--hellaswag_examples", type=int, default=40,
+                   help="synthetic HellaSwag examples to score")
     p.add_argument("--hellaswag_batch_tokens", type=int, default=None,
-                   help="tokens per batched HellaSwag forward (default: 8192 on CUDA, 512 elsewhere)")
+                   help="tokens per batched HellaSwag forward (default: 8192 on CUDA, 512 "
+                        "elsewhere)")
     p.add_argument("--compare_input", nargs="+", metavar="PATH", default=None,
-                   help="text (.txt/.jsonl/.parquet) for --only optimizers_compare (default: this Python's "
-                        "standard-library docstrings)")
-    p.add_argument("--compare_steps", type=int, default=150, help="optimizer steps per run for optimizers_compare")
-    p.add_argument("--compare_eval_every", type=int, default=10, help="val loss every N steps for optimizers_compare")
+                   help="text (.txt/.jsonl/.parquet) for --only optimizers_compare (default: this "
+                        "Python's standard-library docstrings)")
+    p.add_argument("--compare_steps", type=int, default=150,
+                   help="optimizer steps per run for optimizers_compare")
+    p.add_argument("--compare_eval_every", type=int, default=10,
+                   help="val loss every N steps for optimizers_compare")
     p.add_argument("--compare_flags", default="", metavar="'FLAGS'",
-                   help="more train_gpt2.py flags for both optimizers_compare runs, e.g. '--total_batch_size 512 -B 2'")
-    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+                   help="more train_gpt2.py flags for both optimizers_compare runs, e.g. "
+                        "'--total_batch_size 512 -B 2'")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as JSON instead of a table")
     p.add_argument("--suite", default=None, choices=["gpu", "gpu-estimate"],
-                   help="gpu-estimate: no GPU needed: GPT-2 124M's training step (T=1024, bf16, eager, flash "
-                        "attention) on a simulated H100, for each of --estimate_batch_sizes (or -B): peak tensor "
-                        "memory, FLOPs against the MFU formula, a roofline lower bound on the step time and the MFU "
-                        "ceiling, with the method (needs g++ and the torch tests/simcuda.py is written for). "
-                        "gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, B=64, bf16 with 8 micro-steps "
-                        "(524,288 tokens) for ours (compiled) and build-nanogpt's configuration (eager), HellaSwag "
-                        "batched vs one example per forward, KV cache vs recompute; writes --out/gpu_suite.json "
-                        "and gpu_suite.md. Synthetic tokens, no network")
+                   help="gpu-estimate: no GPU needed: GPT-2 124M's training step (T=1024, bf16, "
+                        "eager, flash attention) on a simulated H100, for each of "
+                        "--estimate_batch_sizes (or -B): peak tensor memory, FLOPs against the MFU "
+                        "formula, a roofline lower bound on the step time and the MFU ceiling, "
+                        "with the method (needs g++ and the torch tests/simcuda.py is written "
+                        "for). gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, B=64, "
+                        "bf16 with 8 micro-steps (524,288 tokens) for ours (compiled) and "
+                        "build-nanogpt's configuration (eager), HellaSwag batched vs one example "
+                        "per forward, KV cache vs recompute; writes --out/gpu_suite.json and "
+                        "gpu_suite.md. Synthetic tokens, no network")
     p.add_argument("--estimate_batch_sizes", default="16,32,64", metavar="B,B,...",
-                   help="with --suite gpu-estimate: micro-batch sizes to estimate (-B N: that one only)")
+                   help="with --suite gpu-estimate: micro-batch sizes to estimate (-B N: that one "
+                        "only)")
     p.add_argument("--sim_lib", default=None, metavar="PATH",
-                   help="with --suite gpu-estimate: a simulated-CUDA library already built by tests/simcuda.py "
-                        "(default: build one with g++ into a temp dir)")
-    p.add_argument("--out", default="results", help="with --suite: folder for its JSON, Markdown and test output")
+                   help="with --suite gpu-estimate: a simulated-CUDA library already built by "
+                        "tests/simcuda.py (default: build one with g++ into a temp dir)")
+    p.add_argument("--out", default="results",
+                   help="with --suite: folder for its JSON, Markdown and test output")
     p.add_argument("--skip_tests", action="store_true",
-                   help="with --suite: leave out the CUDA tests (to smoke-test the suite itself, e.g. on CPU)")
+                   help="with --suite: leave out the CUDA tests (to smoke-test the suite itself, "
+                        "e.g. on CPU)")
     p.add_argument("--tests_timeout", type=int, default=420,
-                   help="with --suite: seconds before the CUDA tests are stopped (the benchmark still runs)")
+                   help="with --suite: seconds before the CUDA tests are stopped (the benchmark "
+                        "still runs)")
     return p
 
 
 # --suite gpu measures GPT-2 124M with the real 524,288-token batch: B=64 x T=1024 x 8 micro-steps
-SUITE_DEFAULTS = {"gpu": dict(preset="gpt2", micro_batch_size=64, sequence_length=1024, grad_accum=8, warmup=5, steps=10),
+SUITE_DEFAULTS = {"gpu": dict(preset="gpt2", micro_batch_size=64, sequence_length=1024,
+                              grad_accum=8, warmup=5, steps=10),
                   "gpu-estimate": dict(preset="gpt2", sequence_length=1024)}
 
 
@@ -756,18 +855,22 @@ def main(argv=None):
     args.micro_batch_size = args.micro_batch_size or (64 if device_type == "cuda" else 8)
     args.sequence_length = args.sequence_length or config.block_size
     if args.sequence_length > config.block_size:
-        print(f"error: -T {args.sequence_length} exceeds the {args.preset} block size {config.block_size}", file=sys.stderr)
+        print(f"error: -T {args.sequence_length} exceeds the {args.preset} block size "
+              f"{config.block_size}", file=sys.stderr)
         return 1
     args.compile = args.compile if args.compile is not None else device_type == "cuda"
-    args.hellaswag_batch_tokens = args.hellaswag_batch_tokens or (8192 if device_type == "cuda" else 512)
+    if not args.hellaswag_batch_tokens:
+        args.hellaswag_batch_tokens = 8192 if device_type == "cuda" else 512
     args.warmup = args.warmup if args.warmup is not None else (10 if args.compile else 3)
     tg.hellaswag.enable_tf32(device_type)
     only = set(args.only.split(","))
 
-    results = {"setting": {"preset": args.preset, "B": args.micro_batch_size, "T": args.sequence_length,
-                           "grad_accum": args.grad_accum, "device": device, "dtype": "bf16" if use_bf16 else "fp32",
-                           "compile": args.compile, "compile_mode": args.compile_mode, "torch": torch.__version__,
-                           "gpu": torch.cuda.get_device_name(device) if device_type == "cuda" else None,
+    gpu = torch.cuda.get_device_name(device) if device_type == "cuda" else None
+    results = {"setting": {"preset": args.preset, "B": args.micro_batch_size,
+                           "T": args.sequence_length, "grad_accum": args.grad_accum,
+                           "device": device, "dtype": "bf16" if use_bf16 else "fp32",
+                           "compile": args.compile, "compile_mode": args.compile_mode,
+                           "torch": torch.__version__, "gpu": gpu,
                            "threads": torch.get_num_threads()}}
     if args.suite:
         return run_gpu_suite(args, device, config, autocast_ctx, results["setting"])
@@ -805,15 +908,18 @@ def print_table(results):
     rows = []
     if "train" in results:
         t = results["train"]
-        rows += [("train tokens/s", fmt(t["tokens_per_sec"])), ("train ms/step", fmt(t["ms_per_step"])),
+        rows += [("train tokens/s", fmt(t["tokens_per_sec"])),
+                 ("train ms/step", fmt(t["ms_per_step"])),
                  ("train MFU", fmt(t["mfu"] * 100 if t["mfu"] else None, "%")),
                  ("train peak GPU memory", fmt(t["peak_mem_gib"], " GiB"))]
     if "train_loop" in results:
         t = results["train_loop"]
-        rows += [("train_gpt2.main tokens/s", fmt(t["tokens_per_sec"])), ("train_gpt2.main ms/step", fmt(t["ms_per_step"]))]
+        rows += [("train_gpt2.main tokens/s", fmt(t["tokens_per_sec"])),
+                 ("train_gpt2.main ms/step", fmt(t["ms_per_step"]))]
     if "optimizers" in results:
         o = results["optimizers"]
-        rows += [("optimizer step ms, AdamW", fmt(o["adamw_ms"])), ("optimizer step ms, Muon + AdamW", fmt(o["muon_ms"]))]
+        rows += [("optimizer step ms, AdamW", fmt(o["adamw_ms"])),
+                 ("optimizer step ms, Muon + AdamW", fmt(o["muon_ms"]))]
     if "hellaswag" in results:
         h = results["hellaswag"]
         rows += [("HellaSwag ex/s, one per forward", fmt(h["one_per_forward"])),

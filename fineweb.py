@@ -1,65 +1,44 @@
 """
-FineWeb-Edu dataset (for pretraining GPT-2 124M), tokenized into .npy shards.
+FineWeb-Edu, or your own text, tokenized with GPT-2's BPE (gpt2_bpe/ through tiktoken: no network)
+into the 1-D uint16 .npy shards train_gpt2.py reads: shard 0 (edufineweb_val_000000.npy) is the
+validation split, every other one training data, each document after an <|endoftext|>;
+manifest.json records the arguments and the finished shards, so the same command resumes.
 https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu
 
-Downloads FineWeb-Edu with HF `datasets`, tokenizes it with GPT-2's BPE (the files in gpt2_bpe/,
-through tiktoken: get_encoding(), no network) and writes 1-D uint16 shards of --shard_size tokens
-(default 100M) that train_gpt2.py reads:
-
-    edu_fineweb10B/edufineweb_val_000000.npy     shard 0 is the validation split
-    edu_fineweb10B/edufineweb_train_000001.npy   every other shard is training data
-    edu_fineweb10B/manifest.json                 arguments + finished shards (for resume)
-
-Every document is preceded by <|endoftext|> (50256); a document that does not fit in
-a shard is split and continues at the start of the next one.
-
-Usage:
     python fineweb.py                                  # sample-10BT, ~10B tokens, 100 shards
     python fineweb.py --max_tokens 100000000           # stream only the first 100M tokens
-    python fineweb.py --input my_corpus/*.jsonl        # your own / offline data, into local_text/
-    python fineweb.py --input books.txt --local_dir data/books --shard_size 10000000
+    python fineweb.py --input my_corpus/*.jsonl        # .txt/.md/.jsonl/.parquet, into local_text/
 
-Local inputs: .txt and .md (one document per file), .jsonl (one JSON object per line, text in
---text_column) and .parquet (text in --text_column). Quoted globs are expanded here. Shards
-made from local inputs are named text_val_000000.npy, text_train_000001.npy, ... and go to
-local_text/ unless --local_dir says otherwise.
-
-Re-running the same command resumes an interrupted run (or one that ran out of disk space):
-finished shards are kept and skipped. A directory prepared with other arguments is refused rather
-than mixed, and so is one that another fineweb.py is writing (the lock file .fineweb.lock).
-From Python: `fineweb.prepare(local_dir, max_tokens=...)`; `fineweb.prep_status(local_dir)` says
-whether a prep is complete and how to finish it; `fineweb.open_shard(path, vocab_size)` checks a
-shard and memory-maps it (ShardError names the file and the problem); `fineweb.ensure_prepared(data_root,
-train_tokens=..., val_tokens=...)` is train_gpt2.py's data on first use.
+From Python: prepare(), prep_status(), open_shard() and ensure_prepared() (data on first use).
 """
 
 import argparse
 import collections
 import contextlib
 import dataclasses
-import errno
 import glob
 import hashlib
 import itertools
 import json
-import math
 import multiprocessing as mp
 import os
 import shlex
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from typing import Optional
+from urllib.parse import urlparse
 
 import numpy as np
 from tqdm import tqdm
 
-# -----------------------------------------------------------------------------
-# constants (train_gpt2.py relies on the shard names and the default data root)
+from common import (DiskFullError, HelpFormatter, OneLineParser, UsageError, atomic_write,
+                    dir_lock, one_line)
+# train_gpt2.py imports these from here until it takes them from common
+from common import NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, bounded  # noqa: F401
 
+# ===== constants (train_gpt2.py relies on the shard names and the default data root) ==============
 HF_DATASET = "HuggingFaceFW/fineweb-edu"
 NAMES = ("sample-10BT", "sample-100BT", "sample-350BT")
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))  # data folders go beside the scripts
@@ -71,76 +50,26 @@ LOCAL_SHARD_PREFIX = "text"
 SHARD_SIZE = 100_000_000  # tokens per shard, 200 MB of uint16
 TOKENIZER = "gpt2"
 BPE_DIR = os.path.join(REPO_DIR, "gpt2_bpe")
-# the sha256 tiktoken checks for these two files of OpenAI's GPT-2 release (tiktoken_ext/openai_public.py)
+# the sha256 tiktoken checks for these two files of OpenAI's GPT-2 release
 BPE_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
              "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 EOT = 50256  # <|endoftext|>, the GPT-2 document delimiter
-GPT2_VOCAB_SIZE = EOT + 1  # GPT-2's BPE tokens, <|endoftext|> last; ids past them in a padded vocab: padding
+GPT2_VOCAB_SIZE = EOT + 1  # GPT-2's tokens; ids past them in a padded vocab are padding
 MANIFEST = "manifest.json"
-LOCK = ".fineweb.lock"  # flock-ed by the one prep writing a directory; left in place (unlinking a held lock file breaks it)
-LOCK_HOLDER = LOCK + ".holder"  # pid, host and command of the lock's holder (filelock records none)
+LOCK = ".fineweb.lock"  # flock-ed by the prep writing a folder; kept (removing it breaks the lock)
+LOCK_HOLDER = LOCK + ".holder"  # pid, host and command of the lock's holder (see common.dir_lock)
 INPUT_TYPES = (".txt", ".md", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 20  # ~1 MB of text (~250K tokens) per tokenizer task
 HUB_BATCH = 1000  # documents per read from a HF dataset
 
 
-class UsageError(Exception):
-    """A problem the user can fix (flags, data, files, no network): the CLIs print it as one line, `error: ...`,
-    and exit 1. Under torchrun only rank 0 reports it (every rank meets the same problem), unless it is this
-    rank's own (rank_specific)."""
-
-    def __init__(self, message, rank_specific=False):
-        super().__init__(message)
-        self.rank_specific = rank_specific
-
-
 class DataPrepError(UsageError):
     """A UsageError of the data: bad input, a mismatched directory, no network."""
 
-
-def one_line(e, limit=300):
-    """An exception (or text) as one line of at most `limit` characters. An OSError of a full disk or quota
-    names the path and the space left there, as DiskFullError does."""
-    if isinstance(e, OSError) and not isinstance(e, DiskFullError) and e.errno in _DISK_FULL:
-        free = None
-        with contextlib.suppress(OSError, TypeError):
-            free = shutil.disk_usage(os.path.dirname(os.path.abspath(e.filename))).free
-        e = DiskFullError(e.errno, e.filename or "a file", free)
-    msg = " ".join(str(e).split()) or type(e).__name__
-    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
-
-
-def _human_bytes(n):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-
-
-class DiskFullError(OSError):
-    """atomic_write ran out of space (ENOSPC) or quota (EDQUOT). Its temp file is gone and nothing under the
-    final name changed; str() is one line naming the path, the space left there and what was written/needed."""
-
-    def __init__(self, err, path, free=None, written=None, needed=None):
-        self.path, self.free, self.written, self.needed = path, free, written, needed
-        what = "disk quota exceeded" if err == getattr(errno, "EDQUOT", None) else "no space left on device"
-        facts = [f"{_human_bytes(free)} free on its filesystem" if free is not None else "free space unknown"]
-        if written is not None:
-            facts.append(f"{_human_bytes(written)} written" + (f" of about {_human_bytes(needed)}" if needed else ""))
-        elif needed:
-            facts.append(f"about {_human_bytes(needed)} needed")
-        self.message = f"{what} writing {path} ({', '.join(facts)}); it was not written: free some space and run again"
-        super().__init__(err, self.message)
-
-    def __str__(self):
-        return self.message
-
-# -----------------------------------------------------------------------------
-# tokenization (runs in the worker processes; module level so that spawn can pickle it)
-
+# ===== tokenization (runs in the worker processes; module level so that spawn can pickle it) ======
 _enc = None
 
-# tiktoken's "gpt2" pre-tokenizer: GPT-2's own pattern with possessive quantifiers (the same splits, faster)
+# tiktoken's "gpt2" pre-tokenizer: GPT-2's pattern with possessive quantifiers (same splits, faster)
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
@@ -153,8 +82,9 @@ def _read_bpe_file(name):
         raise DataPrepError(f"cannot read the GPT-2 tokenizer file {path} ({e.strerror or e}); "
                             f"restore it with: git checkout -- gpt2_bpe") from None
     if hashlib.sha256(data).hexdigest() != BPE_FILES[name]:
-        raise DataPrepError(f"{path} is not GPT-2's {name} (its sha256 differs: changed line endings, or a "
-                            f"git-lfs pointer?); restore it with: git checkout -- gpt2_bpe")
+        raise DataPrepError(f"{path} is not GPT-2's {name} (its sha256 differs: changed line "
+                            f"endings, or a git-lfs pointer?); restore it with: "
+                            f"git checkout -- gpt2_bpe")
     return data
 
 
@@ -170,11 +100,11 @@ def _gpt2_byte_chars():
 
 
 def _gpt2_ranks():
-    """GPT-2's BPE from gpt2_bpe/vocab.bpe as tiktoken's mergeable ranks {token bytes: id}: the 256
-    single bytes, then one token per merge line, in file order (a token's id is its merge priority)."""
+    """GPT-2's BPE (gpt2_bpe/vocab.bpe) as tiktoken's mergeable ranks {token bytes: id}: the 256
+    single bytes, then one token per merge line in file order (an id is a merge priority)."""
     chars = _gpt2_byte_chars()
     ranks = {bytes([b]): i for i, b in enumerate(chars.values())}
-    lines = _read_bpe_file("vocab.bpe").decode("utf-8").split("\n")[1:]  # line 0 is "#version: 0.2"
+    lines = _read_bpe_file("vocab.bpe").decode("utf-8").split("\n")[1:]  # 0: "#version: 0.2"
     for line in filter(None, lines):
         left, right = line.split(" ")
         ranks[bytes(chars[c] for c in left + right)] = len(ranks)
@@ -210,9 +140,8 @@ def _encode(enc, text):
 
 
 def tokenize_batch(texts):
-    """Tokenize a list of documents. Returns (tokens, lengths): all documents concatenated,
-    each preceded by EOT, as uint16; and the number of tokens of each document (0 for an
-    empty or missing text, which is skipped entirely)."""
+    """Tokenize a list of documents. Returns (tokens, lengths): all documents concatenated, each
+    after an EOT, as uint16; and each document's token count (0: an empty text, skipped)."""
     enc = get_encoding()
     eot = np.array([EOT], dtype=np.uint32)
     pieces = []
@@ -221,8 +150,7 @@ def tokenize_batch(texts):
         if not text:
             continue
         ids = _encode(enc, text)
-        pieces.append(eot)
-        pieces.append(ids)
+        pieces += [eot, ids]
         lengths[i] = len(ids) + 1
     if not pieces:
         return np.empty(0, dtype=np.uint16), lengths
@@ -246,9 +174,8 @@ def _batched(texts):
 
 
 def _tokenized(batches, num_proc):
-    """Yield tokenize_batch(batch) for each batch, in order, using num_proc processes.
-    At most 2 * num_proc batches are in flight, so a fast reader cannot fill the memory
-    (Pool.imap would consume the whole input iterator ahead of the workers)."""
+    """tokenize_batch(batch) for each batch, in order, in num_proc processes. At most 2 * num_proc
+    batches in flight: a fast reader cannot fill the memory (Pool.imap would read it all ahead)."""
     if num_proc <= 1:
         for batch in batches:
             yield tokenize_batch(batch)
@@ -263,9 +190,7 @@ def _tokenized(batches, num_proc):
         while pending:
             yield pending.popleft().get()
 
-# -----------------------------------------------------------------------------
-# sources: local files or a HF dataset, each a plain iterator over document texts
-
+# ===== sources: local files or a HF dataset, each a plain iterator over document texts ============
 def _expand_inputs(patterns):
     """Paths / globs -> sorted, de-duplicated absolute file paths of a supported type."""
     if isinstance(patterns, (str, os.PathLike)):
@@ -273,20 +198,20 @@ def _expand_inputs(patterns):
     files = []
     for pattern in patterns:
         pattern = os.path.expanduser(str(pattern))
+        matches = [pattern]
         if glob.has_magic(pattern):
-            matches = sorted(glob.glob(pattern, recursive=True))
-            matches = [m for m in matches if not os.path.isdir(m)]
+            matches = sorted(m for m in glob.glob(pattern, recursive=True) if not os.path.isdir(m))
             if not matches:
                 raise DataPrepError(f"no files match {pattern}")
-        else:
-            matches = [pattern]
         for path in matches:
             if os.path.isdir(path):
-                raise DataPrepError(f"{path} is a directory; pass files or a glob such as '{path}/*.parquet'")
+                raise DataPrepError(f"{path} is a directory; pass files or a glob such as "
+                                    f"'{path}/*.parquet'")
             if not os.path.exists(path):
                 raise DataPrepError(f"input file not found: {path}")
             if not path.endswith(INPUT_TYPES):
-                raise DataPrepError(f"unsupported input {path}: use .txt, .md, .jsonl or .parquet files")
+                raise DataPrepError(f"unsupported input {path}: use .txt, .md, .jsonl or "
+                                    f".parquet files")
             path = os.path.abspath(path)
             if path not in files:
                 files.append(path)
@@ -308,10 +233,11 @@ def _check_inputs(files, text_column):
             try:
                 schema = pq.read_schema(path)
             except Exception as e:
-                raise DataPrepError(f"cannot read {path}: not a valid Parquet file ({one_line(e)})") from None
+                raise DataPrepError(f"cannot read {path}: not a valid Parquet file "
+                                    f"({one_line(e)})") from None
             if text_column not in schema.names:
-                raise DataPrepError(f"{path} has no column '{text_column}' (columns: {', '.join(schema.names)}); "
-                                    f"choose one with --text_column")
+                raise DataPrepError(f"{path} has no column '{text_column}' (columns: "
+                                    f"{', '.join(schema.names)}); choose one with --text_column")
             kind = str(schema.field(text_column).type)
             if kind not in ("string", "large_string", "string_view", "null"):
                 raise DataPrepError(f"column '{text_column}' of {path} holds {kind}, not text")
@@ -334,13 +260,13 @@ def _jsonl_text(path, lineno, line, text_column):
                             f"choose one with --text_column")
     text = obj[text_column]
     if text is not None and not isinstance(text, str):
-        raise DataPrepError(f"{path}:{lineno}: field '{text_column}' is {type(text).__name__}, not text")
+        raise DataPrepError(f"{path}:{lineno}: field '{text_column}' is {type(text).__name__}, "
+                            f"not text")
     return text
 
 
 def _iter_files(files, text_column):
-    """Documents of local files in order: a .txt or .md file is one document, a .jsonl line or a
-    .parquet row is one document. Files are streamed, never loaded whole (except .txt)."""
+    """Documents of files in order, streamed: a whole .txt or .md file, a .jsonl line, a row."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     for path in files:
@@ -358,23 +284,28 @@ def _iter_files(files, text_column):
                     for batch in pf.iter_batches(batch_size=HUB_BATCH, columns=[text_column]):
                         yield from batch.column(0).to_pylist()
         except UnicodeDecodeError as e:
-            raise DataPrepError(f"cannot read {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise DataPrepError(f"cannot read {path}: not UTF-8 text ({e.reason} at byte "
+                                f"{e.start})") from None
         except (OSError, pa.ArrowException) as e:
             raise DataPrepError(f"cannot read {path}: {one_line(e)}") from None
 
 
+def read_documents(inputs, text_column="text"):
+    """The documents of local files (paths or globs, as --input takes), as prepare() reads them."""
+    return _iter_files(_expand_inputs(inputs), text_column)
+
+
 def _is_network_error(e):
-    # datasets / huggingface_hub wrap connection problems differently from version to
-    # version; look through the whole exception chain for something network-shaped
+    # datasets and huggingface_hub wrap connection errors in many ways: search the whole chain
+    clients = ("requests", "urllib3", "httpx", "httpcore", "aiohttp", "huggingface_hub")
+    words = ("Connect", "Timeout", "Offline", "Network", "Transport", "Protocol")
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, (ConnectionError, TimeoutError, socket.gaierror, socket.herror)):
             return True
-        root = type(e).__module__.split(".")[0]
-        name = type(e).__name__
-        if root in ("requests", "urllib3", "httpx", "httpcore", "aiohttp", "huggingface_hub") and \
-                any(word in name for word in ("Connect", "Timeout", "Offline", "Network", "Transport", "Protocol")):
+        from_client = type(e).__module__.split(".")[0] in clients
+        if from_client and any(word in type(e).__name__ for word in words):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -382,8 +313,9 @@ def _is_network_error(e):
 
 def _hub_error(dataset, name, e):
     if _is_network_error(e):
-        return DataPrepError(f"the Hugging Face hub is unreachable, cannot load {dataset} ({name}): {one_line(e, 160)}. "
-                             f"To prepare data offline, pass local .txt/.md/.jsonl/.parquet files with --input PATH")
+        return DataPrepError(f"the Hugging Face hub is unreachable, cannot load {dataset} "
+                             f"({name}): {one_line(e, 160)}. To prepare data offline, pass local "
+                             f".txt/.md/.jsonl/.parquet files with --input PATH")
     return DataPrepError(f"cannot load {dataset} ({name}): {type(e).__name__}: {one_line(e)}")
 
 
@@ -393,22 +325,19 @@ def _hub_unreachable(timeout=5.0):
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
                                        "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return False
-    from urllib.parse import urlparse
-
     from huggingface_hub import constants
     url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        socket.create_connection((url.hostname, port), timeout).close()
     except OSError:
         return True
     return False
 
 
 def _iter_hub(dataset, name, text_column, streaming, skip, num_proc):
-    """Documents of a HF dataset, from document index `skip` on. `dataset` is a hub repo
-    id or a local copy of one (a folder with the same README configs and parquet files),
-    which is how the tests exercise this exact code path offline. The dataset is opened
-    here, eagerly, so that an unreachable hub fails before anything is written."""
+    """Documents of a HF dataset from index `skip` on. `dataset`: a hub id or a local copy of one
+    (how the tests run this offline); opened here, so an unreachable hub fails before any write."""
     import datasets  # heavy: imported only when a dataset is actually read
     if not os.path.exists(dataset) and _hub_unreachable():
         raise _hub_error(dataset, name, ConnectionError(f"no connection to {dataset}'s host"))
@@ -419,8 +348,8 @@ def _iter_hub(dataset, name, text_column, streaming, skip, num_proc):
         raise _hub_error(dataset, name, e) from None
     columns = ds.column_names
     if columns is not None and text_column not in columns:
-        raise DataPrepError(f"{dataset} ({name}) has no column '{text_column}' (columns: {', '.join(columns)}); "
-                            f"choose one with --text_column")
+        raise DataPrepError(f"{dataset} ({name}) has no column '{text_column}' (columns: "
+                            f"{', '.join(columns)}); choose one with --text_column")
     ds = ds.select_columns([text_column])
 
     def downloaded():
@@ -430,109 +359,15 @@ def _iter_hub(dataset, name, text_column, streaming, skip, num_proc):
 
     def streamed():
         # reads only what is consumed (--max_tokens); a resume has to re-read up to skip
-        it = iter(ds.skip(skip).iter(batch_size=HUB_BATCH))
-        while True:
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            except Exception as e:  # e.g. a dropped connection in the middle of the stream
-                raise _hub_error(dataset, name, e) from None
-            yield from batch[text_column]
+        try:
+            for batch in ds.skip(skip).iter(batch_size=HUB_BATCH):
+                yield from batch[text_column]
+        except Exception as e:  # e.g. a dropped connection in the middle of the stream
+            raise _hub_error(dataset, name, e) from None
 
     return streamed() if streaming else downloaded()
 
-# -----------------------------------------------------------------------------
-# shards and the manifest
-
-def atomic_write(path, write, size=None):
-    """Write a file through write(f) (binary) under a temp name, then rename it into place.
-
-    A crash never leaves a truncated file under the final name, and the temp name is unique to this
-    writer, so two writers never write into one temp file. It ends in .tmp: shard and checkpoint globs
-    (*.npy, model_*.pt) never see it. Every file this repository writes for keeps goes through here.
-    The file gets the mode open() would give it (0o666 less the umask), not mkstemp's 0600, so that a
-    group sharing a run can read it. Out of space or quota: the temp file is removed and DiskFullError
-    says so in one line (size, the bytes the file takes when the caller knows, goes into that line).
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-        f = os.fdopen(fd, "wb")
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        with contextlib.suppress(OSError):  # a filesystem without modes (some FUSE or SMB mounts) keeps its own
-            os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    except BaseException as e:
-        written = os.path.getsize(tmp) if tmp is not None and os.path.exists(tmp) else None
-        full = _disk_full_errno(e, tmp)
-        if f is not None:
-            with contextlib.suppress(OSError):  # its buffer cannot be written either
-                f.close()
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
-        if full is None:
-            raise
-        free = None
-        with contextlib.suppress(OSError):
-            free = shutil.disk_usage(folder).free
-        raise DiskFullError(full, path, free, written, size) from e
-
-
-_DISK_FULL = {errno.ENOSPC} | ({errno.EDQUOT} if hasattr(errno, "EDQUOT") else set())
-_PROBE = 1 << 12
-
-
-def _disk_full_errno(e, tmp):
-    """ENOSPC / EDQUOT when e (or an error it wraps: torch.save raises RuntimeError from the OSError) is one."""
-    seen, errno_less = set(), False
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            if e.errno in _DISK_FULL:
-                return e.errno
-            errno_less |= e.errno is None
-        e = e.__cause__ or e.__context__
-    if not errno_less or tmp is None or not os.path.exists(tmp):
-        return None
-    # numpy's tofile (np.save to a file) reports a short write with no errno: one more block appended
-    # to the temp file, which is about to be removed, says whether the filesystem is full
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND)
-    except OSError:
-        return None
-    try:
-        return errno.ENOSPC if os.write(fd, b"\0" * _PROBE) < _PROBE else None
-    except OSError as probe:
-        return probe.errno if probe.errno in _DISK_FULL else None
-    finally:
-        os.close(fd)
-
-
-_fallback_umask = None
-
-
-def umask():
-    """The process umask, read without setting it (os.umask can only swap it, which races with threads
-    that create files meanwhile); where /proc has no Umask line, swapped once and kept."""
-    global _fallback_umask
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    if _fallback_umask is None:
-        _fallback_umask = os.umask(0o022)
-        os.umask(_fallback_umask)
-    return _fallback_umask
-
-
+# ===== shards and the manifest ====================================================================
 def _save_manifest(local_dir, manifest):
     data = (json.dumps(manifest, indent=1) + "\n").encode()
     atomic_write(os.path.join(local_dir, MANIFEST), lambda f: f.write(data))
@@ -548,19 +383,18 @@ def _load_manifest(local_dir):
         manifest["args"], manifest["shards"]  # noqa: B018 (both must be there)
         return manifest
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataPrepError(f"{path} is damaged ({one_line(e, 100)}); delete {local_dir} to start over") from None
+        raise DataPrepError(f"{path} is damaged ({one_line(e, 100)}); delete {local_dir} to start "
+                            f"over") from None
 
 
-# Shard naming, in one place: shard_name() makes the names, shard_glob() is the pattern that
-# matches them, list_shards() finds them with it (train_gpt2.py reads shards only through it).
-
+# shard names in one place (train_gpt2.py finds shards only through list_shards)
 def shard_split(index):
     """The split of the shard at `index` in a prep: shard 0 is val, every other one train."""
     return "val" if index == 0 else "train"
 
 
 def shard_name(index, split=None, prefix=SHARD_PREFIX):
-    """File name of shard `index` of `split` (default: shard_split(index)), e.g. edufineweb_train_000001.npy."""
+    """The file name of shard `index`, e.g. edufineweb_train_000001.npy (split: shard_split)."""
     return f"{prefix}_{split or shard_split(index)}_{index:06d}.npy"
 
 
@@ -570,53 +404,44 @@ def shard_glob(split):
 
 
 def list_shards(data_root, split):
-    """The shard files of `split` in data_root (any prefix), in index order; none if it does not exist."""
-    # six zero-padded digits sort by name in index order; the pattern's .npy end keeps .tmp files out
+    """The shard files of `split` in data_root (any prefix), in index order; none if no folder."""
+    # six zero-padded digits sort by name in index order; the pattern's .npy end keeps .tmp out
     return sorted(glob.glob(os.path.join(data_root, shard_glob(split))))
-
-
-
-def _existing_shards(local_dir):
-    return list_shards(local_dir, "val") + list_shards(local_dir, "train")
 
 
 def _check_shards(local_dir, manifest):
     paths = []
     for shard in manifest["shards"]:
         path = os.path.join(local_dir, shard["file"])
-        try:
-            n = _open_checked(path, lambda f: _read_shard_header(path, f))  # header and size, not every token
+        try:  # the header and the size, not every token
+            n = _open_checked(path, lambda f: _read_shard_header(path, f))
         except ShardError:
             n = None
         if n != shard["tokens"]:
-            raise DataPrepError(f"{path} is missing or does not hold the {shard['tokens']} tokens recorded in "
-                                f"{MANIFEST}; delete {local_dir} to start over")
+            raise DataPrepError(f"{path} is missing or does not hold the {shard['tokens']} tokens "
+                                f"recorded in {MANIFEST}; delete {local_dir} to start over")
         paths.append(path)
     return paths
 
 
 def _args_diff(old, new):
-    keys = sorted(set(old) | set(new))
     diffs = []
-    for k in keys:
-        if old.get(k) != new.get(k):
-            if k == "inputs":
-                diffs.append("inputs (files, sizes or modification times differ)")
-            else:
-                diffs.append(f"{k}: {old.get(k)!r} -> {new.get(k)!r}")
+    for k in sorted(set(old) | set(new)):
+        if k == "inputs" and old.get(k) != new.get(k):
+            diffs.append("inputs (files, sizes or modification times differ)")
+        elif old.get(k) != new.get(k):
+            diffs.append(f"{k}: {old.get(k)!r} -> {new.get(k)!r}")
     return "; ".join(diffs)
 
 
 class _ShardWriter:
-    """The shard being filled, and the manifest that records the finished ones.
-
-    Each finished shard is recorded with the stream position just after it (document index,
-    token offset inside that document) so that a later run can restart from there."""
+    """The shard being filled, and the manifest that records each finished one with the stream
+    position just after it (document index, token offset in it): a later run restarts there."""
 
     def __init__(self, local_dir, manifest, shard_size, val_tokens):
         self.local_dir, self.manifest, self.shards = local_dir, manifest, manifest["shards"]
         self.index = len(self.shards)  # of the shard being filled
-        self.prefix = manifest.get("prefix", SHARD_PREFIX)  # manifests without one were all named so
+        self.prefix = manifest.get("prefix", SHARD_PREFIX)  # a manifest with none is FineWeb's
         self.shard_size = shard_size
         self.cap = val_tokens if self.index == 0 else shard_size  # its capacity
         self.buf = np.empty(shard_size, dtype=np.uint16)  # the only shard-sized allocation
@@ -624,22 +449,25 @@ class _ShardWriter:
         self.cut = None  # stream position where the buffer content ends, once it is full
 
     def _record(self, index, n_tokens, position):
-        self.shards.append({"file": shard_name(index, prefix=self.prefix), "split": shard_split(index), "tokens": int(n_tokens),
+        self.shards.append({"file": shard_name(index, prefix=self.prefix),
+                            "split": shard_split(index), "tokens": int(n_tokens),
                             "next_doc": position[0], "next_offset": position[1]})
         self.manifest["total_tokens"] = sum(s["tokens"] for s in self.shards)
 
     def _write(self, index, tokens):
+        path = os.path.join(self.local_dir, shard_name(index, prefix=self.prefix))
         try:
-            atomic_write(os.path.join(self.local_dir, shard_name(index, prefix=self.prefix)), lambda f: np.save(f, tokens))
+            atomic_write(path, lambda f: np.save(f, tokens))
         except DiskFullError as e:  # np.save's header of a 1-D uint16 array is 128 bytes
-            raise DiskFullError(e.errno, e.path, e.free, e.written, tokens.nbytes + 128) from e.__cause__
+            raise DiskFullError(e.errno, e.path, e.free, e.written,
+                                tokens.nbytes + 128) from e.__cause__
 
     def _flush(self):
         if not os.path.exists(os.path.join(self.local_dir, MANIFEST)):
-            _save_manifest(self.local_dir, self.manifest)  # claim the directory before the first shard
+            _save_manifest(self.local_dir, self.manifest)  # claim the directory first
         self._write(self.index, self.buf[:self.fill])
         self._record(self.index, self.fill, self.cut)
-        _save_manifest(self.local_dir, self.manifest)  # the shard exists before the manifest names it
+        _save_manifest(self.local_dir, self.manifest)  # the shard exists before it is named here
         self.index += 1
         self.fill, self.cap = 0, self.shard_size
 
@@ -654,7 +482,8 @@ class _ShardWriter:
             if remaining is not None:
                 n = min(n, remaining)
                 remaining -= n
-            self.buf[self.fill:self.fill + n] = tokens[i:i + n]  # one slice copy per shard boundary, not per document
+            # one slice copy per shard boundary, not per document
+            self.buf[self.fill:self.fill + n] = tokens[i:i + n]
             self.fill += n
             i += n
             if self.fill == self.cap or remaining == 0:
@@ -664,9 +493,8 @@ class _ShardWriter:
 
     def finish(self):
         """Write the last shard(s), mark the prep complete; returns every shard path, val first."""
-        # The buffer is written only once more tokens arrive (add) or here, so that the
-        # small-corpus case can still be handled: if the data ended before the first train
-        # token, split what was collected so that both a val and a train shard exist.
+        # the buffer is written only once more tokens arrive (add) or here: data that ended before
+        # the first train token is split so that both a val and a train shard exist
         if self.index == 0:
             self._split_small_corpus()
         elif self.fill > 0:
@@ -679,10 +507,10 @@ class _ShardWriter:
         if self.fill == 0:
             raise DataPrepError("the input contains no text")
         if self.fill < 2:
-            raise DataPrepError(f"the input has only {self.fill} token; need at least 2 for a val and a train shard")
+            raise DataPrepError(f"the input has only {self.fill} token; need at least 2 for a val "
+                                f"and a train shard")
         n_val = max(1, self.fill // 10)
-        # both shards are recorded in one manifest update, so no resume point is needed
-        # after the val shard: an interruption here simply redoes this (small) dataset
+        # both shards are recorded in one manifest update: an interruption redoes this small prep
         _save_manifest(self.local_dir, self.manifest)
         self._write(0, self.buf[:n_val])
         self._write(1, self.buf[n_val:self.fill])
@@ -691,9 +519,13 @@ class _ShardWriter:
         self.index = 2
 
 
-def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tokens, num_proc, progress):
-    """Tokenize `texts` (an iterator positioned at the resume point) into shards, after the
-    ones manifest["shards"] already lists; returns every shard path, val first."""
+def write_shards(local_dir, texts, manifest=None, *, shard_size, val_tokens, max_tokens=None,
+                 num_proc=1, progress=False):
+    """Tokenize the documents `texts` into shards in local_dir, after those manifest["shards"] lists
+    (texts starts at their end; no manifest: a new prep, FineWeb's shard names); returns every
+    shard path, val first. prepare() is this plus its checks, the lock and the resume."""
+    if manifest is None:
+        manifest = _new_manifest({})
     writer = _ShardWriter(local_dir, manifest, shard_size, val_tokens)
     shards = manifest["shards"]
     done = sum(s["tokens"] for s in shards)
@@ -705,9 +537,10 @@ def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tok
     try:
         for tokens, lengths in batches:
             if pbar is None and len(tokens):
-                # disable=None: no bar when stderr is not a terminal (a log file would fill with redraws)
-                pbar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, disable=None if progress else True,
-                            desc=f"shard {writer.index}", dynamic_ncols=True)
+                # disable=None: no bar when stderr is not a terminal (a log would fill with redraws)
+                pbar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True,
+                            disable=None if progress else True, desc=f"shard {writer.index}",
+                            dynamic_ncols=True)
             # after a resume, the first batch drops what the previous shard already holds
             end, remaining = writer.add(tokens, np.cumsum(lengths), skip, remaining, doc)
             if pbar is not None:
@@ -726,19 +559,18 @@ def _write_shards(local_dir, texts, manifest, *, shard_size, val_tokens, max_tok
     return writer.finish()
 
 
-# -----------------------------------------------------------------------------
-# opening a shard for training: checked, then memory-mapped
-
+# ===== opening a shard for training: checked, then memory-mapped ==================================
 class ShardError(ValueError):
-    """A token shard that cannot be trained on; the one-line message names the file and what is wrong."""
+    """A token shard that cannot be trained on; its one-line message names the file and why."""
 
 
-CHECK_CHUNK = 1 << 22  # tokens (8 MB) read at a time by the token-id check: a fixed buffer, whatever the shard size
-_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+CHECK_CHUNK = 1 << 22  # tokens (8 MB) per read of the token-id check: one buffer for any shard size
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}
 
 
 def _read_shard_header(path, f):
-    """Check the .npy header of the open file f; returns the token count, f positioned at the data."""
+    """Check the .npy header of the open file f; returns the token count, f at the first token."""
     try:
         version = np.lib.format.read_magic(f)
     except ValueError:
@@ -753,7 +585,8 @@ def _read_shard_header(path, f):
     if dtype != np.uint16:
         raise ShardError(f"{path}: holds {dtype} values, expected uint16 token ids")
     if len(shape) != 1:
-        raise ShardError(f"{path}: holds a {len(shape)}-D array of shape {shape}, expected a 1-D token stream")
+        raise ShardError(f"{path}: holds a {len(shape)}-D array of shape {shape}, expected a 1-D "
+                         f"token stream")
     n, header_bytes = shape[0], f.tell()
     size = os.fstat(f.fileno()).st_size
     # np.load(mmap_mode="r") would only say "mmap length is greater than file size"
@@ -767,8 +600,7 @@ def _read_shard_header(path, f):
 
 
 def _check_token_ids(path, f, n, vocab_size):
-    """One pass over the n tokens after f's position, CHECK_CHUNK at a time into one reused
-    buffer (a 100M-token shard is 200 MB; it is never in memory at once)."""
+    """Check the n token ids after f's position, CHECK_CHUNK at a time into one reused buffer."""
     buf = np.empty(min(CHECK_CHUNK, n), dtype=np.uint16)
     raw = memoryview(buf).cast("B")
     for start in range(0, n, len(buf)):
@@ -778,8 +610,8 @@ def _check_token_ids(path, f, n, vocab_size):
         chunk = buf[:count]
         if int(chunk.max()) >= vocab_size:
             i = int(np.argmax(chunk >= vocab_size))
-            raise ShardError(f"{path}: token id {int(chunk[i])} at offset {start + i} is >= the vocabulary size "
-                             f"{vocab_size}")
+            raise ShardError(f"{path}: token id {int(chunk[i])} at offset {start + i} is >= the "
+                             f"vocabulary size {vocab_size}")
 
 
 def _open_checked(path, check):
@@ -793,8 +625,7 @@ def _open_checked(path, check):
 
 def open_shard(path, vocab_size):
     """A token shard as a read-only memory-mapped 1-D uint16 array, after checking it: a .npy file
-    of uint16, 1-D, as long as its header says, every token id < vocab_size (one chunked pass).
-    Raises ShardError naming the file and the problem."""
+    of uint16, 1-D, as long as its header says, every id < vocab_size; else ShardError."""
     path = os.fspath(path)
 
     def check(f):
@@ -805,150 +636,93 @@ def open_shard(path, vocab_size):
     n, offset = _open_checked(path, check)
     return np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(n,))
 
-
-# -----------------------------------------------------------------------------
-# the public entry point
-
+# ===== the public entry point =====================================================================
 def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset):
-    """Check prepare's arguments; returns everything that determines the content of the shards,
-    as manifest.json records it (a resume must match it exactly)."""
+    """Check prepare's arguments; returns what determines the shards (manifest.json's "args")."""
     if int(shard_size) < 1:
         raise DataPrepError(f"--shard_size must be positive, got {shard_size}")
     if max_tokens is not None and int(max_tokens) < 2:
-        raise DataPrepError(f"--max_tokens must be at least 2 (one val and one train token), got {max_tokens}")
+        raise DataPrepError(f"--max_tokens must be at least 2 (one val and one train token), got "
+                            f"{max_tokens}")
     if val_tokens is None:
         # a full shard of val data, as build-nanogpt; but only 10% of a small --max_tokens
         val_tokens = shard_size if max_tokens is None else max(1, min(shard_size, max_tokens // 10))
     if not 1 <= val_tokens <= shard_size:
-        raise DataPrepError(f"--val_tokens must be between 1 and --shard_size ({shard_size}), got {val_tokens}")
+        raise DataPrepError(f"--val_shard_tokens must be between 1 and --shard_size "
+                            f"({shard_size}), got {val_tokens}")
     if inputs is None and dataset == HF_DATASET and name not in NAMES:
-        raise DataPrepError(f"unknown --name {name!r}; choose one of {', '.join(NAMES)}")
+        raise DataPrepError(f"unknown --fineweb_name {name!r}; choose one of {', '.join(NAMES)}")
     args = {"tokenizer": TOKENIZER, "shard_size": int(shard_size), "val_tokens": int(val_tokens),
-            "max_tokens": None if max_tokens is None else int(max_tokens), "text_column": text_column}
+            "max_tokens": None if max_tokens is None else int(max_tokens),
+            "text_column": text_column}
     if inputs is None:
         args.update(dataset=dataset, name=name, streaming=max_tokens is not None)
     else:
-        files = _expand_inputs(inputs)
-        args["inputs"] = [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))} for p in files]
+        args["inputs"] = [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))}
+                          for p in _expand_inputs(inputs)]
     return args
 
 
 def _new_manifest(args):
     prefix = LOCAL_SHARD_PREFIX if "inputs" in args else SHARD_PREFIX
-    return {"version": 1, "args": args, "prefix": prefix, "shards": [], "complete": False, "total_tokens": 0}
+    return {"version": 1, "args": args, "prefix": prefix, "shards": [], "complete": False,
+            "total_tokens": 0}
 
 
 def _remove_stale_temps(local_dir):
-    # what atomic_write leaves when its process is killed (kill -9, power loss): a half-written
-    # shard or manifest under a unique temp name (NAME.XXXXXXXX.tmp); NAME.tmp from older versions
+    # a half-written shard or manifest (NAME.XXXXXXXX.tmp, NAME.tmp) of a killed atomic_write
     for pattern in (shard_glob("*") + "*.tmp", MANIFEST + ".*tmp", LOCK_HOLDER + ".*.tmp"):
         for stale in glob.glob(os.path.join(local_dir, pattern)):
             os.remove(stale)
 
 
 def _manifest_for(local_dir, args):
-    """The manifest that a prep with `args` continues in local_dir (a new one where there is none);
-    DataPrepError for a directory written by a prep with other arguments or by another tool."""
+    """The manifest a prep with `args` continues in local_dir (new if none), or DataPrepError."""
     manifest = _load_manifest(local_dir)
     if manifest is None:
-        if _existing_shards(local_dir):
-            raise DataPrepError(f"{local_dir} already holds .npy shards but no {MANIFEST} (made by another tool?); "
-                                f"refusing to mix or overwrite them: use another --local_dir or delete them")
+        if list_shards(local_dir, "val") or list_shards(local_dir, "train"):
+            raise DataPrepError(f"{local_dir} already holds .npy shards but no {MANIFEST} (made by "
+                                f"another tool?); refusing to mix or overwrite them: use another "
+                                f"--data_root or delete them")
         return _new_manifest(args)
     if manifest["args"] != args:
-        raise DataPrepError(f"{local_dir} was prepared with different arguments ({_args_diff(manifest['args'], args)}); "
-                            f"refusing to mix: use another --local_dir, or delete it to start over")
+        raise DataPrepError(f"{local_dir} was prepared with different arguments "
+                            f"({_args_diff(manifest['args'], args)}); refusing to mix: use "
+                            f"another --data_root, or delete it to start over")
     return manifest
-
-
-def _live_holder(record):
-    """The holder record at `record` as 'pid N on HOST, since T: COMMAND' when it names a live process, else
-    None: a killed holder's record stays until the next holder writes its own over it."""
-    try:
-        with open(record) as f:
-            h = json.load(f)
-        pid, host = h["pid"], h["host"]
-        text = f"pid {pid} on {host}, since {h['started']}: {one_line(h['command'], 1000)}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if type(pid) is not int or pid <= 0:  # os.kill(0, 0) would signal our own process group, and succeed
-        return None
-    if host == socket.gethostname():
-        try:
-            os.kill(pid, 0)
-        except PermissionError:
-            pass  # alive, another user's
-        except (OSError, OverflowError):
-            return None
-    return text  # or another host's on a shared filesystem, which this host cannot check
-
-
-@contextlib.contextmanager
-def dir_lock(folder, name, busy, wait_for_holder=10.0):
-    """Hold folder/name, an flock, while the body runs: one process at a time per folder. The kernel drops an
-    flock when its process dies (kill -9 included), so it is never stale. The holder records its pid, host,
-    start time and command in folder/name.holder (filelock records none) and removes it on release.
-
-    When another process holds the lock, this retries for up to wait_for_holder seconds until that record
-    names a live process (the holder writes it just after taking the lock, over a killed holder's), then
-    raises DataPrepError(f"{folder} {busy}"), "{holder}" in busy replaced by that record, or by "pid not
-    recorded" if none turned up. folder must exist; an OSError (not writable, disk full) passes through."""
-    import filelock  # only a prep or a training run needs it
-
-    lock = filelock.FileLock(os.path.join(folder, name), thread_local=False, is_singleton=False)
-    record = os.path.join(folder, name + ".holder")
-    deadline = time.monotonic() + wait_for_holder
-    while True:
-        try:
-            lock.acquire(timeout=0)
-            break
-        except filelock.Timeout:
-            holder = _live_holder(record)
-        if holder or time.monotonic() > deadline:
-            raise DataPrepError(f"{folder} " + busy.replace("{holder}", holder or "pid not recorded"))
-        time.sleep(0.02)
-    try:
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                           "command": shlex.join(["python", *sys.argv])}).encode()
-        atomic_write(record, lambda f: f.write(info))
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(record)
-        lock.release()
 
 
 @contextlib.contextmanager
 def _prep_lock(local_dir, made_dir=False):
-    """dir_lock on local_dir's LOCK while the body runs: one prep at a time per directory, a second one
-    refused with the holder named. made_dir: local_dir was made for this prep; a body that fails before
-    writing anything into it removes it again, so a refused input leaves nothing behind."""
-    finished = unused = False
+    """dir_lock on local_dir's LOCK: one prep at a time per folder, another refused (DataPrepError).
+    made_dir: local_dir was made for this prep; a body failing before writing there removes it."""
+    busy = ("is being prepared by another process ({holder}); refusing to mix: wait for it to "
+            "end, or stop it, then run again")
+    unused = False
     try:
-        with dir_lock(local_dir, LOCK, "is being prepared by another process ({holder}); refusing to mix: "
-                                       "wait for it to end, or stop it, then run again"):
+        with dir_lock(local_dir, LOCK, busy, error=DataPrepError):
             try:
                 yield
-                finished = True
-            finally:
-                unused = made_dir and not finished and set(os.listdir(local_dir)) <= {LOCK, LOCK_HOLDER}
-                if unused:  # unlinked while still held: a process that opened it meanwhile finds it unlinked
+            except BaseException:
+                unused = made_dir and set(os.listdir(local_dir)) <= {LOCK, LOCK_HOLDER}
+                if unused:  # unlinked while still held: one who opened it meanwhile finds it gone
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(local_dir, LOCK))
+                raise
     finally:
         if unused:
             with contextlib.suppress(OSError):
                 os.rmdir(local_dir)
 
 
-def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", shard_size=SHARD_SIZE,
-            max_tokens=None, val_tokens=None, num_proc=None, progress=True, dataset=HF_DATASET):
-    """Download (inputs=None) or read local files, tokenize, and write the shards to
-    local_dir. Returns the shard paths, val first. Safe to call again: a complete
-    directory with the same arguments is returned as is, an incomplete one is resumed,
-    one made with other arguments raises DataPrepError, and so does one that another
-    prep is writing (the lock file LOCK). Out of disk space: DiskFullError (an OSError),
-    after which the same call resumes."""
+def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text",
+            shard_size=SHARD_SIZE, max_tokens=None, val_tokens=None, num_proc=None, progress=True,
+            dataset=HF_DATASET):
+    """Download (inputs=None) or read local files, tokenize, and write the shards to local_dir.
+    Returns the shard paths, val first. Safe to call again: a complete directory with the same
+    arguments is returned as is, an incomplete one is resumed, one made with other arguments raises
+    DataPrepError, and so does one that another prep is writing (the lock file LOCK). Out of disk
+    space: DiskFullError (an OSError), after which the same call resumes."""
     local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
     num_proc = num_proc or os.cpu_count() or 1
     args = _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset)
@@ -958,7 +732,7 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
     made_dir = not os.path.isdir(local_dir)
     os.makedirs(local_dir, exist_ok=True)
     with _prep_lock(local_dir, made_dir):
-        manifest = _manifest_for(local_dir, args)  # again: another prep may have written it meanwhile
+        manifest = _manifest_for(local_dir, args)  # again: another prep may have written it since
         paths = _check_shards(local_dir, manifest)
         if manifest.get("complete"):
             return paths
@@ -972,43 +746,36 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text", s
             _check_inputs(files, text_column)
             texts = itertools.islice(_iter_files(files, text_column), skip, None)
         _remove_stale_temps(local_dir)
-        return _write_shards(local_dir, texts, manifest, shard_size=int(shard_size), val_tokens=args["val_tokens"],
-                             max_tokens=args["max_tokens"], num_proc=num_proc, progress=progress)
+        return write_shards(local_dir, texts, manifest, shard_size=int(shard_size),
+                            val_tokens=args["val_tokens"], max_tokens=args["max_tokens"],
+                            num_proc=num_proc, progress=progress)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrepStatus:
     """What prep_status() found in a data root."""
     data_root: str  # absolute path
-    has_manifest: bool  # False: nothing prepared there by fineweb.py (maybe foreign shards, maybe nothing)
+    has_manifest: bool  # False: nothing prepared there by fineweb.py (maybe foreign shards)
     complete: bool  # every shard written and the manifest marked complete
-    args: Optional[dict]  # the arguments manifest.json records (shard_size, val_tokens, max_tokens, text_column, tokenizer,
-    #                       and inputs [{path, size, mtime}] or dataset / name / streaming); None without a manifest
+    args: Optional[dict]  # the arguments manifest.json records (see _recorded_args); or None
     shards: int  # finished shards recorded in the manifest
     tokens: int  # tokens in them
-    prepare_kwargs: Optional[dict]  # prepare(data_root, **prepare_kwargs) writes this very prep; None without a manifest
-    resume_command: Optional[str]  # the same as a `python fineweb.py ...` command line; None unless incomplete
-
-
-def _prepare_kwargs(args):
-    """prepare()'s keyword arguments that reproduce the recorded args exactly (val_tokens explicit)."""
-    kwargs = {key: args[key] for key in ("shard_size", "val_tokens", "max_tokens", "text_column")}
-    if "inputs" in args:
-        kwargs["inputs"] = [i["path"] for i in args["inputs"]]
-    else:
-        kwargs.update(dataset=args["dataset"], name=args["name"])
-    return kwargs
+    prepare_kwargs: Optional[dict]  # prepare(data_root, **these) writes this very prep; or None
+    resume_command: Optional[str]  # the same as a fineweb.py command line; None unless incomplete
 
 
 def _command_line(data_root, kwargs):
     """The fineweb.py command line that calls prepare(data_root, **kwargs)."""
-    defaults = build_parser().parse_args([])
-    words = ["python", "fineweb.py", "--local_dir", data_root]
+    flags = {"dataset": "--dataset", "name": "--fineweb_name", "shard_size": "--shard_size",
+             "max_tokens": "--max_tokens", "val_tokens": "--val_shard_tokens",
+             "text_column": "--text_column"}  # prepare()'s keyword -> the flag that sets it
+    parser = build_parser()
+    words = ["python", "fineweb.py", "--data_root", data_root]
     if "inputs" in kwargs:
         words += ["--input", *kwargs["inputs"]]
-    for key in ("dataset", "name", "shard_size", "max_tokens", "val_tokens", "text_column"):
-        if key in kwargs and kwargs[key] != getattr(defaults, key):
-            words += [f"--{key}", str(kwargs[key])]
+    for key, flag in flags.items():
+        if key in kwargs and kwargs[key] != parser.get_default(flag[2:]):
+            words += [flag, str(kwargs[key])]
     return shlex.join(words)
 
 
@@ -1019,39 +786,34 @@ def prep_status(data_root):
     manifest = _load_manifest(data_root)
     if manifest is None:
         return PrepStatus(data_root, False, False, None, 0, 0, None, None)
-    kwargs = _prepare_kwargs(manifest["args"])
+    args = manifest["args"]
+    # prepare()'s keyword arguments that reproduce the recorded args (val_tokens explicit)
+    kwargs = {key: args[key] for key in ("shard_size", "val_tokens", "max_tokens", "text_column")}
+    if "inputs" in args:
+        kwargs["inputs"] = [i["path"] for i in args["inputs"]]
+    else:
+        kwargs.update(dataset=args["dataset"], name=args["name"])
     complete = bool(manifest.get("complete"))
-    return PrepStatus(data_root, True, complete, dict(manifest["args"]), len(manifest["shards"]),
-                      sum(s["tokens"] for s in manifest["shards"]), kwargs,
-                      None if complete else _command_line(data_root, kwargs))
+    command = None if complete else _command_line(data_root, kwargs)
+    return PrepStatus(data_root, True, complete, dict(args), len(manifest["shards"]),
+                      sum(s["tokens"] for s in manifest["shards"]), kwargs, command)
 
-
-# -----------------------------------------------------------------------------
-# data on first use (train_gpt2.py): check what is there, prepare what is missing
-
-# approximate GPT-2 token counts of the FineWeb-Edu samples: a run needing most of one takes it whole
+# ===== data on first use (train_gpt2.py): check what is there, prepare what is missing ============
+# about the GPT-2 tokens of each FineWeb-Edu sample: a run needing most of one takes it whole
 FINEWEB_SAMPLE_TOKENS = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350BT": 350e9}
 MIN_PREP_TOKENS = 10_000_000
 
 
-def _header_tokens(path):
-    try:
-        return _open_checked(path, lambda f: _read_shard_header(path, f))
-    except ShardError as e:
-        raise DataPrepError(str(e)) from None
-
-
 def _check_against_manifest(data_root, manifest, val, train, vocab_size):
-    """The shards the loader opens (val, train: list_shards paths) are those manifest.json records, each as
-    long as recorded and as its recorded shard size allows, made with a tokenizer whose ids fit vocab_size.
-    Reads .npy headers and file sizes only, never the tokens: cheap on 10B tokens."""
+    """The shards the loader opens (val, train) are those the manifest records, as long as recorded,
+    tokenized with ids below vocab_size. Reads .npy headers and file sizes, never the tokens."""
     args = manifest["args"]
     if args.get("tokenizer", TOKENIZER) != TOKENIZER:
-        raise DataPrepError(f"{data_root} was tokenized with {args['tokenizer']!r}, not {TOKENIZER!r}: "
-                            f"prepare the data again with this fineweb.py")
+        raise DataPrepError(f"{data_root} was tokenized with {args['tokenizer']!r}, not "
+                            f"{TOKENIZER!r}: prepare the data again with this fineweb.py")
     if vocab_size <= EOT:
-        raise DataPrepError(f"{data_root} holds {TOKENIZER} token ids up to {EOT}, which a model with "
-                            f"vocab_size {vocab_size} cannot embed")
+        raise DataPrepError(f"{data_root} holds {TOKENIZER} token ids up to {EOT}, which a model "
+                            f"with vocab_size {vocab_size} cannot embed")
     mismatch = f"{data_root} does not match its {MANIFEST}"
     fix = "the directory was mixed or changed after its prep: delete it and prepare it again"
     recorded = {s["file"]: s for s in manifest["shards"]}
@@ -1062,193 +824,173 @@ def _check_against_manifest(data_root, manifest, val, train, vocab_size):
             odd = sorted(set(names) - set(want))
             gone = sorted(set(want) - set(names))
             detail = f"{len(names)} {split} shards on disk, {len(want)} recorded"
-            detail += f"; not recorded: {odd[0]}" if odd else f"; missing: {gone[0]}" if gone else "; in another order"
+            if odd:
+                detail += f"; not recorded: {odd[0]}"
+            elif gone:
+                detail += f"; missing: {gone[0]}"
+            else:
+                detail += "; in another order"
             raise DataPrepError(f"{mismatch} ({detail}): {fix}")
     shard_size, val_tokens = args["shard_size"], args["val_tokens"]
     for path in val + train:
         name, shard = os.path.basename(path), recorded[os.path.basename(path)]
-        n = _header_tokens(path)
+        try:
+            n = _open_checked(path, lambda f: _read_shard_header(path, f))
+        except ShardError as e:
+            raise DataPrepError(str(e)) from None
         if n != shard["tokens"]:
-            raise DataPrepError(f"{mismatch} ({name} holds {n:,} tokens, {shard['tokens']:,} recorded): {fix}")
+            raise DataPrepError(f"{mismatch} ({name} holds {n:,} tokens, {shard['tokens']:,} "
+                                f"recorded): {fix}")
         # every train shard but the last is full; val and the last train shard may be shorter
         full = shard_size if path in train[:-1] else None
         cap = val_tokens if path in val else shard_size
         if n > cap or (full is not None and n != full):
-            raise DataPrepError(f"{mismatch} ({name} holds {n:,} tokens; the recorded shard size is {shard_size:,}"
-                                f"{f' and val size {val_tokens:,}' if path in val else ''}): {fix}")
+            val_size = f" and val size {val_tokens:,}" if path in val else ""
+            raise DataPrepError(f"{mismatch} ({name} holds {n:,} tokens; the recorded shard size "
+                                f"is {shard_size:,}{val_size}): {fix}")
 
 
 def _usable_shards(data_root, status, vocab_size):
-    """True when data_root holds val and train shards to train on (checked against the manifest when there
-    is one), False when it holds none; DataPrepError when only one split is there or the shards do not
-    match their manifest. Shards with no manifest: the loader checks their ids against vocab_size."""
+    """True when data_root holds val and train shards (checked against a manifest if any), False
+    when it holds none; DataPrepError when only one split is there or they mismatch the manifest."""
     val, train = list_shards(data_root, "val"), list_shards(data_root, "train")
     if not val and not train:
         return False
     if not val:
-        raise DataPrepError(f"no val shard in {data_root} ({len(train)} train shards, but no file matching "
-                            f"{shard_glob('val')}): the val split is shard 0 of a fineweb.py prep; restore it, "
-                            f"or prepare the directory again")
+        raise DataPrepError(f"no val shard in {data_root} ({len(train)} train shards, but no file "
+                            f"matching {shard_glob('val')}): the val split is shard 0 of a "
+                            f"fineweb.py prep; restore it, or prepare the directory again")
     if not train:
-        raise DataPrepError(f"no train shard in {data_root} ({len(val)} val shards, but no file matching "
-                            f"{shard_glob('train')}): restore them, or prepare the directory again")
+        raise DataPrepError(f"no train shard in {data_root} ({len(val)} val shards, but no file "
+                            f"matching {shard_glob('train')}): restore them, or prepare the "
+                            f"directory again")
     if status.has_manifest:
         _check_against_manifest(data_root, _load_manifest(data_root), val, train, vocab_size)
     return True
 
 
-def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column, print0):
-    """prepare() just the tokens a run needs (at least MIN_PREP_TOKENS), or the whole source; or finish an
-    unfinished prep with the arguments it recorded. Returns None, or the one-line error."""
+def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column,
+                       print0):
+    """prepare() the tokens a run needs (at least MIN_PREP_TOKENS) or the whole source, or finish
+    an unfinished prep with the arguments it recorded. Returns None, or the one-line error."""
     if status.has_manifest and not status.complete:
         print0(f"{data_root}: an earlier prep stopped after {status.shards} shards; finishing it")
         try:
             prepare(data_root, **status.prepare_kwargs)
         except (DataPrepError, OSError) as e:
-            return f"{data_root} is an unfinished prep and finishing it failed ({one_line(e)}); finish it with: " \
-                   f"{status.resume_command}"
+            return (f"{data_root} is an unfinished prep and finishing it failed ({one_line(e)}); "
+                    f"finish it with: {status.resume_command}")
         return None
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
     full = inputs is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS.get(name, float("inf"))
     max_tokens = None if full else needed
+    val_shard = None if full else min(max(val_tokens, 1), needed // 2)
     what = " ".join(inputs) if inputs else f"FineWeb-Edu {name}"
-    print0(f"no shards in {data_root}: preparing them from {what}" + (f" ({max_tokens:,} tokens)" if max_tokens else ""))
+    size = f" ({max_tokens:,} tokens)" if max_tokens else ""
+    print0(f"no shards in {data_root}: preparing them from {what}{size}")
     try:
-        prepare(data_root, name=name, inputs=inputs, text_column=text_column, max_tokens=max_tokens,
-                val_tokens=None if full else min(max(val_tokens, 1), max_tokens // 2))
+        prepare(data_root, name=name, inputs=inputs, text_column=text_column,
+                max_tokens=max_tokens, val_tokens=val_shard)
     except (DataPrepError, OSError) as e:
         return f"preparing {data_root} failed: {one_line(e)}"
     return None
 
 
-def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", inputs=None, text_column="text",
-                    inputs_given=False, master=True, agree=lambda ok, long_wait=False: ok, print0=print,
-                    vocab_size=GPT2_VOCAB_SIZE):
-    """Make sure data_root holds train and val shards a run can open; prepare them on first use.
-
-    Shards already there are checked against manifest.json when there is one (shard count per split, each
-    file's token count, shard size, tokenizer: headers only) and refused on a mismatch; shards with no
-    manifest (made by hand or another tool) are taken as they are. A directory with no shards is prepared
-    from `inputs` (local files) or FineWeb-Edu `name`, just the train_tokens + val_tokens a run needs (at
-    least MIN_PREP_TOKENS) unless that is most of the sample; an unfinished prep is finished with the
-    arguments it recorded. inputs_given: the user passed inputs for a directory that already holds shards
-    (a warning: they are not read).
-
-    Several processes: every rank calls this; agree(ok, long_wait=False) must return the AND of `ok` over
-    all ranks (and be a barrier); long_wait=True is the wait for the master's prep, which can take hours.
-    Only `master` prepares and prints. Any problem raises DataPrepError with a one-line message (on the
-    other ranks: "data preparation failed on rank 0 (see its message)"). Returns prep_status(data_root).
-    With several nodes, data_root must be on a shared filesystem (or prepared on each node first).
-    """
+def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", inputs=None,
+                    text_column="text", inputs_given=False, master=True,
+                    agree=lambda ok, long_wait=False: ok, print0=print, vocab_size=GPT2_VOCAB_SIZE):
+    """Make sure data_root holds train and val shards a run can open; prepare them on first use:
+    from `inputs` or FineWeb-Edu `name`, just the train_tokens + val_tokens a run needs unless that
+    is most of the sample (an unfinished prep is finished). Shards there are checked against their
+    manifest if any. inputs_given: inputs passed for a folder with shards (a warning: not read).
+    Every rank calls this; agree(ok, long_wait=False) returns the AND of `ok` over all ranks (a
+    barrier; long_wait: the wait for the master's prep, maybe hours). Only `master` prepares and
+    prints. Problems raise DataPrepError. Returns prep_status(data_root)."""
     data_root = os.path.abspath(os.path.expanduser(str(data_root)))
     try:
         status = prep_status(data_root)
-        usable = not (status.has_manifest and not status.complete) and _usable_shards(data_root, status, vocab_size)
+        unfinished = status.has_manifest and not status.complete
+        usable = not unfinished and _usable_shards(data_root, status, vocab_size)
         problem = None
     except DataPrepError as e:
         problem, usable = str(e), False
     if not agree(problem is None):  # every rank takes the same branch
         raise DataPrepError(problem or "the data check failed on another rank (see its message)")
     if agree(usable):
-        if master:
-            if inputs_given:
-                print0(f"warning: --input has no effect: {data_root} already holds shards (use another "
-                       f"--data_root to prepare one from it)")
+        if master and inputs_given:
+            print0(f"warning: --input has no effect: {data_root} already holds shards (use "
+                   f"another --data_root to prepare one from it)")
         return status
-    message = _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column, print0) \
-        if master else None
+    message = None
+    if master:
+        message = _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs,
+                                     text_column, print0)
     if not agree(message is None, long_wait=True):
         raise DataPrepError(message or "data preparation failed on rank 0 (see its message)")
     return prep_status(data_root)
 
 
-# -----------------------------------------------------------------------------
-# command lines: shared by this file's, hellaswag.py's and train_gpt2.py's parsers
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (`error: ... (see --help)`, exit status 1); under torchrun only
-    rank 0 prints it, as every rank meets the same flags."""
-
-    def error(self, message):
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {one_line(message, 10_000)} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with each flag's default, and descriptions printed as written."""
-
-
-def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None):
-    """An argparse type: a finite int or float in [low, high], either end open if asked."""
-    what = what or ("positive" if low_open or (kind is int and low == 1) else f">= {low}")
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"not {text!r}") from None
-        if not (math.isfinite(value) and (value > low if low_open else value >= low)
-                and (value < high if high_open else value <= high)):
-            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
-        return value
-    return parse
-
-
-POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
-POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
-
-
+# ===== command line ===============================================================================
 def build_parser():
     p = OneLineParser(
-        description="Download FineWeb-Edu (or read local files) and tokenize it with GPT-2 BPE into uint16 "
-                    ".npy shards for train_gpt2.py. Re-run the same command to resume.",
-        epilog="Validation split: shard 0 (val) gets the first --val_tokens tokens, default one full shard "
-               "(as build-nanogpt), or 10% of --max_tokens (capped at one shard) when that is given. If the data "
-               "ends before the first train token, the tokens collected are split: the first 10% (at least 1) "
-               "become the val shard and the rest the train shard, so even a tiny corpus can train.",
+        description="Download FineWeb-Edu (or read local files) and tokenize it with GPT-2 BPE "
+                    "into uint16 .npy shards for train_gpt2.py. Re-run the same command to resume.",
+        epilog="Validation split: shard 0 (val) gets the first --val_shard_tokens tokens, default "
+               "one full shard (as build-nanogpt), or 10% of --max_tokens (capped at one shard) "
+               "when that is given. If the data ends before the first train token, the tokens "
+               "collected are split: the first 10% (at least 1) become the val shard and the rest "
+               "the train shard, so even a tiny corpus can train.",
         formatter_class=HelpFormatter)
-    p.add_argument("--name", default="sample-10BT", choices=NAMES, help="FineWeb-Edu sample to download")
+    # flag names as train_gpt2.py's; the old names (hidden) still work
+    p.add_argument("--fineweb_name", default="sample-10BT", choices=NAMES,
+                   help="FineWeb-Edu sample to download")
+    p.add_argument("--name", dest="fineweb_name", choices=NAMES, help=argparse.SUPPRESS)
     p.add_argument("--dataset", default=HF_DATASET,
                    help="HF dataset repo id, or a local copy of it with the same configs")
-    p.add_argument("--local_dir", default=None,
-                   help=f"output directory; if not given, {os.path.basename(DEFAULT_DATA_ROOT)}/ beside this script (the one "
-                        f"train_gpt2.py reads), or {os.path.basename(LOCAL_DATA_ROOT)}/ beside it with --input")
+    p.add_argument("--data_root", default=None,
+                   help=f"output directory; if not given, {os.path.basename(DEFAULT_DATA_ROOT)}/ "
+                        f"beside this script (the one train_gpt2.py reads), or "
+                        f"{os.path.basename(LOCAL_DATA_ROOT)}/ beside it with --input")
+    p.add_argument("--local_dir", dest="data_root", help=argparse.SUPPRESS)
     p.add_argument("--shard_size", type=int, default=SHARD_SIZE, help="tokens per shard")
     p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
     p.add_argument("--max_tokens", type=int, default=None,
-                   help="stop after this many tokens; streams the dataset so nothing more is downloaded")
-    p.add_argument("--val_tokens", type=int, default=None, help="tokens in the val shard (see below)")
+                   help="stop after this many tokens; streamed, so no more is downloaded")
+    p.add_argument("--val_shard_tokens", type=int, default=None,
+                   help="tokens in the val shard (see below)")
+    p.add_argument("--val_tokens", dest="val_shard_tokens", type=int, help=argparse.SUPPRESS)
     p.add_argument("--input", dest="inputs", nargs="+", metavar="PATH", default=None,
-                   help="local .txt/.md/.jsonl/.parquet files or globs to use instead of downloading "
-                        "(a .txt or .md file is one document)")
-    p.add_argument("--text_column", default="text", help="field holding the text in .jsonl/.parquet inputs")
+                   help="local .txt/.md/.jsonl/.parquet files or globs to use instead of "
+                        "downloading (a .txt or .md file is one document)")
+    p.add_argument("--text_column", default="text",
+                   help="field holding the text in .jsonl/.parquet inputs")
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.local_dir is None:
-        args.local_dir = LOCAL_DATA_ROOT if args.inputs is not None else DEFAULT_DATA_ROOT
+    if args.data_root is None:
+        args.data_root = LOCAL_DATA_ROOT if args.inputs is not None else DEFAULT_DATA_ROOT
     t0 = time.time()
     try:
-        paths = prepare(args.local_dir, name=args.name, inputs=args.inputs, text_column=args.text_column,
-                        shard_size=args.shard_size, max_tokens=args.max_tokens, val_tokens=args.val_tokens,
+        paths = prepare(args.data_root, name=args.fineweb_name, inputs=args.inputs,
+                        text_column=args.text_column, shard_size=args.shard_size,
+                        max_tokens=args.max_tokens, val_tokens=args.val_shard_tokens,
                         num_proc=args.num_proc, dataset=args.dataset)
-    except DataPrepError as e:
+    except UsageError as e:  # a DataPrepError: bad input, a mismatched directory, no network
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # a full disk (DiskFullError), an unwritable --local_dir, ...
+    except OSError as e:  # a full disk (DiskFullError), an unwritable --data_root, ...
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: run the same command again to continue where it stopped", file=sys.stderr)
+        print("interrupted: run the same command again to continue where it stopped",
+              file=sys.stderr)
         return 130
-    manifest = _load_manifest(os.path.dirname(paths[0]))
-    print(f"{manifest['total_tokens']:,} tokens in {len(paths)} shards in {os.path.dirname(paths[0])} "
+    status = prep_status(args.data_root)
+    print(f"{status.tokens:,} tokens in {len(paths)} shards in {status.data_root} "
           f"({time.time() - t0:.1f}s)")
     return 0
 

@@ -1,33 +1,29 @@
 """HellaSwag evaluation, completion style.
 
-Each example has a context and four candidate endings.  Every ending is
-appended to the context (as ``" " + ending``) and scored by the
-cross-entropy of its tokens given everything before them:
+Each example has a context and four candidate endings. Every ending is appended to the context (as
+``" " + ending``) and scored by the cross-entropy of its tokens given everything before them:
 
 * ``acc``      picks the ending with the lowest *summed* loss,
 * ``acc_norm`` picks the ending with the lowest *mean* (per-token) loss.
 
-This file is both a library (``train_gpt2.py`` imports :func:`evaluate`,
-:func:`resolve_device`, :func:`autocast_for` and :func:`enable_tf32` from it) and a
-CLI that scores OpenAI's GPT-2 through transformers' own ``GPT2LMHeadModel``,
-an implementation independent of ours::
+This file is both a library (``train_gpt2.py`` imports :func:`evaluate` from it) and a CLI that
+scores OpenAI's GPT-2 through transformers' own ``GPT2LMHeadModel``, an implementation independent
+of ours::
 
     python hellaswag.py -m gpt2 -d cuda          # openai-community/gpt2 (or a save_pretrained dir)
     python hellaswag.py -m gpt2-xl --limit 500   # a quick subset
 
-One of our checkpoints is scored by ``python train_gpt2.py eval --checkpoint
-log/model_19072.pt`` (same :func:`evaluate`); timing lives in ``python bench.py
---only hellaswag``.
+One of our checkpoints is scored by ``python train_gpt2.py eval --checkpoint log/model_19072.pt``
+(same :func:`evaluate`); timing lives in ``python bench.py --only hellaswag``.
 
-Data: ``hellaswag_{train,val,test}.jsonl`` live in a folder next to this file
-(``--data_dir`` / ``$HELLASWAG_DIR`` override it).  A missing file is fetched
-from the ``Rowan/hellaswag`` dataset's parquet conversion through HF
-``datasets`` and written in the original record schema.  Every record is
-checked before it is scored.  Nothing is downloaded, spawned or opened at
-import time, and neither torch nor datasets is imported then.
+Data: ``hellaswag_{train,val,test}.jsonl`` live in a folder next to this file (``--hellaswag_dir``
+/ ``$HELLASWAG_DIR`` override it). A missing file is fetched from the ``Rowan/hellaswag`` dataset's
+parquet conversion through HF ``datasets`` and written in the original record schema. Every record
+is checked before it is scored. Nothing is downloaded, spawned or opened at import time, and
+neither torch nor datasets is imported then.
 """
 
-import contextlib
+import argparse
 import inspect
 import itertools
 import json
@@ -36,6 +32,8 @@ import sys
 import time
 
 import fineweb
+from common import (NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write, autocast,
+                    autocast_for, device_type_of, enable_tf32, one_line, resolve_device)
 
 # ---------------------------------------------------------------------------
 # data
@@ -59,16 +57,14 @@ RECORD_KEYS = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split",
 NUM_ENDINGS = 4
 
 
-class HellaSwagUnavailable(fineweb.UsageError):
-    """The HellaSwag data can't be had (offline and no local copy, wrong
-    example count, a file that is not valid HellaSwag data).  The message is a
-    single line."""
+class HellaSwagUnavailable(UsageError):
+    """The HellaSwag data can't be had (offline and no local copy, wrong example count, a file that
+    is not valid HellaSwag data). The message is a single line."""
 
 
 class HellaSwagBadData(HellaSwagUnavailable):
-    """A HellaSwag file exists but a record in it can't be scored; the message
-    names the file and line.  A subclass so that training, which turns the
-    evaluation off when the data can't be had, does the same here."""
+    """A HellaSwag record can't be scored; the message names the file and line. A subclass, so that
+    training turns the evaluation off for it as for data that can't be had."""
 
 
 def _resolve_data_dir(data_dir=None):
@@ -91,8 +87,8 @@ def _progress_bar(**kwargs):
 def _load_hf_rows(split):
     """Rows of ``Rowan/hellaswag`` (parquet conversion) for ``split`` through HF ``datasets``.
 
-    With ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` datasets only reads
-    its cache: nothing here touches the network before it does."""
+    With ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` datasets only reads its cache: nothing
+    here touches the network before it does."""
     import logging
 
     import datasets
@@ -112,9 +108,8 @@ def _load_hf_rows(split):
 def hf_to_record(row, split=None):
     """Convert a ``Rowan/hellaswag`` row to the original jsonl record schema.
 
-    HF stores ``label`` as a string ("" for the unlabelled test split); the
-    original files store an int and have no ``label`` key for test.
-    """
+    HF stores ``label`` as a string ("" for the unlabelled test split); the original files store an
+    int and have no ``label`` key for test."""
     rec = {}
     for key in RECORD_KEYS:
         if key not in row:
@@ -143,17 +138,14 @@ def manual_step(split, path):
 
 
 def _unavailable_message(split, path, why):
-    return fineweb.one_line(
-        f"HellaSwag data unavailable: {path} is missing and fetching it from HF {HF_DATASET} "
-        f"(revision {HF_REVISION}) failed ({why}); fetch it by hand with {manual_step(split, path)} "
-        f"(or place hellaswag_{split}.jsonl in --data_dir / $HELLASWAG_DIR)",
-        limit=10_000,
-    )
+    return one_line(f"HellaSwag data unavailable: {path} is missing and fetching it from HF "
+                    f"{HF_DATASET} (revision {HF_REVISION}) failed ({why}); fetch it by hand with "
+                    f"{manual_step(split, path)} (or place hellaswag_{split}.jsonl in "
+                    f"--hellaswag_dir / $HELLASWAG_DIR)", limit=10_000)
 
 
 def _write_rows(rows, split, path, f):
-    """Write HF rows as jsonl records into ``f``, checking the example count
-    before the file is renamed into place."""
+    """Write HF rows as jsonl records into ``f``, checking the example count before the rename."""
     bar = _progress_bar(total=len(rows) if hasattr(rows, "__len__") else None, unit="ex",
                         desc=os.path.basename(path))
     n = 0
@@ -162,7 +154,7 @@ def _write_rows(rows, split, path, f):
             try:
                 line = json.dumps(hf_to_record(row, split)) + "\n"
             except (KeyError, TypeError, ValueError) as e:
-                why = f"row {n}: {type(e).__name__}: {fineweb.one_line(e, 60)}"
+                why = f"row {n}: {type(e).__name__}: {one_line(e, 60)}"
                 raise HellaSwagUnavailable(_unavailable_message(split, path, why)) from None
             f.write(line.encode("utf-8"))
             n += 1
@@ -171,19 +163,18 @@ def _write_rows(rows, split, path, f):
         bar.close()
     expected = EXPECTED_COUNTS.get(split)
     if expected is not None and n != expected:
-        raise HellaSwagUnavailable(_unavailable_message(split, path, f"{n} examples, expected {expected}"))
+        why = f"{n} examples, expected {expected}"
+        raise HellaSwagUnavailable(_unavailable_message(split, path, why))
 
 
 def download(split, data_dir=None):
     """Return the path of ``hellaswag_{split}.jsonl``, downloading it if needed.
 
-    An existing file is used as is.  Otherwise ``Rowan/hellaswag`` (revision
-    ``refs/convert/parquet``) is loaded through HF ``datasets``, converted to
-    the original record schema, its example count checked, and written with
-    ``fineweb.atomic_write`` (a unique temp file per writer, renamed into
-    place), so several DDP ranks may download at once and a partial file is
-    never left behind.  Raises :class:`HellaSwagUnavailable`.
-    """
+    An existing file is used as is. Otherwise ``Rowan/hellaswag`` (revision
+    ``refs/convert/parquet``) is loaded through HF ``datasets``, converted to the original record
+    schema, its example count checked, and written with ``common.atomic_write`` (a unique temp file
+    per writer, renamed into place), so several DDP ranks may download at once and a partial file
+    is never left behind. Raises :class:`HellaSwagUnavailable`."""
     _check_split(split)
     data_dir = _resolve_data_dir(data_dir)
     path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
@@ -194,26 +185,27 @@ def download(split, data_dir=None):
     try:
         os.makedirs(data_dir, exist_ok=True)
     except OSError as e:
-        raise HellaSwagUnavailable(_unavailable_message(split, path, f"cannot create {data_dir}: {fineweb.one_line(e, 100)}")) from None
-    print(f"hellaswag: fetching the {split} split from HF {HF_DATASET} (revision {HF_REVISION}) into {path}",
-          file=sys.stderr)
+        why = f"cannot create {data_dir}: {one_line(e, 100)}"
+        raise HellaSwagUnavailable(_unavailable_message(split, path, why)) from None
+    print(f"hellaswag: fetching the {split} split from HF {HF_DATASET} (revision {HF_REVISION}) "
+          f"into {path}", file=sys.stderr)
     try:
         rows = _load_hf_rows(split)
     except Exception as e:  # offline with no cache, hub down, datasets missing, ...
-        why = f"{type(e).__name__}: {fineweb.one_line(e, 120)}" if str(e).strip() else type(e).__name__
+        why = f"{type(e).__name__}: {one_line(e, 120)}" if str(e).strip() else type(e).__name__
         raise HellaSwagUnavailable(_unavailable_message(split, path, why)) from None
 
     try:
-        fineweb.atomic_write(path, lambda f: _write_rows(rows, split, path, f))
-    except OSError as e:  # a full disk (fineweb.DiskFullError), a read-only folder: nothing is left under path
-        raise HellaSwagUnavailable(_unavailable_message(split, path, fineweb.one_line(e, 300))) from None
+        atomic_write(path, lambda f: _write_rows(rows, split, path, f))
+    except OSError as e:  # a full disk (DiskFullError), a read-only folder: nothing left under path
+        raise HellaSwagUnavailable(_unavailable_message(split, path, one_line(e, 300))) from None
     return path
 
 
 def ready_on_every_rank(master=True, agree=lambda ok: ok, split="val"):
-    """Training's first use: the master downloads the split, then the other ranks find its file. True when
-    every rank has it; else False after a warning from each rank that has not (HellaSwag is then off).
-    agree(ok) -> whether ok is true on every rank (also a barrier)."""
+    """Training's first use: the master downloads the split, then the other ranks find its file.
+    True when every rank has it; else False after a warning from each rank that has not (HellaSwag
+    is then off). agree(ok) -> whether ok is true on every rank (also a barrier)."""
     ok = True
     for masters_turn in (True, False):
         if master == masters_turn:
@@ -230,7 +222,8 @@ def _label(value, where):
     """A label as its int 0..3; HF stores it as a string ("3")."""
     number = int(value) if isinstance(value, str) and value.strip().isdigit() else value
     if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < NUM_ENDINGS:
-        raise HellaSwagBadData(f"{where}: label {fineweb.one_line(repr(value), 40)} is not one of 0, 1, 2, 3")
+        shown = one_line(repr(value), 40)
+        raise HellaSwagBadData(f"{where}: label {shown} is not one of 0, 1, 2, 3")
     return number
 
 
@@ -244,9 +237,11 @@ def _checked_record(rec, where, labelled):
     if not isinstance(rec["ctx"], str) or not rec["ctx"].strip():
         raise HellaSwagBadData(f"{where}: 'ctx' must be a non-empty string")
     endings = rec["endings"]
-    if not isinstance(endings, list) or len(endings) != NUM_ENDINGS or not all(isinstance(e, str) for e in endings):
+    strings = isinstance(endings, list) and all(isinstance(e, str) for e in endings)
+    if not strings or len(endings) != NUM_ENDINGS:
         got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
-        raise HellaSwagBadData(f"{where}: 'endings' must be a list of exactly {NUM_ENDINGS} strings, got {got}")
+        raise HellaSwagBadData(f"{where}: 'endings' must be a list of exactly {NUM_ENDINGS} "
+                               f"strings, got {got}")
     if "label" in rec:
         if not labelled and rec["label"] in ("", None):  # HF's unlabelled test split
             rec = {k: v for k, v in rec.items() if k != "label"}
@@ -258,10 +253,8 @@ def _checked_record(rec, where, labelled):
 def iterate_examples(split, data_dir=None):
     """Yield the records of ``hellaswag_{split}.jsonl`` (downloading it if needed).
 
-    Every record is checked first: a bad JSON line, a missing field, not
-    exactly four endings or a label outside 0-3 raises HellaSwagBadData naming
-    the file and line; a string label ("3", as HF stores it) becomes its int.
-    """
+    Every record is checked first: a bad JSON line, a missing field, not exactly four endings or a
+    label outside 0-3 raises HellaSwagBadData naming the file and line; "3" (HF's labels) is 3."""
     path = download(split, data_dir)
     n = 0
     with open(path, "r", encoding="utf-8") as f:
@@ -271,7 +264,8 @@ def iterate_examples(split, data_dir=None):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise HellaSwagBadData(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise HellaSwagBadData(f"{path}:{lineno}: not valid JSON ({e.msg} at column "
+                                       f"{e.colno})") from None
             yield _checked_record(rec, f"{path}:{lineno}", labelled=split != "test")
             n += 1
     if n == 0:
@@ -298,11 +292,9 @@ def _render_lists(example, enc):
 def render_example(example, enc=None):
     """Render one example into ``(data, tokens, mask, label)``.
 
-    ``tokens`` is a ``(4, N)`` long tensor whose row ``i`` is the context tokens
-    followed by the tokens of ``" " + endings[i]``, right-padded with 0;
-    ``mask`` is 1 exactly on the ending tokens; ``label`` is the correct index
-    (None for the unlabelled test split).
-    """
+    ``tokens`` is a ``(4, N)`` long tensor whose row ``i`` is the context tokens followed by the
+    tokens of ``" " + endings[i]``, right-padded with 0; ``mask`` is 1 exactly on the ending
+    tokens; ``label`` is the correct index (None for the unlabelled test split)."""
     import torch
 
     enc = enc or get_encoding()
@@ -319,96 +311,11 @@ def render_example(example, enc=None):
 
 
 # ---------------------------------------------------------------------------
-# device, dtype, TF32: the one place train_gpt2.py and this CLI take them from
-
-DEVICE_TYPES = ("cpu", "cuda", "mps")
-
-
-def resolve_device(name):
-    """A device string for ``name``: "auto" picks cuda > mps > cpu; "cpu",
-    "cuda", "cuda:1", "mps" are checked to exist here.  Raises UsageError with
-    a one-line message (naming --device) for junk or a device this machine
-    does not have."""
-    import torch
-
-    mps = getattr(torch.backends, "mps", None)
-    mps_ok = mps is not None and mps.is_available()
-    if name in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "mps" if mps_ok else "cpu"
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in DEVICE_TYPES:
-        raise fineweb.UsageError(f"--device: unknown device {name!r}: expected auto, cpu, cuda, cuda:N or mps")
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise fineweb.UsageError(f"--device {name!r}: CUDA is not available on this machine")
-        if dev.index is not None and dev.index >= count:
-            raise fineweb.UsageError(f"--device {name!r}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
-    if dev.type == "mps" and not mps_ok:
-        raise fineweb.UsageError(f"--device {name!r}: MPS is not available on this machine")
-    return str(name)
-
-
-def _device_type(device, device_type=None):
-    return str(device_type or device).split(":")[0]
-
-
-def autocast(device_type, dtype):
-    """``torch.autocast(device_type, dtype)``, or a do-nothing context when ``dtype`` is None (fp32).
-
-    An autocast torch cannot honour (CUDA unavailable, a dtype the device lacks) turns itself off with
-    only a warning, and everything would run in fp32 while bf16 was asked for: a ValueError (one line,
-    with torch's reason) instead."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    import warnings
-
-    import torch
-
-    device_type = _device_type(device_type)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ctx = torch.autocast(device_type=device_type, dtype=dtype)
-        with ctx:
-            enabled = torch.is_autocast_enabled(device_type)
-    if not enabled:
-        why = "; ".join(fineweb.one_line(w.message, 100) for w in caught) or "torch turned it off"
-        raise ValueError(f"autocast to {str(dtype).replace('torch.', '')} on {device_type} is not available here "
-                         f"({why})")
-    for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return ctx
-
-
-def autocast_for(dtype, device_type):
-    """(autocast context, uses bf16) for a --dtype of auto|fp32|bf16, auto being bf16 on CUDA and fp32
-    elsewhere; a dtype the device cannot honour is a UsageError."""
-    import torch
-
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and _device_type(device_type) == "cuda")
-    try:
-        return autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
-    except ValueError as e:  # torch would have run fp32 in silence
-        raise fineweb.UsageError(f"--dtype {dtype}: {e}; use --dtype fp32") from None
-
-
-def enable_tf32(device_type):
-    """TF32 matmuls on CUDA (``set_float32_matmul_precision("high")``); nothing on other devices."""
-    if _device_type(device_type) == "cuda":
-        import torch
-
-        torch.set_float32_matmul_precision("high")
-
-
-# ---------------------------------------------------------------------------
 # scoring
 
 
 def _token_losses(picked, targets):
-    """Cross-entropy (fp32) of each row of ``picked`` (K, V) against ``targets`` (K,); 0 where a target is -100."""
+    """fp32 cross-entropy of each row of ``picked`` (K, V) against ``targets`` (K,); 0 at -100."""
     import torch
     import torch.nn.functional as F
 
@@ -422,20 +329,18 @@ def _token_losses(picked, targets):
 def completion_losses(logits, tokens, mask, positions=None, check_positions=True):
     """Per-row summed and mean cross-entropy of the masked (ending) tokens.
 
-    ``tokens`` ``(R, N)``; position ``t`` predicts token ``t + 1`` (the shift
-    is done here).  ``logits`` are either ``(R, N, V)`` (every position) or,
-    with ``positions`` (a 1-D LongTensor), ``(R, len(positions), V)``: the
-    logits at those positions only, as ``model(idx, logits_to_keep=positions)``
-    returns them; every scored position must be among them, which is checked
-    unless ``check_positions=False`` (the check reads a count back from the
-    device).  Only positions whose *target* is masked are turned into
-    log-probabilities, in fp32 (the logits may be bf16).  Returns
-    ``(sum_loss, avg_loss)``, each ``(R,)`` fp32, on the logits' device.
-    """
+    ``tokens`` ``(R, N)``; position ``t`` predicts token ``t + 1`` (the shift is done here).
+    ``logits`` are either ``(R, N, V)`` (every position) or, with ``positions`` (a 1-D LongTensor),
+    ``(R, len(positions), V)``: the logits at those positions only, as ``model(idx,
+    logits_to_keep=positions)`` returns them; every scored position must be among them, which is
+    checked unless ``check_positions=False`` (the check reads a count back from the device). Only
+    positions whose *target* is masked are turned into log-probabilities, in fp32 (the logits may
+    be bf16). Returns ``(sum_loss, avg_loss)``, each ``(R,)`` fp32, on the logits' device."""
     import torch
 
     dev = logits.device
-    tgt_mask, tgt = mask[:, 1:].to(dev).bool(), tokens[:, 1:].to(dev)  # (R, N-1): the target of each position
+    # (R, N-1): the target of each position
+    tgt_mask, tgt = mask[:, 1:].to(dev).bool(), tokens[:, 1:].to(dev)
     missed = 0
     if positions is None:
         logits = logits[:, :-1]
@@ -445,17 +350,22 @@ def completion_losses(logits, tokens, mask, positions=None, check_positions=True
             missed = int(tgt_mask.sum() - tgt_mask[:, pos].sum())
         tgt_mask, tgt = tgt_mask[:, pos], tgt[:, pos]
     if logits.dim() != 3 or logits.shape[:2] != tgt.shape or missed:
-        where = "" if positions is None else f" at {positions.numel()} positions ({missed} scored ones missing)"
-        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tokens shape {tuple(tokens.shape)}{where}")
+        where = ""
+        if positions is not None:
+            where = f" at {positions.numel()} positions ({missed} scored ones missing)"
+        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tokens shape "
+                         f"{tuple(tokens.shape)}{where}")
     if positions is None:
         token_loss = _token_losses(logits[tgt_mask], tgt[tgt_mask])  # (K,)
     else:
-        # nearly every kept position is scored: cross-entropy over all of them in place (-100: not scored)
-        # beats copying the scored rows out of the logits first
+        # nearly every kept position is scored: cross-entropy over all of them in place (-100: not
+        # scored) beats copying the scored rows out of the logits first
         ignored = torch.where(tgt_mask, tgt, torch.full_like(tgt, -100))
-        token_loss = _token_losses(logits.reshape(-1, logits.shape[-1]), ignored.reshape(-1))[tgt_mask.reshape(-1)]
+        all_losses = _token_losses(logits.reshape(-1, logits.shape[-1]), ignored.reshape(-1))
+        token_loss = all_losses[tgt_mask.reshape(-1)]
     rows = tgt_mask.nonzero()[:, 0]
-    sum_loss = torch.zeros(tokens.shape[0], dtype=torch.float32, device=dev).index_add_(0, rows, token_loss)
+    sum_loss = torch.zeros(tokens.shape[0], dtype=torch.float32, device=dev)
+    sum_loss.index_add_(0, rows, token_loss)
     count = tgt_mask.sum(dim=1).clamp(min=1).to(torch.float32)
     return sum_loss, sum_loss / count
 
@@ -468,10 +378,9 @@ def _model_logits(out):
 
 
 def takes_logits_to_keep(model):
-    """Whether ``model(idx, logits_to_keep=...)`` is a valid call: our GPT, HF
-    GPT2LMHeadModel (which honours it from transformers 4.53 on; before, its
-    ``**kwargs`` swallow it and every position comes back) or any forward
-    with ``**kwargs``."""
+    """Whether ``model(idx, logits_to_keep=...)`` is a valid call: our GPT, HF GPT2LMHeadModel
+    (which honours it from transformers 4.53 on; before, its ``**kwargs`` swallow it and every
+    position comes back) or any forward with ``**kwargs``."""
     try:
         params = inspect.signature(model.forward).parameters.values()
     except (AttributeError, TypeError, ValueError):
@@ -480,14 +389,11 @@ def takes_logits_to_keep(model):
 
 
 def model_logits(model, idx, positions=None, use_kwarg=True):
-    """``(R, len(positions), V)`` logits of ``model`` for ``idx`` at ``positions``
-    (``(R, N, V)`` for every position when ``positions`` is None).
-
-    The model is asked for those positions only (``logits_to_keep``, the
-    convention of transformers' GPT2LMHeadModel.forward and our GPT.forward).
-    A model that can't be asked (``use_kwarg=False``) or that returns every
-    position anyway (transformers < 4.53) is sliced here instead: same values,
-    only slower."""
+    """``(R, len(positions), V)`` logits of ``model`` for ``idx`` at ``positions`` (``(R, N, V)``
+    for every position when ``positions`` is None). The model is asked for those positions only
+    (``logits_to_keep``, the convention of transformers' GPT2LMHeadModel.forward and our
+    GPT.forward); a model that can't be asked (``use_kwarg=False``) or that returns every position
+    anyway (transformers < 4.53) is sliced here instead: same values, only slower."""
     R, N = idx.shape
     if positions is None:
         logits = _model_logits(model(idx))
@@ -497,8 +403,8 @@ def model_logits(model, idx, positions=None, use_kwarg=True):
             logits = logits[:, positions.to(logits.device)]
     want = N if positions is None else positions.numel()
     if logits.dim() != 3 or logits.shape[:2] != (R, want):
-        raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)} for input {tuple(idx.shape)}; "
-                           f"HellaSwag scoring needs ({R}, {want}, vocab)")
+        raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)} for input "
+                           f"{tuple(idx.shape)}; HellaSwag scoring needs ({R}, {want}, vocab)")
     return logits
 
 
@@ -513,37 +419,39 @@ def _max_positions(model):
 
 
 def _fit(rendered, max_len):
-    """Drop the oldest context tokens of an example whose rows exceed the model's
-    context (never happens for GPT-2's 1024 positions; guards small models)."""
+    """Drop the oldest context tokens of an example whose rows exceed the model's context (never
+    happens for GPT-2's 1024 positions; guards small models)."""
     ctx, ends, label = rendered
     longest = max(len(e) for e in ends)
     if len(ctx) + longest <= max_len:
         return rendered
     keep = max(max_len - longest, 1)
     if longest + keep > max_len:
-        raise ValueError(f"a HellaSwag ending of {longest} tokens does not fit the model's {max_len} positions")
+        raise ValueError(f"a HellaSwag ending of {longest} tokens does not fit the model's "
+                         f"{max_len} positions")
     return ctx[-keep:], ends, label
 
 
-# A forward pass projects the same positions of every row (the union of its rows' scored spans); a pass
-# grows only while that costs at most this fraction more vocab projections than the rows' own spans.
+# A forward pass projects the same positions of every row (the union of its rows' scored spans); a
+# pass grows only while that costs at most this fraction more vocab projections than the rows' own
+# spans.
 SPAN_SLACK = 0.25
 
 
 def _rows(rendered):
-    """Every (example, ending) row as (example index, ending index, first scored position, one past the
-    last, width). Ending token t is predicted at position t - 1, so a row with a c-token context and an
-    e-token ending is scored at positions c-1 .. c+e-2."""
+    """Every (example, ending) row as (example index, ending index, first scored position, one past
+    the last, width). Ending token t is predicted at position t - 1, so a row with a c-token context
+    and an e-token ending is scored at positions c-1 .. c+e-2."""
     return [(i, j, max(len(ctx) - 1, 0), len(ctx) + len(end) - 1, len(ctx) + len(end))
             for i, (ctx, ends, _) in enumerate(rendered) for j, end in enumerate(ends)]
 
 
 def _pack(rows, batch_tokens, slack=SPAN_SLACK):
-    """Group rows into forward passes. ``batch_tokens`` <= 0: one example (its four rows) per pass, in
-    order, the classic loop. Otherwise rows sorted by their scored span share a pass while rows x width
-    stays within ``batch_tokens`` and rows x (union of the spans) within ``1 + slack`` times the rows'
-    own spans: rows are the unit, not examples, so rows of different examples with the same span (the
-    common case in a long split) cost nothing extra."""
+    """Group rows into forward passes. ``batch_tokens`` <= 0: one example (its four rows) per pass,
+    in order, the classic loop. Otherwise rows sorted by their scored span share a pass while rows x
+    width stays within ``batch_tokens`` and rows x (union of the spans) within ``1 + slack`` times
+    the rows' own spans: rows are the unit, not examples, so rows of different examples with the
+    same span (the common case in a long split) cost nothing extra."""
     if not batch_tokens or batch_tokens <= 0:
         by_example = {}
         for r in rows:
@@ -556,7 +464,8 @@ def _pack(rows, batch_tokens, slack=SPAN_SLACK):
             union = cur["union"] + max(0, hi - max(lo, cur["hi"]))  # spans come sorted by start
             n, need = len(cur["batch"]) + 1, cur["need"] + hi - lo
             if n * max(cur["width"], width) <= batch_tokens and n * union <= (1 + slack) * need:
-                cur.update(union=union, need=need, hi=max(hi, cur["hi"]), width=max(cur["width"], width))
+                cur.update(union=union, need=need, hi=max(hi, cur["hi"]),
+                           width=max(cur["width"], width))
                 cur["batch"].append(row)
                 continue
         cur = {"batch": [row], "union": hi - lo, "need": hi - lo, "hi": hi, "width": width}
@@ -565,8 +474,8 @@ def _pack(rows, batch_tokens, slack=SPAN_SLACK):
 
 
 def _batch_tensors(rendered, batch, device, full_logits):
-    """(tokens, mask, positions) of one forward pass: rows right-padded with 0, mask 1 on ending tokens,
-    positions the sorted union of the rows' scored spans (None with ``full_logits``)."""
+    """(tokens, mask, positions) of one forward pass: rows right-padded with 0, mask 1 on ending
+    tokens, positions the sorted union of the rows' scored spans (None with ``full_logits``)."""
     import numpy as np
     import torch
 
@@ -591,24 +500,24 @@ def _results(rendered, losses):
     for i, (_, ends, label) in enumerate(rendered):
         s = [losses[i, j][0] for j in range(len(ends))]
         a = [losses[i, j][1] for j in range(len(ends))]
-        out.append({"pred": min(range(len(s)), key=s.__getitem__), "pred_norm": min(range(len(a)), key=a.__getitem__),
+        out.append({"pred": min(range(len(s)), key=s.__getitem__),
+                    "pred_norm": min(range(len(a)), key=a.__getitem__),
                     "label": label, "sum_loss": s, "avg_loss": a})
     return out
 
 
-def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype=None, device_type=None,
-                   progress=False, enc=None, rendered=None, full_logits=False, agree_forwards=None):
-    """Score ``examples``; returns a list of dicts (one per example, in input
-    order) with ``pred``, ``pred_norm``, ``label``, ``sum_loss``, ``avg_loss``
-    (lists of 4 floats).  Several examples share a forward pass, up to
-    ``batch_tokens`` tokens (rows are right-padded to the batch's longest row);
-    ``batch_tokens=0`` scores one example per forward pass.  The model projects
-    onto the vocabulary only the positions that are scored
-    (``logits_to_keep``); ``full_logits=True`` asks for every position (the
-    classic loop, the reference).  The caller is responsible for ``no_grad`` /
-    ``eval`` (see :func:`evaluate`).  ``agree_forwards(n_local) -> n`` (see
-    :func:`evaluate`) may ask for extra dummy forward passes so that every rank
-    runs the same number of them."""
+def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype=None,
+                   device_type=None, progress=False, enc=None, rendered=None, full_logits=False,
+                   agree_forwards=None):
+    """Score ``examples``; returns a list of dicts (one per example, in input order) with ``pred``,
+    ``pred_norm``, ``label``, ``sum_loss``, ``avg_loss`` (lists of 4 floats). Several examples share
+    a forward pass, up to ``batch_tokens`` tokens (rows are right-padded to the batch's longest
+    row); ``batch_tokens=0`` scores one example per forward pass. The model projects onto the
+    vocabulary only the positions that are scored (``logits_to_keep``); ``full_logits=True`` asks
+    for every position (the classic loop, the reference). The caller is responsible for
+    ``no_grad`` / ``eval`` (see :func:`evaluate`). ``agree_forwards(n_local) -> n`` (see
+    :func:`evaluate`) may ask for extra dummy forward passes so that every rank runs the same
+    number of them."""
     import torch
 
     if rendered is None:
@@ -619,24 +528,32 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
         rendered = [_fit(r, max_len) for r in rendered]
     batches = _pack(_rows(rendered), batch_tokens)
     use_kwarg = takes_logits_to_keep(model)
-    dtype_ctx = autocast(_device_type(device, device_type), autocast_dtype)
-    rows, sums, avgs = [], [], []  # (example, ending) of each row, and its losses, still on the device
-    bar = _progress_bar(total=sum(len(ends) for _, ends, _ in rendered), unit="row", desc="hellaswag") if progress else None
+    dtype_ctx = autocast(device_type_of(device_type or device), autocast_dtype)
+    rows, sums, avgs = [], [], []  # (example, ending) of each row, its losses still on the device
+    bar = None
+    if progress:
+        bar = _progress_bar(total=sum(len(ends) for _, ends, _ in rendered), unit="row",
+                            desc="hellaswag")
     try:
         for batch in batches:
             tokens, mask, positions = _batch_tensors(rendered, batch, device, full_logits)
             with dtype_ctx:
                 logits = model_logits(model, tokens, positions, use_kwarg)
-            # positions are the union of the rows' scored spans: none can be missing, no need to read back
-            sum_loss, avg_loss = completion_losses(logits, tokens, mask, positions, check_positions=False)
+            # positions are the union of the rows' scored spans: none can be missing, no read back
+            sum_loss, avg_loss = completion_losses(logits, tokens, mask, positions,
+                                                   check_positions=False)
             rows += [(i, j) for i, j, *_ in batch]
             sums.append(sum_loss)
             avgs.append(avg_loss)
             if bar is not None:
                 bar.update(len(batch))
         # one read back for all the passes: the device never waits for the host between two of them
-        losses = dict(zip(rows, zip(*torch.stack([torch.cat(sums), torch.cat(avgs)]).tolist()))) if rows else {}
-        extra = (agree_forwards(len(batches)) if agree_forwards is not None else len(batches)) - len(batches)
+        losses = {}
+        if rows:
+            losses = dict(zip(rows, zip(*torch.stack([torch.cat(sums), torch.cat(avgs)]).tolist())))
+        extra = 0
+        if agree_forwards is not None:
+            extra = agree_forwards(len(batches)) - len(batches)
         # sharded models (FSDP) gather parameters in every forward: all ranks must run as many
         dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
         for _ in range(max(extra, 0)):
@@ -652,9 +569,8 @@ _RENDER_CACHE = {}
 
 
 def _rendered_subset(split, limit, rank, world_size, data_dir):
-    """Rendered token lists of this rank's examples, cached across calls (training
-    evaluates the same examples every few hundred steps); keyed by the file's
-    path, size and mtime so a replaced file is re-read."""
+    """Rendered token lists of this rank's examples, cached across calls (training evaluates the
+    same examples every few hundred steps); keyed by the file's path, size and mtime."""
     path = download(split, data_dir)
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, limit, rank, world_size)
@@ -684,19 +600,16 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, rank=
              autocast_dtype=None, data_dir=None, progress=False, device_type=None):
     """HellaSwag accuracy of ``model`` on ``split`` (completion style).
 
-    Example ``i`` (counted after ``limit`` is applied to the full list) is
-    scored on rank ``i % world_size``; with ``world_size > 1`` and an
-    initialized process group the counts are summed over ranks (all_reduce),
-    so every rank returns the global figures, and every rank runs the same
-    number of forward passes (padding with tiny dummy ones), as a sharded
-    (FSDP) model needs.  ``model(idx, logits_to_keep=positions)`` may return a
-    tuple ``(logits, ...)`` (our GPT) or an object with ``.logits`` (HF
-    GPT2LMHeadModel); see :func:`model_logits`.  The model's train/eval mode
-    is restored afterwards.  Raises HellaSwagUnavailable when the data can't
-    be had (HellaSwagBadData when a record is invalid).
+    Example ``i`` (counted after ``limit`` is applied to the full list) is scored on rank
+    ``i % world_size``; with ``world_size > 1`` and an initialized process group the counts are
+    summed over ranks (all_reduce), so every rank returns the global figures, and every rank runs
+    the same number of forward passes (padding with tiny dummy ones), as a sharded (FSDP) model
+    needs. ``model(idx, logits_to_keep=positions)`` may return a tuple ``(logits, ...)`` (our GPT)
+    or an object with ``.logits`` (HF GPT2LMHeadModel); see :func:`model_logits`. The model's
+    train/eval mode is restored afterwards. Raises HellaSwagUnavailable when the data can't be had
+    (HellaSwagBadData when a record is invalid).
 
-    Returns ``{"n", "correct", "correct_norm", "acc", "acc_norm"}``.
-    """
+    Returns ``{"n", "correct", "correct_norm", "acc", "acc_norm"}``."""
     import torch
 
     if split == "test":
@@ -705,7 +618,8 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, rank=
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     rendered = _rendered_subset(split, limit, rank, world_size, data_dir)
-    distributed = world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+    dist = torch.distributed
+    distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
 
     def agree_forwards(n_local):  # the largest number of forward passes over the ranks
         t = torch.tensor([n_local], dtype=torch.long, device=device)
@@ -753,46 +667,53 @@ def hub_name(name):
 
 
 def load_hf_model(name):
-    """transformers' own ``GPT2LMHeadModel`` (fp32, eval mode) from a hub name or a
-    local save_pretrained directory; ValueError with one line if it can't be loaded."""
+    """transformers' own ``GPT2LMHeadModel`` (fp32, eval mode) from a hub name or a local
+    save_pretrained directory; ValueError with one line if it can't be loaded."""
     try:
         from transformers import GPT2LMHeadModel
     except ImportError as e:
-        raise ValueError(f"scoring -m {name} needs transformers ({fineweb.one_line(e, 80)}): pip install transformers") from None
+        raise ValueError(f"scoring -m {name} needs transformers ({one_line(e, 80)}): pip install "
+                         f"transformers") from None
     source = name if os.path.isdir(name) else hub_name(name)
     try:
         model = GPT2LMHeadModel.from_pretrained(source)
     except Exception as e:  # offline and not cached, unknown name, not a model directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"could not load GPT-2 model {name!r} from {source} ({fineweb.one_line(first, 160)}); offline, "
-                         f"pass a local directory written by GPT2LMHeadModel.save_pretrained") from None
+        raise ValueError(f"could not load GPT-2 model {name!r} from {source} "
+                         f"({one_line(first, 160)}); offline, pass a local directory written by "
+                         f"GPT2LMHeadModel.save_pretrained") from None
     return model.float().eval()
 
 
 def build_parser():
-    p = fineweb.OneLineParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' "
-                                          "GPT2LMHeadModel (completion style: acc = lowest summed loss, "
-                                          "acc_norm = lowest mean loss of the ending tokens)",
-                              epilog=f"To score {CHECKPOINT_HINT}.")
+    p = OneLineParser(description="HellaSwag evaluation of OpenAI's GPT-2 through transformers' "
+                                  "GPT2LMHeadModel (completion style: acc = lowest summed loss, "
+                                  "acc_norm = lowest mean loss of the ending tokens)",
+                      epilog=f"To score {CHECKPOINT_HINT}.")
     p.add_argument("-m", "--model", required=True,
-                   help=f"{', '.join(OPENAI_MODELS)} (openai-community/<name> on the hub), another hub name, "
-                        "or a local save_pretrained directory")
-    p.add_argument("-d", "--device", default="auto", help="cuda, cuda:1, mps, cpu or auto (cuda > mps > cpu)")
-    p.add_argument("--split", default="val", choices=["train", "val"], help="split to evaluate (default val)")
-    p.add_argument("--limit", type=fineweb.POSITIVE_INT, default=None, help="only the first N examples")
-    p.add_argument("--batch_tokens", type=fineweb.NONNEG_INT, default=8192,
+                   help=f"{', '.join(OPENAI_MODELS)} (openai-community/<name> on the hub), another "
+                        "hub name, or a local save_pretrained directory")
+    p.add_argument("-d", "--device", default="auto",
+                   help="cuda, cuda:1, mps, cpu or auto (cuda > mps > cpu)")
+    p.add_argument("--split", default="val", choices=["train", "val"],
+                   help="split to evaluate (default val)")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="only the first N examples")
+    p.add_argument("--batch_tokens", type=NONNEG_INT, default=8192,
                    help="token budget of one forward pass (0 = one example per forward)")
-    p.add_argument("--data_dir", default=None, help="folder of hellaswag_*.jsonl (default $HELLASWAG_DIR "
-                                                     "or ./hellaswag next to this script)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="fp32 (default: the reference values were measured in fp32) or bf16 autocast")
+    p.add_argument("--hellaswag_dir", default=None,
+                   help="folder of hellaswag_*.jsonl (default $HELLASWAG_DIR or ./hellaswag next "
+                        "to this script)")
+    p.add_argument("--data_dir", dest="hellaswag_dir", help=argparse.SUPPRESS)  # its old name
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
     return p
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a == "--checkpoint" or a.startswith("--checkpoint=") for a in argv):
-        print(f"error: --checkpoint moved out of hellaswag.py; to score {CHECKPOINT_HINT}", file=sys.stderr)
+        print(f"error: --checkpoint moved out of hellaswag.py; to score {CHECKPOINT_HINT}",
+              file=sys.stderr)
         return 1
     try:
         args = build_parser().parse_args(argv)
@@ -800,26 +721,28 @@ def main(argv=None):
         return e.code if isinstance(e.code, int) else 1
     try:
         # fail early on missing or bad data, before importing torch or loading a model
-        for _ in itertools.islice(iterate_examples(args.split, args.data_dir), args.limit):
+        for _ in itertools.islice(iterate_examples(args.split, args.hellaswag_dir), args.limit):
             pass
         import torch
 
         device = resolve_device(args.device)
         enable_tf32(device)
-        autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
+        _, use_bf16 = autocast_for(args.dtype, device)  # a UsageError where bf16 is not honoured
         model = load_hf_model(args.model).to(device)
         t0 = time.perf_counter()
-        res = evaluate(model, device, split=args.split, limit=args.limit, batch_tokens=args.batch_tokens,
-                       autocast_dtype=autocast_dtype, data_dir=args.data_dir, progress=True)
-        print(summary(args.model, device, args.dtype, args.split, res, time.perf_counter() - t0))
+        res = evaluate(model, device, split=args.split, limit=args.limit,
+                       batch_tokens=args.batch_tokens, data_dir=args.hellaswag_dir, progress=True,
+                       autocast_dtype=torch.bfloat16 if use_bf16 else None)
+        dtype = "bf16" if use_bf16 else "fp32"
+        print(summary(args.model, device, dtype, args.split, res, time.perf_counter() - t0))
         return 0
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one line, no traceback
-        plain = isinstance(e, (fineweb.UsageError, ValueError, FileNotFoundError, RuntimeError)) and str(e)
+        plain = isinstance(e, (UsageError, ValueError, FileNotFoundError, RuntimeError)) and str(e)
         msg = str(e) if plain else f"{type(e).__name__}: {e}"
-        print(f"error: {fineweb.one_line(msg, 10_000)}", file=sys.stderr)
+        print(f"error: {one_line(msg, 10_000)}", file=sys.stderr)
         return 1
 
 

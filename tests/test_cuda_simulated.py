@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+import common
 import hellaswag
 import simcuda
 import train_gpt2 as tg
@@ -400,13 +401,13 @@ def test_an_autocast_torch_turns_off_is_refused_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: autocast on cuda is honoured")
     with pytest.raises(ValueError, match=r"^autocast to bfloat16 on cuda is not available here \(CUDA is not available"):
-        hellaswag.autocast("cuda", torch.bfloat16)
+        common.autocast("cuda", torch.bfloat16)
     with pytest.raises(ValueError, match="float64 on cpu"):
-        hellaswag.autocast("cpu", torch.float64)
+        common.autocast("cpu", torch.float64)
     with pytest.raises(tg.UsageError) as e:
         tg.autocast_for("auto", "cuda")
     assert "\n" not in str(e.value) and str(e.value).startswith("--dtype auto: autocast to bfloat16 on cuda")
-    with hellaswag.autocast("cpu", torch.bfloat16):  # an honoured one still works
+    with common.autocast("cpu", torch.bfloat16):  # an honoured one still works
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 
 

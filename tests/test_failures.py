@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import common
 import fineweb
 import train_gpt2 as tg
 from conftest import REPO
@@ -192,7 +193,7 @@ def test_a_full_disk_under_log_txt_and_the_lock_is_one_line(data, tmp_path, monk
 
     def lock_write(path, write):  # the lock's holder record, the first file a run writes
         raise no_space(path)
-    monkeypatch.setattr(fineweb, "atomic_write", lock_write)
+    monkeypatch.setattr(common, "atomic_write", lock_write)
     log2 = str(tmp_path / "log2")
     assert_one_line_error(run_cli(*run_args(data, log2)), f"--log_dir {log2}: cannot write there", "no space")
     assert os.listdir(log2) == [".lock"]  # no record of a holder that never held it
@@ -214,7 +215,7 @@ def test_a_failed_export_leaves_nothing_and_a_retry_works(reference, tmp_path, m
     r = run_cli("export", "--checkpoint", ckpt, "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
-    assert oct(os.stat(out).st_mode & 0o777) == oct(0o777 & ~fineweb.umask())
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o777 & ~common.umask())
 
 
 # ----------------------------------------------------------------------------- resume, sample, export edges

@@ -24,6 +24,7 @@ sys.path.insert(0, REPO)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import common  # noqa: E402
 import fineweb  # noqa: E402
 from conftest import write_shards  # noqa: E402
 from fineweb import EOT, DataPrepError, prepare  # noqa: E402
@@ -222,7 +223,7 @@ def test_explicit_val_tokens(tmp_path, enc):
     assert len(np.load(paths[0])) == 123
     assert all(len(np.load(p)) == 1000 for p in paths[1:-1])
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
-    with pytest.raises(DataPrepError, match="val_tokens"):
+    with pytest.raises(DataPrepError, match="val_shard_tokens"):
         prepare(tmp_path / "bad", inputs=[src], shard_size=1000, val_tokens=1001, progress=False)
 
 
@@ -318,7 +319,7 @@ def test_hub_network_failure_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_cli_offline_hub(tmp_path):
-    r = cli("--local_dir", tmp_path / "out", "--max_tokens", 1000)
+    r = cli("--data_root", tmp_path / "out", "--max_tokens", 1000)
     assert_one_line_error(r, "unreachable", "--input")
 
 
@@ -427,7 +428,7 @@ def test_refuses_mismatched_arguments(tmp_path):
     other = write_jsonl(tmp_path / "other.jsonl", docs[:5])
     with pytest.raises(DataPrepError, match="inputs"):
         prepare(out, inputs=[other], shard_size=1000, num_proc=1, progress=False)
-    r = cli("--input", src, "--local_dir", out, "--shard_size", 1000, "--max_tokens", 500)
+    r = cli("--input", src, "--data_root", out, "--shard_size", 1000, "--max_tokens", 500)
     assert_one_line_error(r, "different arguments", "max_tokens")
     assert {p: os.stat(p).st_mtime_ns for p in paths} == before  # nothing touched
 
@@ -451,7 +452,7 @@ def test_missing_text_column(tmp_path):
     for src in (pq, jl):
         with pytest.raises(DataPrepError, match="no (column|field) 'text'.*--text_column"):
             prepare(tmp_path / "out", inputs=[src], progress=False)
-        assert_one_line_error(cli("--input", src, "--local_dir", tmp_path / "out"), "'text'", "--text_column")
+        assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out"), "'text'", "--text_column")
     assert not (tmp_path / "out").exists()
     # and with the right column it works
     paths = prepare(tmp_path / "ok", inputs=[pq], text_column="content", shard_size=100, num_proc=1, progress=False)
@@ -473,7 +474,7 @@ def test_empty_input(tmp_path, kind):
     with pytest.raises(DataPrepError, match="contains no text"):
         prepare(tmp_path / "out", inputs=[str(src)], shard_size=100, num_proc=1, progress=False)
     assert not glob.glob(str(tmp_path / "out" / "*"))  # no manifest claiming the directory
-    assert_one_line_error(cli("--input", src, "--local_dir", tmp_path / "out", "--num_proc", 1), "no text")
+    assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out", "--num_proc", 1), "no text")
 
 
 def test_unreadable_inputs(tmp_path):
@@ -490,7 +491,7 @@ def test_unreadable_inputs(tmp_path):
     for src, message in cases:
         with pytest.raises(DataPrepError, match=message):
             prepare(tmp_path / "out", inputs=[str(src)], shard_size=100, num_proc=1, progress=False)
-        assert_one_line_error(cli("--input", src, "--local_dir", tmp_path / "out", "--num_proc", 1), message)
+        assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out", "--num_proc", 1), message)
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can read anything")
@@ -508,7 +509,7 @@ def test_permission_denied(tmp_path):
 def test_cli_success(tmp_path, enc):
     docs = make_docs(10, seed=11)
     src = write_jsonl(tmp_path / "d.jsonl", docs)
-    r = cli("--input", src, "--local_dir", tmp_path / "out", "--shard_size", 500, "--num_proc", 1)
+    r = cli("--input", src, "--data_root", tmp_path / "out", "--shard_size", 500, "--num_proc", 1)
     assert r.returncode == 0, r.stderr
     assert "tokens in" in r.stdout
     paths = sorted(glob.glob(str(tmp_path / "out" / "*_val_*.npy"))) + \
@@ -533,8 +534,8 @@ def test_cli_input_defaults_to_the_local_text_folder(tmp_path, monkeypatch, enc)
     assert fineweb.list_shards(str(local), "val") == [str(local / "text_val_000000.npy")]
     paths = fineweb.list_shards(str(local), "val") + fineweb.list_shards(str(local), "train")
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
-    # an explicit --local_dir still wins, with the same local-text names
-    assert fineweb.main(["--input", src, "--local_dir", str(tmp_path / "mine"), "--num_proc", "1"]) == 0
+    # an explicit --data_root still wins, with the same local-text names
+    assert fineweb.main(["--input", src, "--data_root", str(tmp_path / "mine"), "--num_proc", "1"]) == 0
     assert sorted(os.listdir(tmp_path / "mine")) == [".fineweb.lock", "manifest.json", "text_train_000001.npy",
                                                      "text_val_000000.npy"]
 
@@ -550,6 +551,15 @@ def test_cli_fineweb_keeps_its_default_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "prepare", fake_prepare)
     assert fineweb.main(["--max_tokens", "1000"]) == 1
     assert calls == [(str(tmp_path / "edu_fineweb10B"), None)]
+
+
+def test_cli_old_flag_names_still_work():
+    parser = fineweb.build_parser()
+    new = parser.parse_args(["--data_root", "d", "--fineweb_name", "sample-100BT", "--val_shard_tokens", "5"])
+    old = parser.parse_args(["--local_dir", "d", "--name", "sample-100BT", "--val_tokens", "5"])
+    assert old == new
+    shown = parser.format_help()
+    assert "--data_root" in shown and not {"--local_dir", "--name", "--val_tokens"} & set(shown.split())
 
 
 def test_import_has_no_side_effects():
@@ -571,7 +581,7 @@ def test_works_with_spawn(tmp_path, enc):
         if __name__ == "__main__":
             mp.set_start_method("spawn")
             fineweb.BATCH_CHARS = 1000
-            sys.exit(fineweb.main(["--input", {src!r}, "--local_dir", {str(tmp_path / "out")!r},
+            sys.exit(fineweb.main(["--input", {src!r}, "--data_root", {str(tmp_path / "out")!r},
                                    "--shard_size", "700", "--num_proc", "2"]))
         """))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
@@ -604,7 +614,7 @@ def test_no_progress_bar_in_non_interactive_logs(tmp_path):
     from conftest import REPO, write_corpus_jsonl
     corpus = str(tmp_path / "c.jsonl")
     write_corpus_jsonl(corpus, 300)
-    r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus, "--local_dir",
+    r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus, "--data_root",
                         str(tmp_path / "out"), "--num_proc", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "tok/s" not in r.stderr and "shard 0" not in r.stderr  # stderr is a pipe: tqdm stays quiet
@@ -745,7 +755,7 @@ def test_kill_9_then_prepare_finishes_the_same_shards(tmp_path):
     corpus = str(tmp_path / "c.jsonl")
     write_corpus_jsonl(corpus, 3000)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus, "--local_dir", str(out),
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus, "--data_root", str(out),
                              "--shard_size", "1000", "--num_proc", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         while proc.poll() is None and fineweb.prep_status(out).shards < 3:  # the manifest is replaced atomically
@@ -763,7 +773,7 @@ def test_kill_9_then_prepare_finishes_the_same_shards(tmp_path):
     assert [s["file"] for s in json.loads((out / "manifest.json").read_text())["shards"]] == list(on_disk)[:status.shards]
     assert status.shards <= len(on_disk) <= status.shards + 1
     assert status.args["shard_size"] == 1000 and [i["path"] for i in status.args["inputs"]] == [corpus]
-    assert status.resume_command.startswith("python fineweb.py --local_dir ")
+    assert status.resume_command.startswith("python fineweb.py --data_root ")
     assert f"--input {corpus}" in status.resume_command and "--shard_size 1000" in status.resume_command
 
     paths = prepare(out, inputs=[corpus], shard_size=1000, num_proc=1, progress=False)
@@ -1038,7 +1048,7 @@ def test_two_preps_with_different_shard_sizes_one_after_the_other(prepared, tmp_
     """The issue's scenario, run in turn: the second is refused and the first one's shards stay as they were."""
     root, src = prepared
     before = shard_bytes(root)
-    r = cli("--input", src, "--local_dir", root, "--shard_size", 700, "--val_tokens", 300, "--max_tokens", 4000)
+    r = cli("--input", src, "--data_root", root, "--shard_size", 700, "--val_shard_tokens", 300, "--max_tokens", 4000)
     assert_one_line_error(r, root, "different arguments (shard_size: 1000 -> 700)")
     assert shard_bytes(root) == before
     # what two runs at once left before there was a lock: shards of both, under the manifest of one
@@ -1071,7 +1081,7 @@ HOLD_THE_LOCK = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
 import fineweb
-real_write_shards = fineweb._write_shards
+real_write_shards = fineweb.write_shards
 
 def write_shards_when_told(*args, **kwargs):  # the lock is held from here on
     open({holding!r}, "w").close()
@@ -1079,7 +1089,7 @@ def write_shards_when_told(*args, **kwargs):  # the lock is held from here on
         time.sleep(0.01)
     return real_write_shards(*args, **kwargs)
 
-fineweb._write_shards = write_shards_when_told
+fineweb.write_shards = write_shards_when_told
 sys.exit(fineweb.main(sys.argv[1:]))
 """
 
@@ -1089,7 +1099,7 @@ def test_two_concurrent_fineweb_processes(tmp_path):
     arguments; the first one finishes unmixed. The first is held at its first shard until the second has run."""
     src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=24))
     root, holding, go = str(tmp_path / "data"), str(tmp_path / "holding"), str(tmp_path / "go")
-    first_args = ["--input", src, "--local_dir", root, "--shard_size", "1000", "--num_proc", "1"]
+    first_args = ["--input", src, "--data_root", root, "--shard_size", "1000", "--num_proc", "1"]
     script = HOLD_THE_LOCK.format(repo=REPO, holding=holding, go=go)
     first = subprocess.Popen([sys.executable, "-c", script, *first_args], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -1099,7 +1109,7 @@ def test_two_concurrent_fineweb_processes(tmp_path):
             time.sleep(0.02)
         assert os.path.exists(holding), first.communicate()
         for shard_size in (700, 1000):  # other arguments, and the same ones
-            r = cli("--input", src, "--local_dir", root, "--shard_size", shard_size, "--num_proc", 1)
+            r = cli("--input", src, "--data_root", root, "--shard_size", shard_size, "--num_proc", 1)
             assert_one_line_error(r, f"{root} is being prepared by another process (pid {first.pid} on "
                                      f"{socket.gethostname()}, since ", "--shard_size 1000", "wait for it to end")
         assert not fineweb.list_shards(root, "val") and not os.path.exists(os.path.join(root, fineweb.MANIFEST))
@@ -1111,7 +1121,7 @@ def test_two_concurrent_fineweb_processes(tmp_path):
     assert shard_bytes(root) == shard_bytes(os.path.dirname(reference[0]))
     # the lock is free again: the same command finds the prep complete, another shard size is refused
     assert cli(*first_args).returncode == 0
-    r = cli("--input", src, "--local_dir", root, "--shard_size", 700)
+    r = cli("--input", src, "--data_root", root, "--shard_size", 700)
     assert_one_line_error(r, "different arguments (shard_size: 1000 -> 700; val_tokens: 1000 -> 700)")
 
 
@@ -1131,12 +1141,12 @@ def write_then_fail(err, after=5000):
 def test_atomic_write_disk_full_keeps_the_old_file(tmp_path, err, what):
     path = tmp_path / "model_00010.pt"
     path.write_bytes(b"the good checkpoint")
-    with pytest.raises(fineweb.DiskFullError) as e:
-        fineweb.atomic_write(str(path), write_then_fail(err))
+    with pytest.raises(common.DiskFullError) as e:
+        common.atomic_write(str(path), write_then_fail(err))
     assert isinstance(e.value, OSError) and e.value.errno == err and e.value.written == 5000
     free = e.value.free
     assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < 1 << 30
-    assert str(e.value) == (f"{what} writing {path} ({fineweb._human_bytes(free)} free on its filesystem, 4.9 KiB "
+    assert str(e.value) == (f"{what} writing {path} ({common.human_bytes(free)} free on its filesystem, 4.9 KiB "
                             f"written); it was not written: free some space and run again")
     assert os.listdir(tmp_path) == ["model_00010.pt"] and path.read_bytes() == b"the good checkpoint"
 
@@ -1147,20 +1157,20 @@ def test_atomic_write_finds_a_wrapped_disk_full_and_passes_other_errors_on(tmp_p
             write_then_fail(errno.ENOSPC)(f)
         except OSError as e:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from e
-    with pytest.raises(fineweb.DiskFullError, match="no space left on device writing"):
-        fineweb.atomic_write(str(tmp_path / "a.pt"), torch_like)
+    with pytest.raises(common.DiskFullError, match="no space left on device writing"):
+        common.atomic_write(str(tmp_path / "a.pt"), torch_like)
     for error in (OSError(errno.EIO, "Input/output error"), OSError("42 requested and 7 written"), ValueError("bad")):
         def fail(f, error=error):
             f.write(b"data")
             raise error
         with pytest.raises(type(error)) as e:
-            fineweb.atomic_write(str(tmp_path / "b.npy"), fail)
+            common.atomic_write(str(tmp_path / "b.npy"), fail)
         assert e.value is error  # not taken for a full disk: the probe write fitted
     assert os.listdir(tmp_path) == []
 
 
 def test_human_bytes():
-    assert [fineweb._human_bytes(n) for n in (0, 1023, 1024, 5000, 3 << 20, 5 << 50)] == \
+    assert [common.human_bytes(n) for n in (0, 1023, 1024, 5000, 3 << 20, 5 << 50)] == \
         ["0 B", "1,023 B", "1.0 KiB", "4.9 KiB", "3.0 MiB", "5,120.0 TiB"]
 
 
@@ -1181,7 +1191,7 @@ def fail_shard_write(monkeypatch, index, err=errno.ENOSPC):
 def test_prep_on_a_full_disk_says_one_line_and_resumes(tmp_path, monkeypatch, capsys):
     src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=25))
     out = str(tmp_path / "out")
-    args = ["--input", src, "--local_dir", out, "--shard_size", "1000", "--num_proc", "1"]
+    args = ["--input", src, "--data_root", out, "--shard_size", "1000", "--num_proc", "1"]
     with monkeypatch.context() as m:
         fail_shard_write(m, 3)
         assert fineweb.main(args) == 1
@@ -1229,7 +1239,7 @@ def test_prep_fills_a_real_tmpfs_then_resumes(tmp_path, tiny_tmpfs, enc):
     docs = make_docs(1500, seed=26)  # ~180K tokens, 360 KB of shards: more than 256 KiB
     src = write_jsonl(tmp_path / "d.jsonl", docs)
     out = str(tiny_tmpfs / "data")
-    args = ("--input", src, "--local_dir", out, "--shard_size", 20_000, "--num_proc", 1)
+    args = ("--input", src, "--data_root", out, "--shard_size", 20_000, "--num_proc", 1)
     r = cli(*args)
     assert_one_line_error(r, "no space left on device writing " + os.path.join(out, ""), " free on its filesystem")
     status = fineweb.prep_status(out)
@@ -1252,8 +1262,8 @@ def test_written_files_follow_the_umask(tmp_path, umask):
     src = write_jsonl(tmp_path / "d.jsonl", make_docs(10, seed=27))
     old = os.umask(umask)
     try:
-        assert fineweb.umask() == umask
-        fineweb.atomic_write(str(tmp_path / "log.txt"), lambda f: f.write(b"0 train 10.9\n"))
+        assert common.umask() == umask
+        common.atomic_write(str(tmp_path / "log.txt"), lambda f: f.write(b"0 train 10.9\n"))
         paths = prepare(tmp_path / "out", inputs=[src], shard_size=500, num_proc=1, progress=False)
     finally:
         os.umask(old)

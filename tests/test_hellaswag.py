@@ -16,6 +16,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
+import common  # noqa: E402
 import hellaswag  # noqa: E402
 
 # --------------------------------------------------------------------------
@@ -550,7 +551,7 @@ def test_bad_data_is_refused(case, tmp_path, hf_model):
 
 def test_bad_data_cli_one_line(tmp_path):
     path = _write_lines(str(tmp_path / "bad"), _edited(make_records(3, **SHORT), 2, label=5))
-    proc = _cli(["-m", "gpt2", "--data_dir", str(tmp_path / "bad")])
+    proc = _cli(["-m", "gpt2", "--hellaswag_dir", str(tmp_path / "bad")])
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: {path}:2: label 5 is not one of 0, 1, 2, 3"]
 
@@ -714,29 +715,29 @@ def test_no_work_at_import():
 
 
 def test_resolve_device():
-    assert hellaswag.resolve_device("cpu") == "cpu"
+    assert common.resolve_device("cpu") == "cpu"
     expected = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
-    assert hellaswag.resolve_device("auto") == expected
+    assert common.resolve_device("auto") == expected
     bad = ["nosuchdevice", "cuda:x", "meta", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
     for name in bad:
-        with pytest.raises(hellaswag.fineweb.UsageError) as ei:
-            hellaswag.resolve_device(name)
+        with pytest.raises(common.UsageError) as ei:
+            common.resolve_device(name)
         assert "\n" not in str(ei.value) and repr(name) in str(ei.value)
 
 
 def test_autocast_and_tf32():
     x = torch.randn(4, 4)
-    with hellaswag.autocast("cpu", None):
+    with common.autocast("cpu", None):
         assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-    with hellaswag.autocast("cpu", torch.bfloat16):
+    with common.autocast("cpu", torch.bfloat16):
         assert (x @ x).dtype == torch.bfloat16
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        hellaswag.enable_tf32("cpu")
-        hellaswag.enable_tf32("mps")
+        common.enable_tf32("cpu")
+        common.enable_tf32("mps")
         assert torch.get_float32_matmul_precision() == "highest"
-        hellaswag.enable_tf32("cuda:1")
+        common.enable_tf32("cuda:1")
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
@@ -755,7 +756,7 @@ def _cli(args, **kw):
 @pytest.mark.parametrize("args, needle", [
     ([], "-m/--model"),
     (["--checkpoint", "log/model_00010.pt"], "python train_gpt2.py eval --checkpoint"),
-    (["-m", "gpt2", "--data_dir", "{empty}"], "hellaswag_val.jsonl"),
+    (["-m", "gpt2", "--hellaswag_dir", "{empty}"], "hellaswag_val.jsonl"),
 ])
 def test_cli_errors_subprocess(args, needle, data_dir, tmp_path):
     args = [a.format(data=data_dir, empty=str(tmp_path / "empty")) for a in args]
@@ -768,12 +769,12 @@ def test_cli_errors_subprocess(args, needle, data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["-m", "gpt2", "--limit", "0", "--data_dir", "{data}"], "--limit"),
-    (["-m", "gpt2", "--device", "nosuchdevice", "--data_dir", "{data}"], "nosuchdevice"),
-    (["-m", "gpt2", "--split", "test", "--data_dir", "{data}"], "invalid choice"),
-    (["-m", "gpt2", "--dtype", "auto", "--data_dir", "{data}"], "invalid choice"),
-    (["-m", "no-such-org/no-such-model", "-d", "cpu", "--data_dir", "{data}"], "could not load GPT-2 model"),
-    (["-m", "{data}", "-d", "cpu", "--data_dir", "{data}"], "could not load GPT-2 model"),  # not a model dir
+    (["-m", "gpt2", "--limit", "0", "--hellaswag_dir", "{data}"], "--limit"),
+    (["-m", "gpt2", "--device", "nosuchdevice", "--hellaswag_dir", "{data}"], "nosuchdevice"),
+    (["-m", "gpt2", "--split", "test", "--hellaswag_dir", "{data}"], "invalid choice"),
+    (["-m", "gpt2", "--dtype", "fp16", "--hellaswag_dir", "{data}"], "invalid choice"),
+    (["-m", "no-such-org/no-such-model", "-d", "cpu", "--hellaswag_dir", "{data}"], "could not load GPT-2 model"),
+    (["-m", "{data}", "-d", "cpu", "--hellaswag_dir", "{data}"], "could not load GPT-2 model"),  # not a model dir
 ])
 def test_cli_errors_in_process(args, needle, data_dir, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -782,6 +783,12 @@ def test_cli_errors_in_process(args, needle, data_dir, capsys, monkeypatch):
     assert rc == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+def test_cli_old_flag_name_and_the_dtype_default():
+    parser = hellaswag.build_parser()
+    old, new = (parser.parse_args(["-m", "gpt2", flag, "d"]) for flag in ("--data_dir", "--hellaswag_dir"))
+    assert old == new and new.dtype == "auto" and "--data_dir" not in parser.format_help()
 
 
 def test_cli_help_points_at_train_gpt2_eval(capsys):
@@ -797,7 +804,7 @@ def test_cli_evaluates_hf_dir(hf_model, data_dir, tmp_path, capsys):
     ref = classic_scores(hf_model, recs)
     correct = sum(p == r["label"] for (p, _, _), r in zip(ref, recs))
     correct_norm = sum(pn == r["label"] for (_, pn, _), r in zip(ref, recs))
-    rc = hellaswag.main(["-m", model_dir, "-d", "cpu", "--data_dir", data_dir, "--limit", "10"])
+    rc = hellaswag.main(["-m", model_dir, "-d", "cpu", "--hellaswag_dir", data_dir, "--limit", "10"])
     out = capsys.readouterr().out
     assert rc == 0 and "(fp32)" in out
     assert f"acc {correct / 10:.4f} ({correct}/10)" in out
@@ -815,7 +822,7 @@ def test_cli_short_names_map_to_openai_community(hf_model, data_dir, monkeypatch
 
     monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", from_pretrained)
     for name in ("gpt2", "gpt2-xl", "someone/custom-gpt2"):
-        assert hellaswag.main(["-m", name, "-d", "cpu", "--data_dir", data_dir, "--limit", "2"]) == 0
+        assert hellaswag.main(["-m", name, "-d", "cpu", "--hellaswag_dir", data_dir, "--limit", "2"]) == 0
     assert asked == ["openai-community/gpt2", "openai-community/gpt2-xl", "someone/custom-gpt2"]
     assert "gpt2-xl on cpu (fp32), hellaswag val: 2 examples" in capsys.readouterr().out
 

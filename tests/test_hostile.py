@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import fineweb
 import train_gpt2 as tg
 from conftest import REPO, write_corpus_jsonl, write_shards
@@ -514,9 +515,9 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
         record.write_text('{"pid": ')  # half a record, as an editor or a copy would leave it
     before = sorted(os.listdir(log))
 
-    # fineweb.dir_lock itself: no live record within the wait, so none is named (the dead pid least of all)
-    with pytest.raises(fineweb.DataPrepError) as e:
-        with fineweb.dir_lock(str(log), ".lock", "is busy ({holder}): try later", wait_for_holder=0.1):
+    # common.dir_lock itself: no live record within the wait, so none is named (the dead pid least of all)
+    with pytest.raises(common.UsageError) as e:
+        with common.dir_lock(str(log), ".lock", "is busy ({holder}): try later", wait_for_holder=0.1):
             pytest.fail("the lock is held")
     assert str(e.value) == f"{log} is busy (pid not recorded): try later"
     assert sorted(os.listdir(log)) == before  # a refused lock writes nothing
@@ -526,9 +527,9 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
     def holder_writes_its_record(seconds):  # while the second run waits, the holder catches up
         waits.append(seconds)
         write_record(os.getpid())
-    monkeypatch.setattr(fineweb.time, "sleep", holder_writes_its_record)
+    monkeypatch.setattr(common.time, "sleep", holder_writes_its_record)
     # through train_gpt2: the log dir's wording, naming the live holder once its record is there
-    with pytest.raises(fineweb.DataPrepError) as e:
+    with pytest.raises(common.UsageError) as e:
         with tg.lock_log_dir(str(log)):
             pytest.fail("the lock is held")
     live = f"pid {os.getpid()} on {host}, since 2024-05-01 12:00:00: python train_gpt2.py --log_dir log"

@@ -428,10 +428,10 @@ def test_checker_accepts_good_commands():
     md = "\n".join([
         "Intro.", "",
         "```bash",
-        "python fineweb.py --input 'my corpus'/*.jsonl --local_dir data --shard_size=1000000   # a comment: ...",
+        "python fineweb.py --input 'my corpus'/*.jsonl --data_root data --shard_size=1000000   # a comment: ...",
         "python3 fineweb.py \\",
         "    --max_tokens 50000000 \\",
-        "    --name sample-10BT",
+        "    --fineweb_name sample-10BT",
         "torchrun --standalone --nproc_per_node=2 fineweb.py --num_proc 2",
         "python -m torch.distributed.run --standalone --nproc_per_node 2 fineweb.py --help",
         "python bench.py --preset tiny --no-compile --only train 2>&1 | tee bench.txt",
@@ -440,7 +440,7 @@ def test_checker_accepts_good_commands():
         "python -c \"import fineweb; fineweb.get_encoding()\"",
         "```", "",
         "```console",
-        "$ python fineweb.py --val_tokens 100",
+        "$ python fineweb.py --val_shard_tokens 100",
         "output with <angle> brackets and ... is not a command",
         "```", "",
         "```python",
@@ -453,8 +453,8 @@ def test_checker_accepts_good_commands():
     problems, calls = check_readme(md)
     assert problems == []
     assert [script for script, _ in calls] == ["fineweb.py"] * 4 + ["bench.py", "hellaswag.py", "fineweb.py", "fineweb.py"]
-    assert calls[0][1] == ["--input", "my corpus/*.jsonl", "--local_dir", "data", "--shard_size=1000000"]
-    assert calls[1][1] == ["--max_tokens", "50000000", "--name", "sample-10BT"]
+    assert calls[0][1] == ["--input", "my corpus/*.jsonl", "--data_root", "data", "--shard_size=1000000"]
+    assert calls[1][1] == ["--max_tokens", "50000000", "--fineweb_name", "sample-10BT"]
 
 
 @pytest.mark.parametrize("line, problem", [
