@@ -28,7 +28,9 @@ import time
 import numpy as np
 import torch
 
+import common
 import fineweb
+import rundir
 import train_gpt2 as tg
 
 
@@ -105,7 +107,7 @@ def bench_training(args, config, device, device_type, autocast_ctx):
     tokens = args.micro_batch_size * args.sequence_length * accum
     flops = tg.flops_per_token(config, model.get_num_params(non_embedding=True),
                                args.sequence_length)
-    peak = args.peak_flops or (tg.peak_flops(torch.cuda.get_device_name(device))
+    peak = args.peak_flops or (rundir.peak_flops(torch.cuda.get_device_name(device))
                                if device_type == "cuda" else None)
     row = {"tokens_per_sec": tokens / dt, "ms_per_step": dt * 1000, "tokens_per_step": tokens,
            "mfu": flops * tokens / dt / peak if peak else None,
@@ -196,7 +198,7 @@ def bench_loader(args, tmp):
     rng = np.random.default_rng(0)
     for i, split in enumerate(("val", "train", "train")):
         np.save(os.path.join(tmp, fineweb.shard_name(i, split, prefix="bench")),
-                rng.integers(0, tg.GPT2_VOCAB_SIZE, 10_000_000, dtype=np.uint16))
+                rng.integers(0, fineweb.GPT2_VOCAB_SIZE, 10_000_000, dtype=np.uint16))
     before = rss_bytes()
     loader = tg.DataLoaderLite(args.micro_batch_size, args.sequence_length, split="train",
                                data_root=tmp)
@@ -222,8 +224,9 @@ def bench_train_loop(args, device):
     with tempfile.TemporaryDirectory() as tmp:
         rng = np.random.default_rng(0)
         for i, split in enumerate(("val", "train")):
+            ids = rng.integers(0, fineweb.GPT2_VOCAB_SIZE, max(10 * tokens, 100_000))
             np.save(os.path.join(tmp, fineweb.shard_name(i, split, prefix="bench")),
-                    rng.integers(0, tg.GPT2_VOCAB_SIZE, max(10 * tokens, 100_000), dtype=np.uint16))
+                    ids.astype(np.uint16))
         flags = ["--preset", args.preset, "--device", device, "--dtype", args.dtype,
                  "--data_root", tmp, "--log_dir", os.path.join(tmp, "log"),
                  "-B", str(args.micro_batch_size), "-T", str(args.sequence_length),
@@ -586,7 +589,7 @@ def compare_optimizers(args, device):
             with contextlib.redirect_stdout(sys.stderr):
                 if tg.main(flags) != 0:
                     raise RuntimeError(f"train_gpt2.py {' '.join(flags)} failed")
-            steps, values = tg.read_log(os.path.join(log_dir, "log.txt"))["val"]
+            steps, values = rundir.read_log(os.path.join(log_dir, "log.txt"))["val"]
             runs[kind] = {"steps": steps, "val": values, "seconds": time.perf_counter() - t0}
     target = runs["adamw"]["val"][-1]
     return {"inputs": args.compare_input or ["stdlib docstrings"], "max_steps": args.compare_steps,
@@ -845,9 +848,9 @@ def main(argv=None):
     if args.suite == "gpu-estimate":
         return run_gpu_estimate(args)
     try:
-        device = tg.resolve_device(args.device)
-        autocast_ctx, use_bf16 = tg.autocast_for(args.dtype, device.split(":")[0])
-    except tg.UsageError as e:
+        device = common.resolve_device(args.device)
+        autocast_ctx, use_bf16 = common.autocast_for(args.dtype, device.split(":")[0])
+    except common.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     device_type = device.split(":")[0]
@@ -862,7 +865,7 @@ def main(argv=None):
     if not args.hellaswag_batch_tokens:
         args.hellaswag_batch_tokens = 8192 if device_type == "cuda" else 512
     args.warmup = args.warmup if args.warmup is not None else (10 if args.compile else 3)
-    tg.hellaswag.enable_tf32(device_type)
+    common.enable_tf32(device_type)
     only = set(args.only.split(","))
 
     gpu = torch.cuda.get_device_name(device) if device_type == "cuda" else None

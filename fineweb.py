@@ -35,8 +35,6 @@ from tqdm import tqdm
 
 from common import (DiskFullError, HelpFormatter, OneLineParser, UsageError, atomic_write,
                     dir_lock, one_line)
-# train_gpt2.py imports these from here until it takes them from common
-from common import NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, bounded  # noqa: F401
 
 # ===== constants (train_gpt2.py relies on the shard names and the default data root) ==============
 HF_DATASET = "HuggingFaceFW/fineweb-edu"
