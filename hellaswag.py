@@ -668,18 +668,18 @@ def hub_name(name):
 
 def load_hf_model(name):
     """transformers' own ``GPT2LMHeadModel`` (fp32, eval mode) from a hub name or a local
-    save_pretrained directory; ValueError with one line if it can't be loaded."""
+    save_pretrained directory; a one-line UsageError if it can't be loaded."""
     try:
         from transformers import GPT2LMHeadModel
     except ImportError as e:
-        raise ValueError(f"scoring -m {name} needs transformers ({one_line(e, 80)}): pip install "
+        raise UsageError(f"loading {name} needs transformers ({one_line(e, 80)}): pip install "
                          f"transformers") from None
     source = name if os.path.isdir(name) else hub_name(name)
     try:
         model = GPT2LMHeadModel.from_pretrained(source)
     except Exception as e:  # offline and not cached, unknown name, not a model directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"could not load GPT-2 model {name!r} from {source} "
+        raise UsageError(f"could not load GPT-2 model {name!r} from {source} "
                          f"({one_line(first, 160)}); offline, pass a local directory written by "
                          f"GPT2LMHeadModel.save_pretrained") from None
     return model.float().eval()

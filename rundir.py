@@ -152,6 +152,12 @@ def find_resume_checkpoint(resume, log_dir, print0=print):
     raise UsageError(f"--resume latest: no model_*.pt checkpoint in {log_dir}")
 
 
+def divergence(loss, norm):
+    """What stops a run whose loss or gradient norm is no longer finite, and what to do."""
+    return (f"the loss is {loss} and the gradient norm {norm}: the run diverged and stopped before "
+            f"this update (lower --max_lr or raise --warmup_steps, and resume)")
+
+
 def report_failure(e, step, log_dir, last_saved):
     """Raise what stopped a run at `step`, naming the checkpoint of the last finished step: an
     error of the environment or the input (UsageError, OSError) as one line, a bug with its
@@ -251,7 +257,8 @@ def format_run_config(run_config, settings):
                                        initial_indent=f"  {title.split(' (')[0]}: ",
                                        subsequent_indent="    "))
     model = " ".join(f"{k}={v}" for k, v in run_config["model"].items())
-    lines.append(textwrap.fill(model, 100, initial_indent="  model: ", subsequent_indent="    "))
+    lines.append(textwrap.fill(model, 100, initial_indent="  GPTConfig: ",
+                               subsequent_indent="    "))
     return "\n".join(lines)
 
 
@@ -327,6 +334,13 @@ def usable_val_tokens(args, train_tokens, val_tokens_held, val_tokens):
                f"hold {val_tokens_held - 1:,} targets: it is taken over those")
         return val_tokens_held - 1
     return val_tokens
+
+
+def check_prompt_fits(n_prompt, n_new, block_size, flags, hint=""):
+    """A UsageError when a prompt of n_prompt tokens and n_new more do not fit the model."""
+    if n_prompt + n_new > block_size:
+        raise UsageError(f"{flags[0]} ({n_prompt} tokens) + {flags[1]} ({n_new}) exceeds the "
+                         f"model's block_size {block_size}{hint}")
 
 
 def end_step(args):
@@ -450,13 +464,22 @@ def format_eta(seconds):
     return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
 
 
+def flops_per_token(config, n_params, seq_len):
+    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B). n_params
+    leaves out wpe (a lookup) and counts the tied wte/lm_head once; 12·L·H·Q·T are the attention
+    matmuls."""
+    L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, seq_len
+    return 6 * n_params + 12 * L * H * Q * T
+
+
 class Metrics:
     """Where a run's numbers go: the step line (loss, lr, norm, speed, MFU, memory, ETA) on stdout,
     log.txt on rank 0, and W&B with --wandb_project."""
 
-    def __init__(self, args, device, world_size, first_step, end, flops_per_token, run_config):
+    def __init__(self, args, device, world_size, first_step, end, config, n_params, run_config):
         self.log_file, self.device = os.path.join(args.log_dir, "log.txt"), device
-        self.world_size, self.flops_per_token = world_size, flops_per_token
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token(config, n_params, args.sequence_length)
         self.first_step, self.end, self.show_batch = first_step, end, args.batch_ramp_tokens > 0
         self.on_cuda, self.master = str(device).startswith("cuda"), rank() == 0
         self.peak = args.peak_flops

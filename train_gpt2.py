@@ -7,9 +7,9 @@ GPT-2 (124M) pretraining on FineWeb-Edu token shards, in one flat, importable fi
     python train_gpt2.py sample|export|eval --help           # use a checkpoint
 
 Read top to bottom: the run settings, the model, the data loader, optimizers and schedules, the
-distributed set-up, evaluation, then `train()`, the whole run in one function, and the commands.
-What only keeps a run safe (checkpoint files, the log dir, log.txt, signals) is in rundir.py; what
-the three command lines share (one-line errors, device and dtype) in common.py.
+distributed set-up, evaluation, `train()` (the whole run in one function), the commands. What only
+keeps a run safe (checkpoint files, the log dir, log.txt, signals) is in rundir.py; what the three
+command lines share (one-line errors, device and dtype) in common.py.
 """
 
 import argparse
@@ -38,27 +38,26 @@ from common import (NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, OneLineParser,
                     run_cli, write_new_dir)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 
-# ===== Run settings ==============================================================================
-# Every training flag once: (flags, default, type, meaning); common.add_flags turns them into
-# argparse arguments. A --preset, then a resumed checkpoint, change the defaults (parse_args):
-# `python train_gpt2.py --preset tiny --help` shows tiny's.
+# ===== Run settings =====
+# Every training flag once: (flags, default, type, meaning), made argparse arguments by add_flags.
+# A --preset, then a resumed checkpoint, change the defaults (parse_args); --help shows them.
 FRACTION = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
-THIS_INVOCATION = "this invocation (a resumed run does not take these from its checkpoint)"
+THIS_INVOCATION = "this invocation (never taken from a resumed checkpoint)"
 RUN_SETTINGS = {
     "model": [
         ("--preset", "gpt2", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"],
-         "a model shape and its run settings (flags given win)"),
+         "a model shape with its run settings"),
         ("--n_layer", None, POSITIVE_INT, "transformer blocks"),
         ("--n_head", None, POSITIVE_INT, "attention heads"),
         ("--n_embd", None, POSITIVE_INT, "embedding width"),
         ("--block_size", None, POSITIVE_INT, "context length"),
-        ("--n_kv_head", None, POSITIVE_INT, "key/value heads, dividing n_head: GQA (1: MQA)"),
-        ("--dropout", 0.0, FRACTION, "attention, residual and embedding dropout in training"),
+        ("--n_kv_head", None, POSITIVE_INT, "key/value heads (GQA; 1: MQA)"),
+        ("--dropout", 0.0, FRACTION, "dropout in training"),
         ("--bias", True, bool, "biases in Linear and LayerNorm"),
     ],
     "optimisation": [
         ("--optimizer", "adamw", ["adamw", "muon"], "muon: Muon for the blocks' matrices"),
-        ("--muon_lr", None, POSITIVE, "Muon's peak LR (default: --max_lr), scheduled like it"),
+        ("--muon_lr", None, POSITIVE, "Muon's peak LR (default: --max_lr)"),
         ("--muon_momentum", 0.95, FRACTION, "Muon's Nesterov momentum"),
         ("--muon_ns_steps", 5, bounded(int, 1, 99, what="in 1..99"), "Newton-Schulz steps"),
         ("--muon_adjust_lr", "match_rms_adamw", ["match_rms_adamw", "original"],
@@ -67,8 +66,8 @@ RUN_SETTINGS = {
         ("--min_lr_ratio", 0.1, bounded(float, 0, 1, what="in [0, 1]"), "final LR / max_lr"),
         ("--warmup_steps", 715, NONNEG_INT, "linear warmup steps"),
         ("--max_steps", 19073, POSITIVE_INT, "optimizer steps (19073 x 2^19 = 10B tokens)"),
-        ("--weight_decay", 0.1, NONNEG, "decoupled weight decay of matmuls and embeddings"),
-        ("--grad_clip", 1.0, NONNEG, "clip the global gradient norm to this (0: off)"),
+        ("--weight_decay", 0.1, NONNEG, "AdamW's weight decay (matmuls, embeddings)"),
+        ("--grad_clip", 1.0, NONNEG, "clip the gradient norm to this (0: off)"),
         ("--total_batch_size", 524288, POSITIVE_INT, "tokens per step, a multiple of B*T*ranks"),
         ("--batch_ramp_tokens", 0, NONNEG_INT, "GPT-3's batch ramp over the first N tokens"),
         ("--batch_ramp_start", 32768, POSITIVE_INT, "first batch of the ramp, in tokens"),
@@ -107,27 +106,27 @@ RUN_SETTINGS = {
         ("--fsdp", False, bool, "shard the model across torchrun processes (FSDP2)"),
         ("--peak_flops", None, POSITIVE, "peak bf16 FLOP/s of one GPU, for the MFU"),
         ("--profile", None, {"nargs": "?", "const": "continue", "choices": ["continue", "exit"]},
-         "torch.profiler over a few steps: a trace in <log_dir>/profile/, the top ops"),
+         "torch.profiler over a few steps: a trace in <log_dir>/profile/"),
         ("--profile_schedule", "1,1,3", rundir.profile_schedule, "WAIT,WARMUP,ACTIVE steps"),
         ("--wandb_project", None, str, "also log to this Weights & Biases project"),
-        ("--wandb_run_name", None, str, "W&B run name (default: W&B picks one)"),
+        ("--wandb_run_name", None, str, "W&B run name"),
     ],
 }
 DEFAULTS = {flag_dest(f): default for group in RUN_SETTINGS.values() for f, default, *_ in group}
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "bias")
 
-# ===== Model config and presets ==================================================================
+# ===== Model config and presets =====
 @dataclass
 class GPTConfig:
-    block_size: int = 1024  # longest sequence the position embedding covers
-    vocab_size: int = 50304  # embedding rows: 50257 padded up to a multiple of 64 (faster matmuls)
+    block_size: int = 1024  # the longest sequence
+    vocab_size: int = 50304  # 50257 tokens, padded to a multiple of 64: faster matmuls
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    real_vocab_size: int = GPT2_VOCAB_SIZE  # ids >= this are padding and are never predicted
+    real_vocab_size: int = GPT2_VOCAB_SIZE  # ids >= this: padding, never predicted
     n_kv_head: int | None = None  # key/value heads: n_head (None) is GPT-2's, fewer GQA, 1 MQA
-    dropout: float = 0.0  # attention, residual and embedding dropout, in training only
-    bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
+    dropout: float = 0.0  # attention, residual and embedding dropout in training
+    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -144,7 +143,7 @@ class GPTConfig:
             raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
                              f"1..{self.vocab_size}")
 
-# Named model shapes (GPT-2 paper, Table 2) plus a CPU-sized one for tests and demos.
+# The GPT-2 paper's shapes (Table 2), and one for CPUs
 MODEL_PRESETS = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
@@ -153,14 +152,13 @@ MODEL_PRESETS = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),  # ~7M, mostly the embedding
 }
 
-# Run settings a preset changes. The larger GPT-2 shapes take the GPT-3 paper's (Table 2.1) LR for
-# the nearest size and a micro-batch that fits 80 GB.
+# Run settings a preset changes: the GPT-3 paper's LR (Table 2.1), a micro-batch that fits 80 GB
 RUN_PRESETS = {
     "gpt2": {},
     "gpt2-medium": dict(max_lr=3e-4, micro_batch_size=32),
     "gpt2-large": dict(max_lr=2.5e-4, micro_batch_size=16),
     "gpt2-xl": dict(max_lr=2e-4, micro_batch_size=8),
-    # the CPU demo: ~300k tokens, ~5 minutes at ~1k tokens/s (2 cores); val and samples every 50
+    # the CPU demo: ~300k tokens, ~5 minutes at ~1k tokens/s
     "tiny": dict(max_lr=2e-3, warmup_steps=15, max_steps=150, total_batch_size=2048,
                  micro_batch_size=8, sequence_length=256, eval_every=50, val_tokens=16384,
                  sample_every=50, hellaswag_every=0, save_every=0,
@@ -178,15 +176,14 @@ def model_config_from_args(args):
     except ValueError as e:
         raise UsageError(str(e)) from None
 
-# ===== The model =================================================================================
+# ===== The model =====
 class KVCache:
-    """Keys and values (n_layer, B, n_kv_head, max_len, hs) of the tokens so far, `pos` of them."""
+    """Keys and values (n_layer, B, n_kv_head, max_len, hs) of the first `pos` tokens."""
 
     def __init__(self, config: GPTConfig, batch_size, max_len, device, dtype):
         hs = config.n_embd // config.n_head
         shape = (config.n_layer, batch_size, config.n_kv_head, max_len, hs)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = torch.zeros(2, *shape, device=device, dtype=dtype)
         self.pos = 0
 
     def update(self, layer, k, v):
@@ -206,7 +203,7 @@ class CausalSelfAttention(nn.Module):
         qkv = (config.n_head + 2 * config.n_kv_head) * self.hs
         self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.c_proj.RESIDUAL_SCALE_INIT = True  # writes into the residual stream
+        self.c_proj.RESIDUAL_SCALE_INIT = True  # adds to the residual stream
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, kv_cache=None):
@@ -225,13 +222,11 @@ class CausalSelfAttention(nn.Module):
                 if T > 1:  # query i sits at position past + i and sees keys 0 .. past + i
                     mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device)
                     mask = mask.tril(diagonal=past)
-        extra = {}
-        if nkv != nh:  # groups of nh/nkv query heads share a key/value head
-            extra["enable_gqa"] = True
+        extra = {"enable_gqa": True} if nkv != nh else {}  # nh/nkv query heads share a k, v head
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                            is_causal=causal and mask is None, **extra)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 class MLP(nn.Module):
@@ -273,7 +268,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
         # 0 for real tokens, -inf for padding ids, added in the lm_head matmul: padding is never
-        # sampled nor in a softmax's share. A buffer, not a parameter: the state dict stays GPT-2's
+        # sampled. A buffer, not a parameter: the state dict stays GPT-2's
         real = torch.arange(config.vocab_size) < config.real_vocab_size
         self.register_buffer("vocab_mask", torch.where(real, 0.0, float("-inf")), persistent=False)
         self.apply(self._init_weights)
@@ -290,14 +285,13 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def get_num_params(self, non_embedding=False):
-        """Parameter count (the tied wte/lm_head once); non_embedding=True also leaves out wpe."""
+        """Parameters (the tied wte/lm_head once); non_embedding=True leaves out wpe."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
-        """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy vs targets
-        (or None). With a kv_cache, idx continues the cached sequence. logits_to_keep as in
-        transformers: 0 keeps every position, k > 0 the last k, a 1-D tensor those positions."""
+        """idx (B, T) -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
+        With a kv_cache, idx continues the cached sequence. logits_to_keep as in transformers."""
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
@@ -310,7 +304,7 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.pos += T
         if not isinstance(logits_to_keep, int) or logits_to_keep > 0:  # the vocab matmul is most
-            if targets is not None:  # of a small model's work: scoring, sampling need few rows
+            if targets is not None:  # of a small model's work: scoring and sampling need few
                 raise ValueError("targets need every position's logits: leave logits_to_keep 0")
             if isinstance(logits_to_keep, int):
                 x = x[:, -logits_to_keep:]
@@ -318,9 +312,9 @@ class GPT(nn.Module):
                 x = x[:, logits_to_keep]
         x = self.transformer.ln_f(x)
         if torch.is_grad_enabled():
-            # -inf inside the matmul: no in-place write, whose backward would copy the gradient
+            # -inf in the matmul: an in-place write's backward would copy the gradient
             logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
-        else:  # no autograd: writing the padding columns in place is cheaper than a bias
+        else:  # no autograd: writing the padding columns in place is cheaper
             logits = self.lm_head(x)
             logits[..., self.config.real_vocab_size:] = float("-inf")
         loss = None
@@ -330,23 +324,16 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """OpenAI's GPT-2 through transformers (a hub name, gpt2 .. gpt2-xl, or a save_pretrained
-        dir), the vocab padded to a multiple of 64 (50257 -> 50304) with zero, masked rows."""
-        from transformers import GPT2LMHeadModel
-        try:
-            hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
-        except OSError as e:  # offline, unknown name, or not a model directory
-            raise UsageError(f"could not load GPT-2 weights {name_or_dir!r} ({one_line(e, 160)});"
-                             f" offline, pass a local directory written by "
-                             f"GPT2LMHeadModel.save_pretrained") from None
+        """OpenAI's GPT-2 through transformers (gpt2 .. gpt2-xl, or a save_pretrained dir), the
+        vocab padded to 50304 with zero, masked rows."""
+        hf = hellaswag.load_hf_model(name_or_dir)  # transformers' own; one line if it fails
         hc = hf.config
         standard = (hc.activation_function == "gelu_new" and hc.layer_norm_epsilon == 1e-5
                     and hc.n_inner in (None, 4 * hc.n_embd)
                     and not getattr(hc, "scale_attn_by_inverse_layer_idx", False)
                     and not getattr(hc, "reorder_and_upcast_attn", False))
         if not standard:
-            raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture (activation, MLP "
-                             f"width or attention options differ)")
+            raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture")
         padded_vocab = math.ceil(hc.vocab_size / 64) * 64
         config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
                            n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size,
@@ -368,9 +355,8 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True,
                              muon=None):
-        """AdamW with decay on matmul weights and embeddings (dim >= 2), never on biases or
-        LayerNorm. muon (make_muon's keyword arguments, or None): the blocks' 2-D weights go to
-        torch.optim.Muon instead, and the two come back as one CombinedOptimizer."""
+        """AdamW, weight decay on matmuls and embeddings only. muon (make_muon's keywords): the
+        blocks' 2-D weights go to torch.optim.Muon instead, both in one CombinedOptimizer."""
         matrices = []  # Muon's share: the 2-D weights inside the blocks (attention and MLP)
         if muon is not None:
             matrices = [p for p in self.transformer.h.parameters() if p.dim() == 2]
@@ -380,13 +366,12 @@ class GPT(nn.Module):
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        if verbose:
-            parts = {"decayed": decay, "non-decayed": no_decay}
-            if muon is not None:
-                parts["Muon"] = matrices
-            for what, ps in parts.items():
-                print(f"{what} parameter tensors: {len(ps)}, with {sum(p.numel() for p in ps):,} "
-                      f"parameters")
+        parts = {"decayed": decay, "non-decayed": no_decay}
+        if muon is not None:
+            parts["Muon"] = matrices
+        for what, ps in parts.items():
+            if verbose:
+                print(f"{what} parameter tensors: {len(ps)}, {sum(p.numel() for p in ps):,} params")
         fused = device_type == "cuda"  # one kernel for the whole update instead of one per tensor
         adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8,
                                   fused=fused)
@@ -397,9 +382,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None,
                  use_cache=True):
-        """The prompt idx (B, T0) and max_new_tokens tokens sampled after it, in eval mode. The KV
-        cache runs the prompt once, then one token a step; without it (the reference the cache is
-        tested against) the whole sequence is recomputed every step."""
+        """The prompt idx (B, T0) and max_new_tokens sampled after it. The KV cache runs the prompt
+        once, then a token a step; without it (the tests' reference) all is recomputed each step."""
         B, T0 = idx.size()
         if T0 + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
@@ -427,8 +411,7 @@ class GPT(nn.Module):
         return idx
 
 def sample_next(logits, temperature=1.0, top_k=50, generator=None):
-    """One token id per row of logits (B, V): top-k sampling at a temperature; greedy for top_k=1
-    or temperature 0."""
+    """A token id per row of logits (B, V): top-k sampling; greedy for top_k=1 or temperature 0."""
     logits = logits.float()
     if temperature == 0 or top_k == 1:
         return logits.argmax(dim=-1, keepdim=True)
@@ -438,13 +421,12 @@ def sample_next(logits, temperature=1.0, top_k=50, generator=None):
         return torch.gather(ix, -1, torch.multinomial(F.softmax(v, dim=-1), 1, generator=generator))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
-# the matmul weights transformers' GPT-2 keeps as Conv1D, (in, out): transposed on import, export
+# the matmuls transformers' GPT-2 keeps as Conv1D, (in, out): transposed on import and export
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
 
 def export_hf(model, out_dir):
-    """Write model as a transformers GPT2LMHeadModel directory (config.json + safetensors), the
-    vocab unpadded."""
+    """Write model as a transformers GPT2LMHeadModel directory, the vocab unpadded."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = model.config
     if not c.bias or c.n_kv_head != c.n_head:
@@ -467,20 +449,13 @@ def export_hf(model, out_dir):
     hf.save_pretrained(out_dir)
     return hf
 
-def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B): n_params
-    without wpe (a lookup), the tied wte/lm_head once; 12·L·H·Q·T the attention matmuls."""
-    L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, seq_len
-    return 6 * n_params + 12 * L * H * Q * T
-
-# ===== Data loader: uint16 token shards written by fineweb.py ====================================
+# ===== Data loader: uint16 token shards written by fineweb.py =====
 class DataLoaderLite:
     """Batches (x, y) of shape (B, T) from the memory-mapped `*_{split}_NNNNNN.npy` shards.
 
-    A split is one endless stream of tokens: its shards in order, then (train only) again in an
-    order drawn from a seeded RNG at each epoch. Rank r reads window r of each group of
-    num_processes windows of B*T (+1) tokens, across shard ends. The position is one number: the
-    batches are the same for any number of processes, and `state_dict()` resumes exactly."""
+    A split is one endless stream: its shards in order, then (train) in a seeded order each epoch.
+    Rank r reads window r of each num_processes windows of B*T (+1) tokens: the same batches for
+    any number of processes, and a position that resumes exactly."""
 
     def __init__(self, B, T, process_rank=0, num_processes=1, split="train",
                  data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337, vocab_size=GPT2_VOCAB_SIZE):
@@ -491,8 +466,7 @@ class DataLoaderLite:
         self.shards = fineweb.list_shards(data_root, split)
         if not self.shards:
             raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: prepare "
-                             f"them with `python fineweb.py` (see --help there)",
-                             rank_specific=True)
+                             f"them with fineweb.py", rank_specific=True)
         try:  # header, size, dtype and every token id < vocab_size, checked once
             self.tokens = [fineweb.open_shard(path, vocab_size) for path in self.shards]
         except fineweb.ShardError as e:
@@ -502,11 +476,11 @@ class DataLoaderLite:
         if self.epoch_tokens < B * T + 1:
             raise UsageError(f"the {split} shards in {data_root} hold {self.epoch_tokens} tokens, "
                              f"fewer than one batch of B*T+1 = {B * T + 1}")
-        self.order_key = None  # (seed, epoch) of the shard order in self.order, self.starts
+        self.order_key = None  # (seed, epoch) of self.order, self.starts
         self.reset()
 
     def reset(self):
-        self.position = 0  # stream offset of this step's first window (the same on every rank)
+        self.position = 0  # where this step's windows start (the same on every rank)
 
     def state_dict(self):
         return {"position": self.position, "split": self.split, "seed": self.seed,
@@ -515,14 +489,13 @@ class DataLoaderLite:
     def load_state_dict(self, state):
         then = (state["num_shards"], state["epoch_tokens"])
         if then != (len(self.shards), self.epoch_tokens):
-            raise UsageError(f"the {self.split} shards changed since the checkpoint was written "
-                             f"({then[0]} shards / {then[1]} tokens then, {len(self.shards)} / "
+            raise UsageError(f"the {self.split} shards changed since the checkpoint ({then[0]} "
+                             f"shards / {then[1]} tokens then, {len(self.shards)} / "
                              f"{self.epoch_tokens} now)")
         self.seed, self.position = state["seed"], state["position"]
 
     def _use_epoch(self, epoch):
-        """self.order, an epoch's shard order, and self.starts, its token offsets; the stream only
-        moves forward, so the order of one epoch is kept."""
+        """self.order (the epoch's shard order) and self.starts (its offsets), kept per epoch."""
         if self.order_key == (self.seed, epoch):
             return
         self.order = np.arange(len(self.shards))
@@ -553,20 +526,19 @@ class DataLoaderLite:
         self.position += B * T * self.num_processes
         return x, y
 
-# ===== Optimizers and schedules: AdamW (GPT-2's) or Muon + AdamW; the LR, the batch ramp =========
+# ===== Optimizers (AdamW, or Muon + AdamW) and schedules (the LR, the batch ramp) =====
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
               adjust_lr_fn="match_rms_adamw"):
-    """torch.optim.Muon over `matrices`, decoupled weight decay as AdamW's. match_rms_adamw puts
-    its LR on AdamW's scale, so one schedule drives both: a group's LR is the scheduled one times
-    its lr_scale."""
+    """torch.optim.Muon over `matrices`; its LR is the schedule's times lr_scale (match_rms_adamw:
+    on AdamW's scale)."""
     lr = max_lr if lr is None else lr
     return torch.optim.Muon([{"params": matrices, "lr_scale": lr / max_lr}], lr=lr,
                             weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                             adjust_lr_fn=adjust_lr_fn)
 
 class CombinedOptimizer:
-    """Optimizers over disjoint parameters used as one. Iterating it gives them, which is how
-    torch.distributed.checkpoint's state-dict helpers take several optimizers."""
+    """Optimizers over disjoint parameters, used as one; iterable, as torch's distributed
+    state-dict helpers take several optimizers."""
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers
@@ -594,7 +566,7 @@ class CombinedOptimizer:
             opt.load_state_dict(state)
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
-    """Linear warmup to max_lr, cosine decay to min_lr at max_steps, constant after."""
+    """Linear warmup to max_lr, cosine decay to min_lr at max_steps, then constant."""
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= max_steps:
@@ -604,8 +576,8 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     return min_lr + coeff * (max_lr - min_lr)
 
 def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768):
-    """GPT-3's ramp: tokens in the next step, linear from `start` to the total over the first
-    ramp_tokens, a multiple of unit = B*T*world_size (a micro-step on every rank), at least one."""
+    """GPT-3's ramp: the next step's tokens, linear from `start` to the total over ramp_tokens, in
+    whole units (B*T*world_size, a micro-step on every rank)."""
     if ramp_tokens <= 0 or tokens_seen >= ramp_tokens:
         return total_batch_size
     start = min(start, total_batch_size)
@@ -613,7 +585,7 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
     return max(unit, int(size) // unit * unit)
 
 def accumulation_steps(args, world_size, block_size):
-    """Micro-steps per optimizer step, or a UsageError naming what does not fit."""
+    """Micro-steps per optimizer step, or a UsageError saying what does not fit."""
     B, T = args.micro_batch_size, args.sequence_length
     if T > block_size:
         raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
@@ -624,7 +596,7 @@ def accumulation_steps(args, world_size, block_size):
                          f"or change -B")
     return args.total_batch_size // unit
 
-# ===== Distributed: this process's place in the run, FSDP ========================================
+# ===== Distributed: this process in the run, FSDP =====
 @dataclass
 class Proc:
     """This process in the run (torchrun's RANK, LOCAL_RANK, WORLD_SIZE) and its device."""
@@ -637,24 +609,22 @@ class Proc:
 
     def __post_init__(self):
         self.master = self.rank == 0
-        self.device_type = device_type_of(self.device)  # autocast, fused AdamW: never 'cuda:3'
+        self.device_type = device_type_of(self.device)  # 'cuda', not 'cuda:3': for autocast
 
     def agree(self, ok, long_wait=False):
-        """True when ok is true on every rank; also a barrier. long_wait: on a gloo group that
-        waits 48 h (data prep takes hours, past NCCL's timeout)."""
+        """ok on every rank (a barrier too); long_wait: on a gloo group that waits 48 h for a data
+        prep."""
         flag = torch.tensor(float(ok), device="cpu" if long_wait else self.device)
+        if self.world_size > 1 and long_wait and self.long_wait_group is None:
+            hours48 = datetime.timedelta(hours=48)
+            self.long_wait_group = dist.new_group(backend="gloo", timeout=hours48)
         if self.world_size > 1:
-            group = None
-            if long_wait:
-                if self.long_wait_group is None:
-                    self.long_wait_group = dist.new_group(backend="gloo",
-                                                          timeout=datetime.timedelta(hours=48))
-                group = self.long_wait_group
+            group = self.long_wait_group if long_wait else None
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return flag.item() == 1.0
 
 def setup_distributed(args):
-    """A Proc from torchrun's environment (one process without it), the process group started."""
+    """A Proc from torchrun's environment (or one process), its process group started."""
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.fsdp and not distributed:
         raise UsageError("--fsdp shards the model across processes: launch with torchrun")
@@ -673,7 +643,7 @@ def setup_distributed(args):
     return Proc(distributed, rank(), local_rank, world_size, device)
 
 def shard_model(raw_model, use_bf16):
-    """FSDP2 on every block and then the root (embeddings, tied lm_head, ln_f); in place."""
+    """FSDP2 on every block, then on the root (embeddings, tied lm_head, ln_f); in place."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch 2.5 kept FSDP2 under _composable
@@ -685,11 +655,11 @@ def shard_model(raw_model, use_bf16):
         fully_shard(block, mp_policy=mp)
     fully_shard(raw_model, mp_policy=mp)
 
-# ===== Evaluation: val loss, samples =============================================================
+# ===== Evaluation: val loss, samples =====
 @torch.no_grad()
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
-    """Mean loss over the first n_tokens targets of the loader's split, all ranks together: the
-    same tokens for any B and process count, the same passes on every rank."""
+    """Mean loss over the first n_tokens targets of the split, all ranks together: the same tokens
+    for any B and process count."""
     was_training = model.training
     model.eval()
     loader.reset()
@@ -700,7 +670,7 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
         start = loader.position + loader.process_rank * per_rank
         valid = max(0, min(per_rank, n_tokens - start))
         x, y = loader.next_batch()
-        if valid < per_rank:  # targets past n_tokens are ignored
+        if valid < per_rank:  # targets past n_tokens: ignored
             y = y.clone()  # x and y are views of one buffer: masking y in place would corrupt x
             y.view(-1)[valid:] = -100  # F.cross_entropy's ignore_index
         x, y = x.to(device), y.to(device)
@@ -719,18 +689,12 @@ def encode_prompt(enc, text):
     return enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
 
 def decode_sample(enc, tokens, n_prompt):
-    """A sample as text: the prompt and what follows up to <|endoftext|>, blank lines squeezed."""
+    """The prompt and what follows up to <|endoftext|>, as text, blank lines squeezed."""
     new = tokens[n_prompt:]
     if EOT in new:
         new = new[: new.index(EOT)]
     text = enc.decode([t for t in tokens[:n_prompt] if t != EOT] + new)
     return re.sub(r"\n\s*\n", "\n", text).strip()
-
-def check_prompt_fits(enc, prompt, n_new, block_size, flags, hint=""):
-    n_prompt = len(encode_prompt(enc, prompt))
-    if n_prompt + n_new > block_size:
-        raise UsageError(f"{flags[0]} ({n_prompt} tokens) + {flags[1]} ({n_new}) exceeds the "
-                         f"model's block_size {block_size}{hint}")
 
 def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autocast_ctx, seed,
                  **generate):
@@ -743,13 +707,13 @@ def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autoca
     return [decode_sample(enc, row, len(tokens)) for row in out.tolist()]
 
 def due(every, step, last_step=False):
-    """Whether an every-N block (val, HellaSwag, samples, checkpoints) runs at this step."""
+    """Whether an every-N block (val, HellaSwag, samples, checkpoint) runs now."""
     return every > 0 and (last_step or step % every == 0)
 
-# ===== Checkpoints: what one holds (rundir.py writes, finds and checks the files) ================
+# ===== Checkpoints: what one holds (rundir.py handles the files) =====
 @dataclass
 class TrainState:
-    """Where a run stands, besides the weights, the optimizer, the loader and the random numbers."""
+    """Where a run stands, besides the weights, optimizer, loader and random generators."""
     step: int = -1  # the last optimizer step taken (and included in a checkpoint); -1: none yet
     tokens_seen: int = 0  # train tokens consumed so far (the batch-size ramp depends on it)
     val_loss: float | None = None  # the latest val loss
@@ -757,8 +721,8 @@ class TrainState:
 
 def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, proc,
                     collective=True):
-    """model_{step}.pt: everything an exact resume needs. Every rank calls it (FSDP gathers the
-    shards), rank 0 writes. collective=False: after a failure that may be this rank's alone."""
+    """model_{step}.pt, all an exact resume needs. Every rank calls it (FSDP gathers), rank 0
+    writes; collective=False after a failure that may be this rank's alone."""
     from torch.distributed.checkpoint import state_dict as dcp
     # unsharded, on the CPU, keyed by parameter name: the same from a plain, DDP or FSDP model
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -777,8 +741,8 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, 
                             proc.agree if collective else None)
 
 def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
-    """Load a checkpoint into the model (FSDP: each rank its shard), the optimizer, the loader and
-    the random generators; returns its TrainState."""
+    """Load a checkpoint into the model (FSDP: each rank its shard), optimizer, loader and random
+    generators; returns its TrainState."""
     from torch.distributed.checkpoint import state_dict as dcp
     options = dcp.StateDictOptions(full_state_dict=True)
     dcp.set_model_state_dict(raw_model, ckpt["model"], options=options)
@@ -792,48 +756,49 @@ def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
     rundir.set_rng_state(ckpt["rng"])
     return TrainState(ckpt["step"], ckpt["tokens_seen"], ckpt["val_loss"], ckpt["args"])
 
-# ===== train(): the whole run, from the settings to the last checkpoint ==========================
+# ===== train(): the whole run =====
 def train(args, ckpt=None):
-    """One training run, start to end, with the settings and the resumed checkpoint (or None) of
-    parse_args; returns the exit status (0, or 128 + the signal that stopped it)."""
+    """One run, start to end, from parse_args' settings and checkpoint; returns the exit status
+    (0, or 128 + the signal that stopped it)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     proc = setup_distributed(args)
     pretrained, config = None, model_config_from_args(args)
     if args.init_from:
         pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
         config = pretrained.config
-    if ckpt is not None:  # the shape of the model resumed
+    if ckpt is not None:
         config = GPTConfig(**ckpt["config"])
 
-    # each rank runs micro-steps of B*T tokens, accumulated into steps of total_batch_size tokens
+    # each rank runs micro-steps of B*T tokens, accumulated into steps of total_batch_size
     B, T = args.micro_batch_size, args.sequence_length
     grad_accum_steps = accumulation_steps(args, proc.world_size, config.block_size)
     unit = B * T * proc.world_size  # tokens of one micro-step, all ranks together
     val_tokens = args.val_tokens if args.val_steps is None else args.val_steps * unit
-    end = rundir.end_step(args)  # the run stops before this step: --max_steps or --stop_step
+    end = rundir.end_step(args)  # the run stops before this step (--stop_step)
     autocast_ctx, use_bf16 = autocast_for(args.dtype, proc.device_type)
     use_compile = proc.device_type == "cuda" if args.compile is None else args.compile
-    enable_tf32(proc.device_type)  # TF32 for the fp32 matmuls that remain
+    enable_tf32(proc.device_type)  # TF32 for fp32 matmuls
     enc = fineweb.get_encoding()
     if args.sample_every > 0:
-        check_prompt_fits(enc, args.sample_prompt, args.sample_tokens, config.block_size,
-                          ("--sample_prompt", "--sample_tokens"),
-                          ": shorten them, or turn samples off with --sample_every 0")
+        rundir.check_prompt_fits(len(encode_prompt(enc, args.sample_prompt)), args.sample_tokens,
+                                 config.block_size, ("--sample_prompt", "--sample_tokens"),
+                                 ": shorten them, or turn samples off with --sample_every 0")
     run_config = {**vars(args), "device": proc.device, "world_size": proc.world_size,
                   "grad_accum_steps": grad_accum_steps, "bf16": use_bf16, "compile": use_compile,
                   "val_tokens": val_tokens, "model": asdict(config)}
     print0(rundir.format_run_config(run_config, RUN_SETTINGS))
 
-    # one run per log dir (a lock, released at the end however the run ends); stop signals caught
+    # one run per log dir (a lock, released however the run ends); stop signals caught
     claim = rundir.claim_log_dir(args, ckpt, run_config, proc.master, proc.agree)
     stop = rundir.StopSignals()  # SIGTERM, SIGINT, SIGUSR1: finish the step, save, exit
     state, step, last_saved, stopped_by = TrainState(args=vars(args)), None, -1, None
     try:
-        # ---- the data: shards prepared on first use (by rank 0; the others wait), two loaders
+        # ---- the data, prepared on first use (by rank 0; the others wait)
         fineweb.ensure_prepared(args.data_root, train_tokens=args.max_steps * args.total_batch_size,
                                 val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
                                 text_column=args.text_column, master=proc.master,
-                                agree=proc.agree, print0=print0, vocab_size=config.real_vocab_size)
+                                agree=proc.agree, print0=print0,
+                                vocab_size=config.real_vocab_size)
         train_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "train", args.data_root,
                                       args.seed, config.real_vocab_size)
         val_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "val", args.data_root,
@@ -841,7 +806,7 @@ def train(args, ckpt=None):
         val_tokens = rundir.usable_val_tokens(args, train_loader.epoch_tokens,
                                               val_loader.epoch_tokens, val_tokens)
 
-        # ---- the model (raw: unwrapped and uncompiled, for saving, HellaSwag and samples)
+        # ---- the model (raw: unwrapped, uncompiled, for saving, HellaSwag and samples)
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
         random.seed(args.seed)
@@ -857,16 +822,15 @@ def train(args, ckpt=None):
                                                    proc.device_type, proc.master, muon)
         if ckpt is not None:
             state = restore_checkpoint(ckpt, raw_model, optimizer, train_loader)
-            state.args, last_saved, ckpt = vars(args), state.step, None  # weights in the model now
+            state.args, last_saved, ckpt = vars(args), state.step, None  # free its tensors
             print0(f"resumed from {args.resume} at step {state.step + 1}")
         model = torch.compile(raw_model) if use_compile else raw_model
         ddp = proc.distributed and not args.fsdp  # FSDP reduce-scatters every micro-step
         if ddp:
             model = DDP(model, device_ids=[proc.local_rank] if proc.device_type == "cuda" else None)
 
-        n_params = raw_model.get_num_params(non_embedding=True)
-        metrics = rundir.Metrics(args, proc.device, proc.world_size, state.step + 1, end,
-                                 flops_per_token(config, n_params, T), run_config)
+        metrics = rundir.Metrics(args, proc.device, proc.world_size, state.step + 1, end, config,
+                                 raw_model.get_num_params(non_embedding=True), run_config)
         profiler = rundir.Profiler(args, proc.device_type, proc.rank)
         hellaswag_on = args.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc.master,
                                                                                   proc.agree)
@@ -913,7 +877,7 @@ def train(args, ckpt=None):
             t0 = time.time()
             batch_size = batch_size_at(state.tokens_seen, args.batch_ramp_tokens,
                                        args.total_batch_size, unit, args.batch_ramp_start)
-            micro_steps = batch_size // unit  # grad_accum_steps, or fewer during a batch ramp
+            micro_steps = batch_size // unit  # grad_accum_steps, fewer in a batch ramp
             optimizer.zero_grad(set_to_none=True)
             loss_accum = torch.zeros((), device=proc.device)
             for micro_step in range(micro_steps):
@@ -930,8 +894,8 @@ def train(args, ckpt=None):
                                                   args.grad_clip or float("inf"))
             if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
                 norm = norm.full_tensor()
-            # one read-back a step: the loss (mean over ranks), the norm, and whether every rank
-            # goes on (a signal on one rank stops them all after this step)
+            # one read-back a step: the loss (mean over ranks), the norm, and whether all ranks go
+            # on (a signal on one rank stops all after this step)
             go_on = torch.tensor(float(stop.signum is None), device=proc.device)
             if proc.world_size > 1:
                 dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, divide
@@ -939,13 +903,11 @@ def train(args, ckpt=None):
                 dist.all_reduce(go_on, op=dist.ReduceOp.MIN)
             loss_value, norm_value, go_on = torch.stack([loss_accum, norm.float(), go_on]).tolist()
             if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-                raise UsageError(f"the loss is {loss_value} and the gradient norm {norm_value}: "
-                                 f"the run diverged and stopped before this update (lower "
-                                 f"--max_lr or raise --warmup_steps, and resume)")
+                raise UsageError(rundir.divergence(loss_value, norm_value))
             lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps,
                         args.max_steps)
             for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group: --muon_lr / --max_lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's: --muon_lr / --max_lr
             optimizer.step()
             if proc.device_type == "cuda":
                 torch.cuda.synchronize()  # so dt measures the GPU's work, not just the launches
@@ -971,16 +933,16 @@ def train(args, ckpt=None):
         metrics.finish()  # W&B uploads: can fail after all
         if args.fsdp:
             raw_model.reshard()  # FSDP keeps the root's parameters gathered after an eval forward
-        proc.agree(True)  # every rank done with its collectives before the process group goes
+        proc.agree(True)  # all ranks done with collectives before the process group goes
     except Exception as e:
         if step is None:  # before the first step: nothing trained to keep
             raise
         # keep the last finished step, without a collective: the failure may be this rank's alone
-        # (FSDP, which must gather its shards to save, keeps the last checkpoint written instead)
+        # (FSDP must gather its shards to save: the last checkpoint written stays the newest)
         if state.step > last_saved and not (args.fsdp and proc.world_size > 1):
-            last_saved = state.step
-            save_checkpoint(rundir.checkpoint_path(args.log_dir, last_saved), raw_model, optimizer,
+            save_checkpoint(rundir.checkpoint_path(args.log_dir, state.step), raw_model, optimizer,
                             state, train_loader, args.keep_last, proc, collective=False)
+            last_saved = state.step
         rundir.report_failure(e, step, args.log_dir, last_saved)  # one line, or a bug's traceback
     finally:
         stop.restore()
@@ -989,12 +951,11 @@ def train(args, ckpt=None):
         return 128 + stopped_by
     return 0
 
-# ===== The command line: the training flags, the sample / export / eval commands, main ===========
+# ===== The command line: training's flags, the sample / export / eval commands =====
 def parse_args(argv=None):
-    """The run's settings and the checkpoint it resumes (None for a new run). A flag takes the first
-    value found on: the command line, the resumed checkpoint (all but THIS_INVOCATION's flags), the
-    preset's run settings, RUN_SETTINGS' default."""
-    # a pre-pass for --preset alone, so that --help can show that preset's defaults
+    """The run's settings and the checkpoint it resumes (or None). A flag's value is the first of:
+    the command line, the checkpoint (but not for THIS_INVOCATION), the preset, RUN_SETTINGS."""
+    # a pre-pass for --preset alone: --help shows its defaults
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset")
     shown_preset = pre.parse_known_args(argv)[0].preset
@@ -1032,10 +993,10 @@ def parse_args(argv=None):
     return args, ckpt
 
 CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
-SHARED_FLAGS = [e for e in RUN_SETTINGS[THIS_INVOCATION] if e[0] in ("--init_from", "--device",
-                                                                     "--dtype")]
+SHARED = [e for e in RUN_SETTINGS[THIS_INVOCATION] if e[0] in ("--init_from", "--device",
+                                                               "--dtype")]
 COMMAND_FLAGS = {  # the commands' meaning, then their flags
-    "sample": ["text from a checkpoint or from OpenAI's GPT-2", *SHARED_FLAGS, CHECKPOINT,
+    "sample": ["text from a checkpoint or from OpenAI's GPT-2", *SHARED, CHECKPOINT,
                ("--prompt", "Hello, I'm a language model,", str, "text to continue"),
                ("--num_samples", 4, POSITIVE_INT, "independent samples"),
                ("--max_new_tokens", 64, POSITIVE_INT, "new tokens per sample"),
@@ -1046,12 +1007,11 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
     "export": ["a checkpoint as a transformers GPT2LMHeadModel directory",
                ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
                ("--out", None, {"required": True}, "a new (or empty) directory to write")],
-    "eval": ["HellaSwag accuracy of a checkpoint or of OpenAI's GPT-2 (acc: lowest summed loss of "
-             "the ending, acc_norm: lowest mean loss)", *SHARED_FLAGS, CHECKPOINT,
+    "eval": ["HellaSwag acc and acc_norm of a checkpoint or of OpenAI's GPT-2", *SHARED,
+             CHECKPOINT,
              ("--limit", None, POSITIVE_INT, "only the first N examples"),
              ("--batch_tokens", 8192, NONNEG_INT, "tokens a pass (0: one example)"),
-             ("--hellaswag_dir", None, str, "folder of hellaswag_val.jsonl (default: "
-                                            "hellaswag.py's)"),
+             ("--hellaswag_dir", None, str, "folder of hellaswag_val.jsonl, if not hellaswag.py's"),
              ("--data_dir", None, {"dest": "hellaswag_dir", "help": argparse.SUPPRESS}, "")],
 }
 
@@ -1065,24 +1025,21 @@ def build_parser(shown=DEFAULTS, command=None):
     commands = "\n".join(f"  {c:8} {flags[0]}" for c, flags in COMMAND_FLAGS.items())
     p = OneLineParser(prog="train_gpt2.py", formatter_class=argparse.RawDescriptionHelpFormatter,
                       usage="%(prog)s [flags]  |  %(prog)s {sample,export,eval} [flags]",
-                      description="Pretrain GPT-2 on FineWeb-Edu shards: python train_gpt2.py on "
-                                  "one GPU, torchrun --standalone --nproc_per_node=8 train_gpt2.py "
-                                  "on a node.\n\ncommands (python train_gpt2.py COMMAND --help):\n"
-                                  + commands)
+                      description="Pretrain GPT-2 on FineWeb-Edu shards, on one GPU or under "
+                                  f"torchrun.\n\ncommands (COMMAND --help):\n{commands}")
     for title, entries in RUN_SETTINGS.items():
         add_flags(p.add_argument_group(title), entries, shown)
     return p
 
 def model_from_checkpoint(path):
-    """The GPT stored in one of our checkpoints (model_*.pt), in fp32 on the CPU."""
+    """The GPT in one of our model_*.pt, in fp32 on the CPU."""
     ckpt = rundir.read_checkpoint(path)
     model = GPT(GPTConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     return model
 
 def model_for_command(args):
-    """(GPT in eval mode on its device, device, autocast context, uses bf16) of --checkpoint or
-    --init_from."""
+    """(GPT in eval mode, device, autocast, uses bf16) of --checkpoint or --init_from."""
     if (args.checkpoint is None) == (args.init_from is None):
         raise UsageError("give one of --checkpoint (a model_*.pt) or --init_from (OpenAI's GPT-2)")
     device = resolve_device(args.device)
@@ -1096,8 +1053,8 @@ def model_for_command(args):
 def sample_main(args):
     model, device, ctx, _ = model_for_command(args)
     enc = fineweb.get_encoding()
-    check_prompt_fits(enc, args.prompt, args.max_new_tokens, model.config.block_size,
-                      ("--prompt", "--max_new_tokens"))
+    rundir.check_prompt_fits(len(encode_prompt(enc, args.prompt)), args.max_new_tokens,
+                             model.config.block_size, ("--prompt", "--max_new_tokens"))
     texts = sample_texts(model, enc, args.prompt, args.num_samples, args.max_new_tokens, device,
                          ctx, args.seed, temperature=args.temperature, top_k=args.top_k,
                          use_cache=not args.no_kv_cache)
@@ -1106,8 +1063,8 @@ def sample_main(args):
     return 0
 
 def export_main(args):
-    write_new_dir(args.out, "--out", lambda tmp: export_hf(model_from_checkpoint(args.checkpoint),
-                                                           tmp))
+    write_new_dir(args.out, "--out",
+                  lambda tmp: export_hf(model_from_checkpoint(args.checkpoint), tmp))
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
@@ -1131,7 +1088,7 @@ def run(argv):
     return train(*parse_args(argv))
 
 def main(argv=None):
-    """The exit status of a command or a training run; what a user can fix is one error line."""
+    """The exit status of a command or a run; what a user can fix is one error line."""
     try:
         return run_cli(run, sys.argv[1:] if argv is None else list(argv))
     finally:
