@@ -331,6 +331,7 @@ def suite_markdown(r):
     tested = "CUDA tests: not run (--skip_tests)"
     if tests:
         tested = f"CUDA tests (`{tests['command']}`): {tests['summary']}"
+
     lines = [f"# GPU suite: {s['gpu'] or s['device']}", "",
              f"torch {s['torch']} (CUDA {s['cuda']}), {s['date']}; model {s['preset']}, "
              f"B={s['B']}, T={s['T']}, {s['grad_accum']} micro-steps "
@@ -344,6 +345,7 @@ def suite_markdown(r):
         mfu = fmt(row["mfu"] * 100 if row["mfu"] else None, "%")
         lines.append(f"| {label}: {compiled}, {adamw} AdamW | {fmt(row['tokens_per_sec'])} | "
                      f"{fmt(row['ms_per_step'])} | {mfu} | {fmt(row['peak_mem_gib'], ' GiB')} |")
+
     new = g["new_tokens"]
     lines += ["", f"ours / build-nanogpt tokens/s: {fmt(t['speedup'], 'x')}", "",
               "| scoring and generation | value |", "|---|---:|",
@@ -578,6 +580,7 @@ def compare_optimizers(args, device):
         # the val shard holds just what the tiny preset evaluates on; every other token trains
         fineweb.prepare(data, inputs=inputs, shard_size=10_000_000, val_tokens=tiny["val_tokens"],
                         progress=False)
+
         runs = {}
         for kind in ("adamw", "muon"):
             log_dir = os.path.join(tmp, kind)
@@ -591,6 +594,7 @@ def compare_optimizers(args, device):
                     raise RuntimeError(f"train_gpt2.py {' '.join(flags)} failed")
             steps, values = rundir.read_log(os.path.join(log_dir, "log.txt"))["val"]
             runs[kind] = {"steps": steps, "val": values, "seconds": time.perf_counter() - t0}
+
     target = runs["adamw"]["val"][-1]
     return {"inputs": args.compare_input or ["stdlib docstrings"], "max_steps": args.compare_steps,
             "flags": args.compare_flags, **runs, "adamw_final_val": target,
@@ -692,6 +696,7 @@ def bench_fineweb_naive(tmp, num_proc, inputs, shard_size=10_000_000):
     t0 = time.perf_counter()
     n_tokens = sum(len(enc.encode_ordinary(t)) + 1 for t in docs)
     single = n_tokens / (time.perf_counter() - t0)
+
     naive, ours, end_to_end = (os.path.join(tmp, name) for name in ("naive", "ours", "end_to_end"))
     os.makedirs(naive)
     naive_s = _naive_shards(docs, naive, shard_size)
@@ -704,6 +709,7 @@ def bench_fineweb_naive(tmp, num_proc, inputs, shard_size=10_000_000):
     fineweb.prepare(end_to_end, inputs=inputs, shard_size=shard_size, num_proc=num_proc,
                     progress=False)
     end_to_end_s = time.perf_counter() - t0
+
     # the three wrote the same token stream (checked after the timing)
     def stream(folder):
         return np.concatenate([np.load(p) for split in ("val", "train")
@@ -771,6 +777,7 @@ def build_parser():
                    help="untimed training steps first (default: 3, 10 with compile)")
     p.add_argument("--steps", type=int, default=5,
                    help="timed training steps (the median is reported)")
+
     p.add_argument("--only",
                    default="train,train_loop,optimizers,hellaswag,generate,loader,fineweb",
                    help="comma-separated subset of rows to measure (train_loop: train_gpt2.main's "
@@ -786,6 +793,7 @@ def build_parser():
     p.add_argument("--hellaswag_batch_tokens", type=int, default=None,
                    help="tokens per batched HellaSwag forward (default: 8192 on CUDA, 512 "
                         "elsewhere)")
+
     p.add_argument("--compare_input", nargs="+", metavar="PATH", default=None,
                    help="text (.txt/.jsonl/.parquet) for --only optimizers_compare (default: this "
                         "Python's standard-library docstrings)")
@@ -798,6 +806,7 @@ def build_parser():
                         "'--total_batch_size 512 -B 2'")
     p.add_argument("--json", action="store_true",
                    help="print the results as JSON instead of a table")
+
     p.add_argument("--suite", default=None, choices=["gpu", "gpu-estimate"],
                    help="gpu-estimate: no GPU needed: GPT-2 124M's training step (T=1024, bf16, "
                         "eager, flash attention) on a simulated H100, for each of "
@@ -908,6 +917,7 @@ def main(argv=None):
 def print_table(results):
     print("setting: " + ", ".join(f"{k}={v}" for k, v in results["setting"].items()))
     print(f"{'what':<34} {'value':>16}")
+
     rows = []
     if "train" in results:
         t = results["train"]
@@ -938,6 +948,7 @@ def print_table(results):
         rows += [("DataLoaderLite µs/batch", fmt(d["us_per_batch"])),
                  ("DataLoaderLite RSS added", fmt(d["rss_added_mib"], " MiB"))]
     rows += fineweb_rows(results)
+
     for name, value in rows:
         print(f"{name:<34} {value:>16}")
     if "optimizers_compare" in results:

@@ -97,6 +97,7 @@ def atomic_write(path, write, size=None):
     """
     folder = os.path.dirname(os.path.abspath(path))
     tmp = f = None
+
     try:
         fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
         f = os.fdopen(fd, "wb")
@@ -107,7 +108,7 @@ def atomic_write(path, write, size=None):
         with contextlib.suppress(OSError):  # a filesystem without modes (FUSE, SMB) keeps its own
             os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
-    except BaseException as e:
+    except BaseException as e:  # the temp file goes, whatever happened; a full disk says so
         written = None
         if tmp is not None and os.path.exists(tmp):
             written = os.path.getsize(tmp)
@@ -117,6 +118,7 @@ def atomic_write(path, write, size=None):
                 f.close()
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+
         if full is None:
             raise
         free = None

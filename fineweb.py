@@ -532,6 +532,7 @@ def write_shards(local_dir, texts, manifest=None, *, shard_size, val_tokens, max
     pbar = None  # made at the first batch, so an input error is not preceded by an empty bar
     # (remaining == 0: a resumed run that had written everything but the "complete" flag)
     batches = _tokenized(_batched(texts), num_proc) if remaining != 0 else (b for b in ())
+
     try:
         for tokens, lengths in batches:
             if pbar is None and len(tokens):
@@ -583,8 +584,8 @@ def _read_shard_header(path, f):
     if dtype != np.uint16:
         raise ShardError(f"{path}: holds {dtype} values, expected uint16 token ids")
     if len(shape) != 1:
-        raise ShardError(f"{path}: holds a {len(shape)}-D array of shape {shape}, expected a 1-D "
-                         f"token stream")
+        raise ShardError(f"{path}: holds an array of shape {shape}, expected a 1-D token stream")
+
     n, header_bytes = shape[0], f.tell()
     size = os.fstat(f.fileno()).st_size
     # np.load(mmap_mode="r") would only say "mmap length is greater than file size"
@@ -812,6 +813,7 @@ def _check_against_manifest(data_root, manifest, val, train, vocab_size):
     if vocab_size <= EOT:
         raise DataPrepError(f"{data_root} holds {TOKENIZER} token ids up to {EOT}, which a model "
                             f"with vocab_size {vocab_size} cannot embed")
+
     mismatch = f"{data_root} does not match its {MANIFEST}"
     fix = "the directory was mixed or changed after its prep: delete it and prepare it again"
     recorded = {s["file"]: s for s in manifest["shards"]}
@@ -829,6 +831,7 @@ def _check_against_manifest(data_root, manifest, val, train, vocab_size):
             else:
                 detail += "; in another order"
             raise DataPrepError(f"{mismatch} ({detail}): {fix}")
+
     shard_size, val_tokens = args["shard_size"], args["val_tokens"]
     for path in val + train:
         name, shard = os.path.basename(path), recorded[os.path.basename(path)]
@@ -935,12 +938,11 @@ def build_parser():
     p = OneLineParser(
         description="Download FineWeb-Edu (or read local files) and tokenize it with GPT-2 BPE "
                     "into uint16 .npy shards for train_gpt2.py. Re-run the same command to resume.",
-        epilog="Validation split: shard 0 (val) gets the first --val_shard_tokens tokens, default "
-               "one full shard (as build-nanogpt), or 10% of --max_tokens (capped at one shard) "
-               "when that is given. If the data ends before the first train token, the tokens "
-               "collected are split: the first 10% (at least 1) become the val shard and the rest "
-               "the train shard, so even a tiny corpus can train.",
+        epilog="Validation split: shard 0 (val) gets the first --val_shard_tokens tokens: one full "
+               "shard, or 10% of --max_tokens when given. Data that ends before the first train "
+               "token is split 10% (at least 1) val, the rest train: a tiny corpus trains too.",
         formatter_class=HelpFormatter)
+
     # flag names as train_gpt2.py's; the old names (hidden) still work
     p.add_argument("--fineweb_name", default="sample-10BT", choices=NAMES,
                    help="FineWeb-Edu sample to download")

@@ -169,8 +169,8 @@ def report_failure(e, step, log_dir, last_saved):
     if isinstance(e, UsageError):
         raise UsageError(f"step {step} failed ({e}){saved}") from None
     if isinstance(e, OSError):
-        raise UsageError(f"step {step} failed ({type(e).__name__}: {one_line(e)}){saved}") \
-            from None
+        what = f"{type(e).__name__}: {one_line(e)}"
+        raise UsageError(f"step {step} failed ({what}){saved}") from None
     print(f"error at step {step}{saved}", file=sys.stderr, flush=True)
     raise e
 
@@ -363,6 +363,7 @@ def check_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
         path = getattr(args, key)
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"--{key} {path} is a file, not a folder")
+
     warnings = []
     if args.warmup_steps >= args.max_steps:
         warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: "
@@ -373,6 +374,7 @@ def check_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
     if "input" in given and glob.glob(os.path.join(args.data_root, "*.npy")):
         warnings.append(f"--input has no effect: {args.data_root} already holds shards (use "
                         f"another --data_root to prepare one from it)")
+
     # flags given for a part of the run that is off: stated, not dropped in silence
     muon_flags = [k for k in given if k.startswith("muon_")]
     off = [(args.eval_every <= 0, "--eval_every 0", ["val_tokens", "val_steps"]),
@@ -388,6 +390,7 @@ def check_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
         if is_off and unused:
             verb = "has" if len(unused) == 1 else "have"
             warnings.append(f"{', '.join(unused)} {verb} no effect with {why}")
+
     if ckpt is None:
         return warnings
     return warnings + check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, get_lr)
@@ -490,8 +493,8 @@ class Metrics:
             try:
                 import wandb
             except ImportError:
-                raise UsageError("--wandb_project needs the wandb package: pip install wandb") \
-                    from None
+                message = "--wandb_project needs the wandb package: pip install wandb"
+                raise UsageError(message) from None
             self.wandb_run = wandb.init(project=args.wandb_project, name=args.wandb_run_name,
                                         config=run_config)
 

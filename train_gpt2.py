@@ -42,6 +42,11 @@ from fineweb import EOT, GPT2_VOCAB_SIZE
 # Every training flag once: (flags, default, type, meaning), made argparse arguments by add_flags.
 # A --preset, then a resumed checkpoint, change the defaults (parse_args); --help shows them.
 FRACTION = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
+SHARED = [  # the flags that the sample and eval commands take too
+    ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
+    ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
+    ("--dtype", "auto", ["auto", "fp32", "bf16"], "autocast dtype; auto: bf16 on CUDA"),
+]
 THIS_INVOCATION = "this invocation (never taken from a resumed checkpoint)"
 RUN_SETTINGS = {
     "model": [
@@ -99,9 +104,7 @@ RUN_SETTINGS = {
         ("--resume", None, {"metavar": "latest|PATH"}, "continue from a checkpoint"),
         ("--overwrite", False, bool, "start afresh: delete log.txt and model_*.pt"),
         ("--stop_step", None, POSITIVE_INT, "leave after N steps, saved, on --max_steps' schedule"),
-        ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
-        ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
-        ("--dtype", "auto", ["auto", "fp32", "bf16"], "autocast dtype; auto: bf16 on CUDA"),
+        *SHARED,
         ("--compile", None, bool, "torch.compile (default: on CUDA only)"),
         ("--fsdp", False, bool, "shard the model across torchrun processes (FSDP2)"),
         ("--peak_flops", None, POSITIVE, "peak bf16 FLOP/s of one GPU, for the MFU"),
@@ -295,14 +298,15 @@ class GPT(nn.Module):
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
-            raise ValueError(f"sequence length {past + T} exceeds block_size "
-                             f"{self.config.block_size}")
+            raise ValueError(f"{past + T} tokens exceed block_size {self.config.block_size}")
+
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B,T,C)
         for block in self.transformer.h:
             x = block(x, kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T
+
         if not isinstance(logits_to_keep, int) or logits_to_keep > 0:  # the vocab matmul is most
             if targets is not None:  # of a small model's work: scoring and sampling need few
                 raise ValueError("targets need every position's logits: leave logits_to_keep 0")
@@ -334,6 +338,7 @@ class GPT(nn.Module):
                     and not getattr(hc, "reorder_and_upcast_attn", False))
         if not standard:
             raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture")
+
         padded_vocab = math.ceil(hc.vocab_size / 64) * 64
         config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
                            n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size,
@@ -349,8 +354,7 @@ class GPT(nn.Module):
         try:
             model.load_state_dict(sd)  # strict: GPT-2's names and shapes, one to one
         except RuntimeError as e:
-            raise ValueError(f"{name_or_dir}: not GPT-2's parameters ({one_line(e, 200)})") \
-                from None
+            raise ValueError(f"{name_or_dir}: not GPT-2's parameters ({one_line(e)})") from None
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True,
@@ -385,7 +389,8 @@ class GPT(nn.Module):
         """The prompt idx (B, T0) and max_new_tokens sampled after it. The KV cache runs the prompt
         once, then a token a step; without it (the tests' reference) all is recomputed each step."""
         B, T0 = idx.size()
-        if T0 + max_new_tokens > self.config.block_size:
+        T1 = T0 + max_new_tokens
+        if T1 > self.config.block_size:
             raise ValueError(f"prompt ({T0} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"the model's block_size {self.config.block_size}")
         was_training = self.training
@@ -393,9 +398,7 @@ class GPT(nn.Module):
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(idx.device.type):
             dtype = torch.get_autocast_dtype(idx.device.type)
-        cache = None
-        if use_cache:
-            cache = KVCache(self.config, B, T0 + max_new_tokens, idx.device, dtype)
+        cache = KVCache(self.config, B, T1, idx.device, dtype) if use_cache else None
         logits, _ = self(idx, kv_cache=cache, logits_to_keep=1)  # prefill
         for i in range(max_new_tokens):
             last = logits[:, -1, : self.config.real_vocab_size]
@@ -993,8 +996,6 @@ def parse_args(argv=None):
     return args, ckpt
 
 CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
-SHARED = [e for e in RUN_SETTINGS[THIS_INVOCATION] if e[0] in ("--init_from", "--device",
-                                                               "--dtype")]
 COMMAND_FLAGS = {  # the commands' meaning, then their flags
     "sample": ["text from a checkpoint or from OpenAI's GPT-2", *SHARED, CHECKPOINT,
                ("--prompt", "Hello, I'm a language model,", str, "text to continue"),
