@@ -18,6 +18,7 @@ was written against (its internals), or without g++.
 """
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -25,7 +26,6 @@ import torch
 
 import common
 import simcuda
-import train_gpt2 as tg
 from conftest import REPO
 from simcuda import harness
 from simcuda.children import ChildFailed, Children
@@ -86,6 +86,26 @@ def step_lines(stdout):
     return [line for line in stdout.splitlines() if line.startswith("step ")]
 
 
+def run_config(stdout):
+    """The run config block as {group title: its "name=value" words}, wrapped lines joined (the
+    model's shape comes twice under "model": its flags, then the config built)."""
+    groups, title = {}, None
+    for line in stdout[stdout.index("run config:"):].splitlines()[1:]:
+        if line.startswith("    ") and title is not None:
+            groups[title] |= set(line.split())
+        elif line.startswith("  ") and ": " in line:
+            title, _, values = line.strip().partition(": ")
+            groups[title] = groups.get(title, set()) | set(values.split())
+        else:
+            break
+    return groups
+
+
+def configured(stdout, setting):
+    """Whether any group of the run config block shows setting ("name=value")."""
+    return any(setting in words for words in run_config(stdout).values())
+
+
 # ------------------------------------------------------------------------------ training on cuda
 
 def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train):
@@ -93,7 +113,8 @@ def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train)
     (forward and backward each) per optimizer step, then clipping to --grad_clip, then fused
     AdamW, with fp32 gradients and fp32 AdamW state on cuda:0 and wte/lm_head one tensor; from the
     first micro-step to the update, one read back to the host (a GPU sync): loss, gradient norm
-    and the go-on flag together, which the divergence check needs before the update."""
+    and the go-on flag together, which the divergence check needs before the update; and no
+    other in a step without an evaluation around it (step 0 to step 1)."""
     training = [f for f in train["forwards"] if f["training"] and f["grad"]]
     assert len(training) == 6, train["forwards"]
     for f in training:
@@ -108,15 +129,20 @@ def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train)
         assert s["fused"] == [True, True] and s["tied"], s
         if i > 0:  # AdamW makes its state on its first step
             assert s["state"] == ["torch.float32"] and s["state_devices"] == ["cuda:0"], s
+    assert train["steps"][0]["reads_since_last_update"] is None
+    assert train["steps"][1]["reads_since_last_update"] == 0, train["steps"][1]
     assert all(c["norm_device"] == "cuda:0" for c in train["clips"])
 
 
 def test_cli_on_cuda_prints_the_bf16_config_and_the_mfu_and_memory_columns(train):
+    """The run config block: --device cuda in this invocation's flags, bf16 in what the run
+    worked out, eager (--no-compile); every step line has the MFU column (the peak looked up by
+    the simulated GPU's name) and the memory column."""
     out = train["stdout"]
-    block = out[out.index("run config:"):].split("\n")[1:8]
-    config = " ".join(line for line in block if line.startswith("  ")) + " "
-    assert " device=cuda " in config and " bf16=True " in config \
-        and "compile=True" not in config, config
+    config = run_config(out)
+    assert "device=cuda" in config["this invocation"], config
+    assert {"bf16=True", "world_size=1"} <= config["this run"], config
+    assert not configured(out, "compile=True"), config
     steps = step_lines(out)
     assert len(steps) == 3 and all("| mfu " in s and "| mem " in s for s in steps), steps
 
@@ -176,6 +202,7 @@ def test_compile_traces_for_cuda_in_one_graph_per_mode_without_recompiles(childr
     evaluations and train steps alternate four and three times: exactly one graph for training
     and one for evaluation means no recompile."""
     r = passed(children, "compile")
+    assert configured(r["stdout"], "compile=True"), run_config(r["stdout"])
     assert r["stdout"].count("validation loss:") == 4 and len(step_lines(r["stdout"])) == 3
     assert sorted(g["grad"] for g in r["graphs"]) == [False, True], r["graphs"]
     assert not r["graph_breaks"], r["graph_breaks"]
@@ -223,8 +250,8 @@ def test_fsdp_rank_0_of_8_runs_main_to_the_end(children):
     and the device mesh is built outside fake mode (it keeps ranks in real tensors)."""
     r = passed(children, "distributed:fsdp")
     assert r["backends"] == ["nccl"] and not r["ddp"]
-    assert len(step_lines(r["stdout"])) == 2 and "saved " in r["stdout"] \
-        and " world_size=8 " in r["stdout"]
+    assert len(step_lines(r["stdout"])) == 2 and "saved " in r["stdout"]
+    assert configured(r["stdout"], "fsdp=True") and configured(r["stdout"], "world_size=8")
     for s in r["steps"]:
         assert (s["forwards"], s["clipped"], s["grads"], s["grad_devices"]) == \
             (2, True, ["torch.float32"], ["cuda:0"]), s
@@ -244,7 +271,8 @@ def test_ddp_rank_0_of_8_wraps_the_model_and_trains(children):
     unchanged."""
     r = passed(children, "distributed:ddp")
     assert r["backends"] == ["nccl"] and r["ddp"] == [{"device_ids": "[0]"}]
-    assert len(step_lines(r["stdout"])) == 2
+    assert len(step_lines(r["stdout"])) == 2 and configured(r["stdout"], "world_size=8")
+    assert not configured(r["stdout"], "fsdp=True")
     assert r["reduced_at_micro_step"] and set(r["reduced_at_micro_step"]) == {2}, \
         r["reduced_at_micro_step"]
     for s in r["steps"]:
@@ -288,7 +316,9 @@ def test_gpu_estimate_refuses_bad_sizes_in_one_line(capsys):
 @pytest.mark.parametrize("what, check", [(s[0], s[4]) for s in SEEDS], ids=[s[0] for s in SEEDS])
 def test_a_seeded_device_bug_fails_the_suite(children, what, check):
     """A tensor left on the CPU (a device= dropped, a .to(device) dropped) at each of these places
-    makes the check that covers it fail with the device mismatch a GPU would raise."""
+    makes the check that covers it fail with the device mismatch a GPU would raise. In a training
+    run it is a bug, not a user's error: main() names the failed step on stderr, then raises it
+    with its traceback."""
     copies = children.seeds[what]
     if isinstance(copies, str):
         pytest.skip(copies)
@@ -299,6 +329,9 @@ def test_a_seeded_device_bug_fails_the_suite(children, what, check):
             f"{what} ({filename}:{line}, in {function}) seeded, and {check} still passed"
         assert DEVICE_BUG.search(entry["error"]), \
             f"{check} failed on {what}, not for the device:\n{entry['error'][-3000:]}"
+        if check == "train":
+            assert re.search(r"main\(\) raised \w+; its stderr:\nerror at step \d+",
+                             entry["error"]), entry["error"][-3000:]
     if check == "train" and not any(function and "eval" not in function
                                     for _, _, function in copies):
         pytest.skip(f"seed '{what}': only {[f for _, _, f in copies]} matched, not the training "
@@ -317,8 +350,8 @@ def test_an_autocast_torch_turns_off_is_refused_in_one_line():
         common.autocast("cuda", torch.bfloat16)
     with pytest.raises(ValueError, match="float64 on cpu"):
         common.autocast("cpu", torch.float64)
-    with pytest.raises(tg.UsageError) as e:
-        tg.autocast_for("auto", "cuda")
+    with pytest.raises(common.UsageError) as e:
+        common.autocast_for("auto", "cuda")
     assert "\n" not in str(e.value)
     assert str(e.value).startswith("--dtype auto: autocast to bfloat16 on cuda")
     with common.autocast("cpu", torch.bfloat16):  # an honoured one still works

@@ -42,6 +42,7 @@ else:
 
 import torch  # noqa: E402
 
+import common  # noqa: E402
 import hellaswag  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
 from conftest import write_hellaswag, write_shards  # noqa: E402
@@ -79,18 +80,23 @@ def tiny_args(data, log, *extra):
 
 
 class MainFailed(Exception):
-    pass
+    """main() exited non-zero or raised; the message ends with what it wrote to stderr."""
 
 
 def run_main(args):
-    """train_gpt2.main(args): (stdout, stderr); MainFailed if it exits non-zero (its one-line error
-    is the message: e.g. a device bug in an evaluation, which the run reports so)."""
+    """train_gpt2.main(args): (stdout, stderr). MainFailed if it exits non-zero (a one-line
+    error: what a user can fix) or raises (a bug, such as a device mismatch: once a step has
+    started, main() first names the failed step and the checkpoint of the last finished one on
+    stderr, then raises; its traceback stays as MainFailed's cause)."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = tg.main(args)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = tg.main(args)
+    except Exception as e:
+        raise MainFailed(f"main() raised {type(e).__name__}; its stderr:\n"
+                         f"{err.getvalue()[-2000:]}") from e
     if code != 0:
-        last = (err.getvalue().strip().splitlines() or [""])[-1]
-        raise MainFailed(f"main() exited {code}: {last}")
+        raise MainFailed(f"main() exited {code}; its stderr:\n{err.getvalue()[-2000:]}")
     return out.getvalue(), err.getvalue()
 
 
@@ -107,8 +113,9 @@ class Watch:
 
     forwards: one entry per GPT forward (mode, device of the input, dtypes of logits and loss,
     autocast); steps: one entry per optimizer step (the training forwards and backwards since the
-    previous step, the reads back from the device since the first of those forwards, clipping,
-    gradient dtypes and devices, fused or not, optimizer state, weight tying).
+    previous step, the reads back from the device since the first of those forwards and between
+    the previous update and that forward, clipping, gradient dtypes and devices, fused or not,
+    optimizer state, weight tying).
     """
 
     def __init__(self, reads=lambda: 0):
@@ -116,6 +123,7 @@ class Watch:
         self.models = []
         # reads back from the device so far (SimulatedCUDA.reads)
         self.reads, self._reads_at = reads, 0
+        self._update_at, self._gap = None, None  # reads at the last update; since it, at a forward
         self._since = collections.Counter()
         self._undo = contextlib.ExitStack()
 
@@ -167,6 +175,8 @@ class Watch:
         if module.training and torch.is_grad_enabled():
             if not self._since["forward"]:
                 self._reads_at = self.reads()
+                if self._update_at is not None:
+                    self._gap = self._reads_at - self._update_at
             self._since["forward"] += 1
 
     def _step(self, optimizer, args, kwargs):
@@ -181,6 +191,7 @@ class Watch:
         self.steps.append({
             "forwards": self._since["forward"], "backwards": backwards,
             "reads": self.reads() - self._reads_at if self._since["forward"] else None,
+            "reads_since_last_update": self._gap,
             "clipped": bool(self.clips) and self.clips[-1]["after_backwards"] == backwards > 0,
             "max_norm": self.clips[-1]["max_norm"] if self.clips else None,
             "grads": names(g.dtype for g in grads), "grad_devices": names(g.device for g in grads),
@@ -191,6 +202,7 @@ class Watch:
             "state": names(v.dtype for v in state), "state_devices": names(v.device for v in state),
             "tied": tied})
         self._since.clear()
+        self._update_at, self._gap = self.reads(), None
 
 
 class CheckpointsInMemory:
@@ -334,7 +346,7 @@ def check_inference():
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA() as sim:
         config = tg.GPTConfig(**TINY)
         model = tg.GPT(config).to("cuda")
-        ctx, out["bf16"] = tg.autocast_for("auto", "cuda")
+        ctx, out["bf16"] = common.autocast_for("auto", "cuda")
         prompt = torch.randint(0, config.real_vocab_size, (2, 8), device="cuda")
         for use_cache in (True, False):
             with Watch() as watch, ctx:
@@ -380,8 +392,8 @@ def check_distributed(kind):
 
 # ------------------------------------------------- estimates (bench.py --suite gpu-estimate)
 
-# H100 SXM: dense bf16 tensor-core peak (train_gpt2.PEAK_BF16_FLOPS) and HBM3 bandwidth, from
-# NVIDIA's datasheet
+# H100 SXM: dense bf16 tensor-core peak (rundir.PEAK_BF16_FLOPS) and HBM3 bandwidth, from NVIDIA's
+# datasheet
 H100_FLOPS, H100_BYTES_PER_S = 989e12, 3.35e12
 
 
@@ -487,7 +499,7 @@ def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
     with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA():
         model = tg.GPT(config).to("cuda")
         optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
-        autocast_ctx, use_bf16 = tg.autocast_for("auto", "cuda")
+        autocast_ctx, use_bf16 = common.autocast_for("auto", "cuda")
         # AdamW makes its state on its first step: a step over zero gradients
         for p in model.parameters():
             p.grad = torch.zeros_like(p)

@@ -29,7 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fake_cuda_preload.cpp")
 TORCH_SERIES = "2.13."
 # frames in these files are the project's: their torch.cuda calls and read-backs are recorded
-PROJECT_FILES = ("train_gpt2.py", "hellaswag.py", "fineweb.py", "bench.py")
+PROJECT_FILES = ("train_gpt2.py", "rundir.py", "common.py", "hellaswag.py", "fineweb.py",
+                 "bench.py")
 # what torch.cuda.get_device_name() says: an H100 SXM, the GPU the MFU column and the estimates
 # assume
 H100 = "NVIDIA H100 80GB HBM3"
