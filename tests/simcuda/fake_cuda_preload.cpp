@@ -1,14 +1,16 @@
 // What a CPU-only torch lacks before FakeTensorMode can run autograd on tensors of device "cuda".
-// tests/simcuda.py builds this with g++ against the installed torch and loads it (RTLD_GLOBAL) before the
-// first `import torch`: torch reads the CUDA hooks registry when it is imported.
-//  * The device guard slot for CUDA is empty in a CPU build; the autograd engine asks that guard for the
-//    current stream of every cuda tensor it sees. c10's own FakeGuardImpl answers (a no-op guard).
-//  * at::getAccelerator() asks the CUDA hooks whether CUDA is there; with hasCUDA() true it names "cuda",
-//    which the autograd engine needs to accumulate gradients of cuda tensors.
-//  * torch.Generator(device="cuda") asks the hooks for a generator: a CPU one that says it is on cuda:0
-//    (fake tensors draw no numbers; the project seeds and passes such generators).
-// torch.cuda.is_available() stays False (it asks torch._C._cuda_getDeviceCount, which a CPU build lacks);
-// simcuda.SimulatedCUDA answers for it. Nothing here runs a kernel or allocates memory.
+// harness.py (beside this file) builds it with g++ against the installed torch and loads it
+// (RTLD_GLOBAL) before the first `import torch`: torch reads the CUDA hooks registry when it is
+// imported.
+//  * The device guard slot for CUDA is empty in a CPU build; the autograd engine asks that guard
+//    for the current stream of every cuda tensor it sees. c10's own FakeGuardImpl answers (a
+//    no-op guard).
+//  * at::getAccelerator() asks the CUDA hooks whether CUDA is there; with hasCUDA() true it names
+//    "cuda", which the autograd engine needs to accumulate gradients of cuda tensors.
+//  * torch.Generator(device="cuda") asks the hooks for a generator: a CPU one that says it is on
+//    cuda:0 (fake tensors draw no numbers; the project seeds and passes such generators).
+// torch.cuda.is_available() stays False (it asks torch._C._cuda_getDeviceCount, which a CPU build
+// lacks); simcuda.SimulatedCUDA answers for it. Nothing here runs a kernel or allocates memory.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -17,7 +19,8 @@
 namespace simcuda {
 
 struct SimulatedCUDAGenerator : at::CPUGeneratorImpl {
-  explicit SimulatedCUDAGenerator(uint64_t seed = c10::default_rng_seed_val) : at::CPUGeneratorImpl(seed) {
+  explicit SimulatedCUDAGenerator(uint64_t seed = c10::default_rng_seed_val)
+      : at::CPUGeneratorImpl(seed) {
     device_ = c10::Device(c10::DeviceType::CUDA, 0);
   }
   SimulatedCUDAGenerator* clone_impl() const override {

@@ -1,19 +1,20 @@
 """Simulated CUDA: the project's CUDA code paths run on a machine without a GPU.
 
-torch's FakeTensorMode makes tensors that carry a shape, a dtype and a device but no data, so a tensor can
-live on "cuda" without a GPU, and a CPU tensor mixed into a cuda computation fails as it would on a GPU
-(FakeTensorDeviceMismatchError). What a CPU-only torch lacks for autograd on them comes from a small C++
-library (fake_cuda_preload.cpp, built here with g++), loaded before torch is imported: every use runs in a
-process of its own (tests/simcuda_checks.py).
+torch's FakeTensorMode makes tensors that carry a shape, a dtype and a device but no data, so a
+tensor can live on "cuda" without a GPU, and a CPU tensor mixed into a cuda computation fails as it
+would on a GPU (FakeTensorDeviceMismatchError). What a CPU-only torch lacks for autograd on them
+comes from a small C++ library (fake_cuda_preload.cpp, built here with g++), loaded before torch is
+imported: every use runs in a process of its own (checks.py).
 
-    lib = simcuda.build(tmp_dir)               # any process
-    simcuda.preload(lib); import torch         # a new process, in this order
-    with simcuda.SimulatedCUDA() as sim:       # torch.cuda.* answers as one idle H100; new tensors are fake
-        ...
-    sim.cuda_calls, sim.reads                  # the CUDA-only calls the project made, its values read back
+    lib = simcuda.build(tmp_dir)            # any process
+    simcuda.preload(lib); import torch      # a new process, in this order
+    with simcuda.SimulatedCUDA() as sim:    # torch.cuda.* answers as one idle H100; new tensors
+        ...                                 # are fake
+    sim.cuda_calls, sim.reads               # the CUDA-only calls the project made, its reads
 
-Fake tensors hold no values: every value read back (.item(), .tolist(), int()) is 1, and a boolean mask
-selects every element. Written against torch 2.13's internals: unsupported() refuses other versions.
+Fake tensors hold no values: every value read back (.item(), .tolist(), int()) is 1, and a boolean
+mask selects every element. Written against torch 2.13's internals: unsupported() refuses other
+versions.
 """
 import collections
 import contextlib
@@ -28,8 +29,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fake_cuda_preload.cpp")
 TORCH_SERIES = "2.13."
 # frames in these files are the project's: their torch.cuda calls and read-backs are recorded
-PROJECT_FILES = ("train_gpt2.py", "hellaswag.py", "fineweb.py", "bench.py")
-# what torch.cuda.get_device_name() says: an H100 SXM, the GPU the MFU column and the estimates assume
+PROJECT_FILES = ("train_gpt2.py", "rundir.py", "common.py", "hellaswag.py", "fineweb.py",
+                 "bench.py")
+# what torch.cuda.get_device_name() says: an H100 SXM, the GPU the MFU column and the estimates
+# assume
 H100 = "NVIDIA H100 80GB HBM3"
 
 
@@ -46,29 +49,35 @@ def unsupported():
     if torch.version.cuda or torch.version.hip:
         return "simulated CUDA is written for a CPU-only torch, this one is built for CUDA/ROCm"
     if not torch.__version__.startswith(TORCH_SERIES):
-        return f"simulated CUDA is written against torch {TORCH_SERIES}x internals, this is torch {torch.__version__}"
+        return (f"simulated CUDA is written against torch {TORCH_SERIES}x internals, this is "
+                f"torch {torch.__version__}")
     if shutil.which("g++") is None:
         return "simulated CUDA needs g++ to build its preload library and there is none here"
     return None
 
 
 def build(out_dir):
-    """Compile fake_cuda_preload.cpp against the installed torch (a few seconds); returns the library's path."""
+    """Compile fake_cuda_preload.cpp against the installed torch (a few seconds); returns the
+    library's path."""
     import torch
 
     root = os.path.dirname(torch.__file__)
     out = os.path.join(out_dir, "libsimcuda.so")
-    cmd = ["g++", "-shared", "-fPIC", "-O1", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           f"-I{root}/include", SOURCE, f"-L{root}/lib", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root}/lib", "-o", out]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = ["g++", "-shared", "-fPIC", "-O1", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+           f"-I{root}/include", SOURCE, f"-L{root}/lib", "-lc10", "-ltorch_cpu",
+           f"-Wl,-rpath,{root}/lib", "-o", out]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        errors = [line for line in r.stderr.splitlines() if "error" in line] or r.stderr.splitlines() or ["no output"]
+        errors = ([line for line in r.stderr.splitlines() if "error" in line]
+                  or r.stderr.splitlines() or ["no output"])
         raise SimCUDAError(f"g++ could not build {os.path.basename(SOURCE)}: {errors[0].strip()}")
     return out
 
 
 def preload(lib):
-    """Load the library built by build(); before torch is imported, or torch keeps its CPU-only hooks."""
+    """Load the library built by build(); before torch is imported, or torch keeps its CPU-only
+    hooks."""
     if "torch" in sys.modules:
         raise SimCUDAError("simcuda.preload() must run before torch is imported")
     handle = ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
@@ -78,8 +87,8 @@ def preload(lib):
 
 
 def project_caller(depth=2, nearest=False):
-    """'file:function' of the project frame that called (depth frames up), or of the nearest one up the
-    stack with nearest=True; None if it is not the project's."""
+    """'file:function' of the project frame that called (depth frames up), or of the nearest one
+    up the stack with nearest=True; None if it is not the project's."""
     f = sys._getframe(depth)
     while f is not None:
         name = os.path.basename(f.f_code.co_filename)
@@ -99,7 +108,8 @@ def placeholder(dtype):
 
 
 def flash_eligible(q, attn_mask, enable_gqa):
-    """Whether CUDA's SDPA dispatcher would give these inputs to the flash kernel (torch 2.13, sm90)."""
+    """Whether CUDA's SDPA dispatcher would give these inputs to the flash kernel (torch 2.13,
+    sm90)."""
     import torch
 
     return (attn_mask is None and not enable_gqa and q.dtype in (torch.float16, torch.bfloat16)
@@ -110,23 +120,26 @@ def flash_eligible(q, attn_mask, enable_gqa):
 def flash_attention_as_on_h100(strict=False):
     """F.scaled_dot_product_attention as an H100 runs it: the flash kernel wherever it is eligible.
 
-    A CPU-only build always decomposes SDPA into the math path (fp32 (B, H, T, T) scores, more ops): right
-    devices and dtypes, wrong memory and FLOPs. Ineligible calls (a mask, fp32) keep that path, which gives
-    devices and dtypes right; strict=True refuses them instead (a GPU would take a slower kernel, so an
-    estimate that assumes flash would be wrong)."""
+    A CPU-only build always decomposes SDPA into the math path (fp32 (B, H, T, T) scores, more
+    ops): right devices and dtypes, wrong memory and FLOPs. Ineligible calls (a mask, fp32) keep
+    that path, which gives devices and dtypes right; strict=True refuses them instead (a GPU would
+    take a slower kernel, so an estimate that assumes flash would be wrong)."""
     import torch
     import torch.nn.functional as F
 
     original = F.scaled_dot_product_attention
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
         if q.device.type == "cuda" and flash_eligible(q, attn_mask, enable_gqa):
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+            return flash(q, k, v, dropout_p, is_causal, scale=scale)[0]
         if q.device.type == "cuda" and strict:
-            raise RuntimeError(f"attention not flash-eligible (dtype {q.dtype}, head size {q.size(-1)}, mask "
-                               f"{attn_mask is not None}, gqa {enable_gqa}): a GPU would take a slower kernel")
-        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
+            raise RuntimeError(f"attention not flash-eligible (dtype {q.dtype}, head size "
+                               f"{q.size(-1)}, mask {attn_mask is not None}, gqa {enable_gqa}): "
+                               f"a GPU would take a slower kernel")
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
 
     F.scaled_dot_product_attention = sdpa
     try:
@@ -138,21 +151,24 @@ def flash_attention_as_on_h100(strict=False):
 def h100_properties(name, total_memory):
     """What torch.cuda.get_device_properties() says on an H100 SXM."""
     return types.SimpleNamespace(
-        name=name, total_memory=total_memory, major=9, minor=0, multi_processor_count=132, is_integrated=False,
-        is_multi_gpu_board=False, gcnArchName="", warp_size=32, max_threads_per_multi_processor=2048,
-        max_threads_per_block=1024, regs_per_multiprocessor=65536, shared_memory_per_block=49152,
-        shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472, L2_cache_size=50 * 2**20,
-        clock_rate=1980000, memory_clock_rate=2619000, memory_bus_width=5120,
-        uuid="00000000-0000-0000-0000-000000000000", pci_bus_id=0, pci_device_id=0, pci_domain_id=0)
+        name=name, total_memory=total_memory, major=9, minor=0, multi_processor_count=132,
+        is_integrated=False, is_multi_gpu_board=False, gcnArchName="", warp_size=32,
+        max_threads_per_multi_processor=2048, max_threads_per_block=1024,
+        regs_per_multiprocessor=65536, shared_memory_per_block=49152,
+        shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472,
+        L2_cache_size=50 * 2**20, clock_rate=1980000, memory_clock_rate=2619000,
+        memory_bus_width=5120, uuid="00000000-0000-0000-0000-000000000000", pci_bus_id=0,
+        pci_device_id=0, pci_domain_id=0)
 
 
 class SimulatedCUDA:
     """One idle H100 as torch.cuda describes it, and a FakeTensorMode in which new tensors are fake.
 
     Every public function of torch.cuda is wrapped: a call from a project file is counted in
-    cuda_calls ({function: {"file:caller": n}}); the ones a CPU build cannot answer are answered here
-    (patched lists them with the reason). Reads back from the device (.item(), int(), float(), .tolist(): a
-    sync on a GPU each) are counted in reads, by the project function that made them.
+    cuda_calls ({function: {"file:caller": n}}); the ones a CPU build cannot answer are answered
+    here (patched lists them with the reason). Reads back from the device (.item(), int(),
+    float(), .tolist(): a sync on a GPU each) are counted in reads, by the project function that
+    made them.
     """
 
     def __init__(self, device_name=H100, total_memory=80 * 2**30):
@@ -183,23 +199,28 @@ class SimulatedCUDA:
                 return torch.zeros(16, dtype=torch.uint8)
 
         nothing = lambda *a, **k: None  # noqa: E731
+        no_allocator = "no allocator here"
         return {
             "is_available": (lambda: True, "the project picks and checks its device with it"),
             "device_count": (lambda: 1, "one GPU"),
             "current_device": (lambda: 0, "autocast and torch internals ask which GPU is current"),
             "set_device": (nothing, "torchrun ranks pin their GPU"),
             "synchronize": (nothing, "nothing runs asynchronously here"),
-            "get_device_name": (lambda *a, **k: self.device_name, "the MFU column looks up the GPU's peak"),
+            "get_device_name": (lambda *a, **k: self.device_name,
+                                "the MFU column looks up the GPU's peak"),
             "get_device_properties": (lambda *a, **k: props, "capability and memory queries"),
             "get_device_capability": (lambda *a, **k: (9, 0), "an H100 is sm_90"),
-            "is_bf16_supported": (lambda *a, **k: True, "torch.autocast('cuda', bfloat16) asks it"),
-            "max_memory_allocated": (lambda *a, **k: 0, "no allocator here (tensor memory: MemTracker, estimates)"),
-            "memory_allocated": (lambda *a, **k: 0, "no allocator here"),
-            "reset_peak_memory_stats": (nothing, "no allocator here"),
-            "empty_cache": (nothing, "no allocator here"),
+            "is_bf16_supported": (lambda *a, **k: True,
+                                  "torch.autocast('cuda', bfloat16) asks it"),
+            "max_memory_allocated": (lambda *a, **k: 0, f"{no_allocator} (tensor memory: "
+                                                        f"MemTracker, estimates)"),
+            "memory_allocated": (lambda *a, **k: 0, no_allocator),
+            "reset_peak_memory_stats": (nothing, no_allocator),
+            "empty_cache": (nothing, no_allocator),
             "get_rng_state_all": (lambda: [rng()], "checkpoints save the CUDA generator states"),
             "set_rng_state_all": (nothing, "resuming restores them"),
-            "get_rng_state": (lambda *a, **k: rng(), "torch._dynamo saves the CUDA RNG around tracing"),
+            "get_rng_state": (lambda *a, **k: rng(),
+                              "torch._dynamo saves the CUDA RNG around tracing"),
             "set_rng_state": (nothing, "torch._dynamo restores it"),
             "_lazy_init": (nothing, "there is no CUDA runtime to initialise"),
         }
@@ -222,7 +243,8 @@ class SimulatedCUDA:
         return placeholder(arg.dtype)
 
     def _tolist(self, t):
-        self.reads[project_caller(nearest=True) or "torch"] += 1  # one transfer, however many elements
+        # one transfer, however many elements
+        self.reads[project_caller(nearest=True) or "torch"] += 1
 
         def fill(shape):
             return [fill(shape[1:]) for _ in range(shape[0])] if shape else placeholder(t.dtype)
@@ -234,7 +256,8 @@ class SimulatedCUDA:
         import torch.cuda.amp.common
         import torch.utils
         from torch._subclasses import fake_impls
-        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+        from torch._subclasses.fake_tensor import (FakeTensor, FakeTensorMode,
+                                                   unset_fake_temporarily)
 
         answers = self._answers()
         for name in dir(torch.cuda):
@@ -243,7 +266,8 @@ class SimulatedCUDA:
                 stand_in, why = answers.get(name, (fn, None))
                 self._set(torch.cuda, name, self._wrap(name, stand_in), why)
         self._set(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False,
-                  "torch.autocast('cuda') turns itself off (with only a warning) when CUDA is unavailable")
+                  "torch.autocast('cuda') turns itself off (with only a warning) when CUDA is "
+                  "unavailable")
         self._set(FakeTensorMode, "avoid_device_init", property(lambda mode: True),
                   "FakeTensorMode would initialise CUDA now that is_available() says True")
 
@@ -252,16 +276,19 @@ class SimulatedCUDA:
         for op in (aten._local_scalar_dense.default, aten.item.default):
             self._set_item(impls, op, self._read_back)
 
-        def nonzero(fake_mode, func, arg):  # a mask selects every element: the largest shape it can give
+        def nonzero(fake_mode, func, arg):
+            # a mask selects every element: the largest shape it can give
             return arg.new_empty((arg.numel(), arg.dim()), dtype=torch.int64)
 
         self._set_item(impls, aten.nonzero.default, nonzero)
-        self._set(FakeTensor, "tolist", lambda t: self._tolist(t), "a tensor read back as a list: one read")
+        self._set(FakeTensor, "tolist", lambda t: self._tolist(t),
+                  "a tensor read back as a list: one read")
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         swap = torch.utils.swap_tensors
 
         def swap_tensors(t1, t2, mode=self.mode):
-            # fake mode's tensor memo holds weak references, and swap_tensors refuses tensors that have them
+            # fake mode's tensor memo holds weak references, and swap_tensors refuses tensors that
+            # have them
             mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
             return swap(t1, t2)
 
@@ -271,10 +298,12 @@ class SimulatedCUDA:
         def tensor_deepcopy(t, memo):
             if isinstance(t, FakeTensor):
                 return deepcopy(t, memo)
-            with unset_fake_temporarily():  # a real tensor's storage cannot be copied under fake mode
+            # a real tensor's storage cannot be copied under fake mode
+            with unset_fake_temporarily():
                 return deepcopy(t, memo)
 
-        self._set(torch.Tensor, "__deepcopy__", tensor_deepcopy, "deep copies of real tensors (RNG states) under fake mode")
+        self._set(torch.Tensor, "__deepcopy__", tensor_deepcopy,
+                  "deep copies of real tensors (RNG states) under fake mode")
         self._undo.enter_context(self.mode)
         return self
 
@@ -328,15 +357,16 @@ class Stream:
 
 
 class FakeProcessGroup:
-    """torchrun's environment for one rank of world_size, run alone: init_process_group gets torch's fake
-    backend (collectives return at once, moving no data) whatever backend the project asks for, which goes
-    to backends; DDP's constructor keyword arguments go to ddp. Use inside SimulatedCUDA. What is stubbed
-    for FSDP2 and DDP, and why, is in patched."""
+    """torchrun's environment for one rank of world_size, run alone: init_process_group gets
+    torch's fake backend (collectives return at once, moving no data) whatever backend the project
+    asks for, which goes to backends; DDP's constructor keyword arguments go to ddp. Use inside
+    SimulatedCUDA. What is stubbed for FSDP2 and DDP, and why, is in patched."""
 
     def __init__(self, rank, world_size):
         self.rank, self.world_size = rank, world_size
         self.backends, self.ddp = [], []
-        self.on_reduce = lambda: None  # called at each DDP bucket all-reduce; its results go to reduced
+        # called at each DDP bucket all-reduce; its results go to reduced
+        self.on_reduce = lambda: None
         self.reduced = []
         self.patched = []
         self._undo = contextlib.ExitStack()
@@ -356,8 +386,9 @@ class FakeProcessGroup:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        env = {"RANK": str(self.rank), "LOCAL_RANK": str(self.rank % 8), "WORLD_SIZE": str(self.world_size),
-               "LOCAL_WORLD_SIZE": str(min(self.world_size, 8)), "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
+        env = {"RANK": str(self.rank), "LOCAL_RANK": str(self.rank % 8),
+               "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(min(self.world_size, 8)),
+               "MASTER_ADDR": "localhost", "MASTER_PORT": "1"}
         for key, value in env.items():
             if key in os.environ:
                 self._undo.callback(os.environ.__setitem__, key, os.environ[key])
@@ -371,32 +402,41 @@ class FakeProcessGroup:
             self.backends.append(backend)
             return init("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
 
-        self._set(dist, "init_process_group", init_process_group, "one rank alone: torch's fake backend")
+        self._set(dist, "init_process_group", init_process_group,
+                  "one rank alone: torch's fake backend")
         mesh = device_mesh.init_device_mesh
 
         def init_device_mesh(*args, **kwargs):
             with unset_fake_temporarily():  # the mesh keeps its ranks in real integer tensors
                 return mesh(*args, **kwargs)
 
-        self._set(device_mesh, "init_device_mesh", init_device_mesh, "FSDP2's device mesh, outside fake mode")
-        self._set(fsdp_init, "init_device_mesh", init_device_mesh, "FSDP2's device mesh, outside fake mode")
+        outside = "FSDP2's device mesh, outside fake mode"
+        self._set(device_mesh, "init_device_mesh", init_device_mesh, outside)
+        self._set(fsdp_init, "init_device_mesh", init_device_mesh, outside)
         default = Stream()
-        for name, value in (("Stream", Stream), ("Event", Stream), ("current_stream", lambda *a, **k: default),
-                            ("default_stream", lambda *a, **k: default), ("stream", lambda s: contextlib.nullcontext())):
+        streams = (("Stream", Stream), ("Event", Stream),
+                   ("current_stream", lambda *a, **k: default),
+                   ("default_stream", lambda *a, **k: default),
+                   ("stream", lambda s: contextlib.nullcontext()))
+        for name, value in streams:
             self._set(torch.cuda, name, value, "FSDP2 orders its collectives on CUDA streams")
-        self._set(torch.Tensor, "record_stream", lambda t, s: None, "FSDP2 marks tensors used on another stream")
+        self._set(torch.Tensor, "record_stream", lambda t, s: None,
+                  "FSDP2 marks tensors used on another stream")
         # DDP's constructor checks and broadcasts parameter values, which fake tensors do not have
         self._set(ddp_module, "_verify_param_shape_across_processes", lambda *a, **k: None,
                   "DDP reads every parameter's data in C++ to compare shapes across ranks")
         self._set(ddp_module, "_sync_module_states", lambda *a, **k: None,
                   "DDP broadcasts rank 0's parameter values")
         self._set(dist.Reducer, "_rebuild_buckets", lambda reducer: False,
-                  "DDP re-buckets its gradients by their order on the first step, reading parameter data in C++")
+                  "DDP re-buckets its gradients by their order on the first step, reading "
+                  "parameter data in C++")
         self._set(dist.Logger, "set_runtime_stats_and_log", lambda logger: None,
-                  "DDP's logger times iterations with a CUDA timer that only a CUDA build registers")
+                  "DDP's logger times iterations with a CUDA timer that only a CUDA build "
+                  "registers")
         ddp_init = ddp_module.DistributedDataParallel.__init__
 
-        def hook(state, bucket):  # the fake group's all-reduce yields no tensor; the Reducer needs one
+        def hook(state, bucket):
+            # the fake group's all-reduce yields no tensor; the Reducer needs one
             self.reduced.append(self.on_reduce())
             fut = torch.futures.Future()
             fut.set_result(bucket.buffer())

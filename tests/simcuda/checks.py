@@ -1,0 +1,562 @@
+"""The checks behind tests/test_cuda_simulated.py and `bench.py --suite gpu-estimate`, on simulated
+CUDA.
+
+    python tests/simcuda/checks.py LIB CHECK[:ARG...][@DIR] ...
+
+runs the checks one after the other in this process (the preload library LIB must be loaded before
+torch is imported: one process for all of them) and prints one line `RESULT {json}` per check:
+{"spec", "ok", "result"} or, for a check that raised, {"spec", "ok": false, "error": traceback}.
+@DIR runs the check against the train_gpt2.py / hellaswag.py in DIR instead of the project's: the
+negative controls run these same checks on copies of them with a device bug seeded in.
+
+Each check drives the project through its stable entry points (train_gpt2.main, GPT, generate,
+hellaswag.evaluate, ...) and watches it from outside, through torch: global module and optimizer
+hooks, and stand-ins for torch functions (torch.cuda.*, torch.save/load, torch.compile, the process
+group).
+"""
+import collections
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+REPO = os.path.dirname(TESTS)
+
+if __name__ == "__main__":
+    # the project and tests/ (conftest's helpers, this package) to import from, not this folder
+    sys.path[:] = [REPO, TESTS] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+    import simcuda
+
+    simcuda.preload(sys.argv[1])
+    # never a download: the checks write their own HellaSwag file
+    os.environ["HELLASWAG_OFFLINE"] = "1"
+else:
+    import simcuda
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+import hellaswag  # noqa: E402
+import train_gpt2 as tg  # noqa: E402
+from conftest import write_hellaswag, write_shards  # noqa: E402
+
+TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=64)
+
+
+_SCRATCH = []  # one TemporaryDirectory for the process: removed when it exits
+
+
+def scratch():
+    """A data root with tiny shards and a HellaSwag file (HELLASWAG_DIR), and a log dir, in a new
+    temp dir."""
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="simcuda-"))
+    root = tempfile.mkdtemp(dir=_SCRATCH[0].name)
+    data = os.path.join(root, "data")
+    write_shards(data, "val", [5000], seed=1)
+    write_shards(data, "train", [7000, 6000, 6500], seed=2)
+    write_hellaswag(os.path.join(root, "hellaswag"), 8)
+    os.environ["HELLASWAG_DIR"] = os.path.join(root, "hellaswag")
+    return data, os.path.join(root, "log")
+
+
+def tiny_args(data, log, *extra):
+    """A tiny run on cuda: 2 micro-steps per step, val, samples, HellaSwag and a checkpoint along
+    the way."""
+    return ["--preset", "tiny", "--n_layer", "2", "--n_head", "2", "--n_embd", "64",
+            "--block_size", "64", "--device", "cuda", "-B", "2", "-T", "32",
+            "--total_batch_size", "128", "--max_steps", "3", "--warmup_steps", "1",
+            "--eval_every", "2", "--val_tokens", "128", "--sample_every", "2",
+            "--num_samples", "2", "--sample_tokens", "4", "--hellaswag_every", "2",
+            "--hellaswag_limit", "4", "--save_every", "0", "--data_root", data, "--log_dir", log,
+            *extra]
+
+
+class MainFailed(Exception):
+    """main() exited non-zero or raised; the message ends with what it wrote to stderr."""
+
+
+def run_main(args):
+    """train_gpt2.main(args): (stdout, stderr). MainFailed if it exits non-zero (a one-line
+    error: what a user can fix) or raises (a bug, such as a device mismatch: once a step has
+    started, main() first names the failed step and the checkpoint of the last finished one on
+    stderr, then raises; its traceback stays as MainFailed's cause)."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = tg.main(args)
+    except Exception as e:
+        raise MainFailed(f"main() raised {type(e).__name__}; its stderr:\n"
+                         f"{err.getvalue()[-2000:]}") from e
+    if code != 0:
+        raise MainFailed(f"main() exited {code}; its stderr:\n{err.getvalue()[-2000:]}")
+    return out.getvalue(), err.getvalue()
+
+
+def names(values):
+    return sorted({str(v) for v in values})
+
+
+# ------------------------------------------------------------------- watching a run from outside
+
+class Watch:
+    """What a run does on its device, seen through torch: global module and optimizer hooks, and
+    wrappers around the torch functions that every way of clipping or of calling backward goes
+    through.
+
+    forwards: one entry per GPT forward (mode, device of the input, dtypes of logits and loss,
+    autocast); steps: one entry per optimizer step (the training forwards and backwards since the
+    previous step, the reads back from the device since the first of those forwards and between
+    the previous update and that forward, clipping, gradient dtypes and devices, fused or not,
+    optimizer state, weight tying).
+    """
+
+    def __init__(self, reads=lambda: 0):
+        self.forwards, self.steps, self.clips = [], [], []
+        self.models = []
+        # reads back from the device so far (SimulatedCUDA.reads)
+        self.reads, self._reads_at = reads, 0
+        self._update_at, self._gap = None, None  # reads at the last update; since it, at a forward
+        self._since = collections.Counter()
+        self._undo = contextlib.ExitStack()
+
+    def __enter__(self):
+        import torch.nn.utils.clip_grad as clip_grad
+        from torch.nn.modules.module import register_module_forward_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._undo.callback(register_module_forward_hook(self._forward).remove)
+        self._undo.callback(register_optimizer_step_pre_hook(self._step).remove)
+        clip, backward = clip_grad._clip_grads_with_norm_, torch.autograd.backward
+
+        def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
+            parameters = ([parameters] if isinstance(parameters, torch.Tensor)
+                          else list(parameters))
+            self.clips.append({"max_norm": float(max_norm), "params": len(parameters),
+                               "norm_device": str(total_norm.device),
+                               "after_backwards": self._since["backward"]})
+            return clip(parameters, max_norm, total_norm, *args, **kwargs)
+
+        def autograd_backward(*args, **kwargs):
+            self._since["backward"] += 1
+            return backward(*args, **kwargs)
+
+        clip_grad._clip_grads_with_norm_ = clip_grads_with_norm_
+        torch.autograd.backward = autograd_backward
+        self._undo.callback(setattr, clip_grad, "_clip_grads_with_norm_", clip)
+        self._undo.callback(setattr, torch.autograd, "backward", backward)
+        return self
+
+    def __exit__(self, *exc):
+        return self._undo.__exit__(*exc)
+
+    def micro_steps(self):
+        """Training forwards since the last optimizer step."""
+        return self._since["forward"]
+
+    def _forward(self, module, args, out):
+        if not isinstance(module, tg.GPT):
+            return
+        if all(m is not module for m in self.models):
+            self.models.append(module)
+        logits, loss = out
+        self.forwards.append({"training": module.training, "grad": torch.is_grad_enabled(),
+                              "idx": str(args[0].device), "shape": list(args[0].shape),
+                              "logits": str(logits.dtype),
+                              "loss": None if loss is None else str(loss.dtype),
+                              "autocast": torch.is_autocast_enabled("cuda")})
+        if module.training and torch.is_grad_enabled():
+            if not self._since["forward"]:
+                self._reads_at = self.reads()
+                if self._update_at is not None:
+                    self._gap = self._reads_at - self._update_at
+            self._since["forward"] += 1
+
+    def _step(self, optimizer, args, kwargs):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state = [v for s in optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim()]
+        model = self.models[-1] if self.models else None
+        tied = (model is not None and model.transformer.wte.weight is model.lm_head.weight
+                and sum(p is model.lm_head.weight for p in params) == 1)
+        grads = [p.grad for p in params if p.grad is not None]
+        backwards = self._since["backward"]
+        self.steps.append({
+            "forwards": self._since["forward"], "backwards": backwards,
+            "reads": self.reads() - self._reads_at if self._since["forward"] else None,
+            "reads_since_last_update": self._gap,
+            "clipped": bool(self.clips) and self.clips[-1]["after_backwards"] == backwards > 0,
+            "max_norm": self.clips[-1]["max_norm"] if self.clips else None,
+            "grads": names(g.dtype for g in grads), "grad_devices": names(g.device for g in grads),
+            "missing_grads": sum(p.grad is None for p in params),
+            "params": names(p.dtype for p in params),
+            "param_devices": names(p.device for p in params),
+            "fused": [g.get("fused") for g in optimizer.param_groups],
+            "state": names(v.dtype for v in state), "state_devices": names(v.device for v in state),
+            "tied": tied})
+        self._since.clear()
+        self._update_at, self._gap = self.reads(), None
+
+
+class CheckpointsInMemory:
+    """torch.save / torch.load for objects that hold fake tensors, which cannot be written: the
+    object stays here and the file gets a line naming it, so the project's own file handling (temp
+    file, rename, lock, finding the newest checkpoint) runs for real. What a checkpoint's bytes
+    would be is not simulated."""
+
+    def __init__(self):
+        self.saved = {}
+        self._undo = contextlib.ExitStack()
+
+    def __enter__(self):
+        save, load = torch.save, torch.load
+
+        def fake_save(obj, f, *args, **kwargs):
+            token = f"simcuda checkpoint {len(self.saved)}\n".encode()
+            self.saved[token] = obj
+            if isinstance(f, (str, os.PathLike)):
+                with open(f, "wb") as fh:
+                    fh.write(token)
+            else:
+                f.write(token)
+
+        def fake_load(f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)):
+                with open(f, "rb") as fh:
+                    head = fh.read(64)
+            else:
+                pos = f.tell()
+                head = f.read(64)
+                f.seek(pos)
+            if head in self.saved:
+                return self.saved[head]
+            return load(f, *args, **kwargs)
+
+        torch.save, torch.load = fake_save, fake_load
+        self._undo.callback(setattr, torch, "save", save)
+        self._undo.callback(setattr, torch, "load", load)
+        return self
+
+    def __exit__(self, *exc):
+        return self._undo.__exit__(*exc)
+
+    def describe(self, obj):
+        """Devices, dtypes and keys of the tensors a checkpoint holds."""
+        tensors = {}
+
+        def walk(prefix, v):
+            if isinstance(v, torch.Tensor):
+                tensors[prefix] = v
+            elif isinstance(v, dict):
+                for k, x in v.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), x)
+            elif isinstance(v, (list, tuple)):
+                for i, x in enumerate(v):
+                    walk(f"{prefix}.{i}", x)
+
+        walk("", obj)
+        model = {k: t for k, t in tensors.items() if k.startswith("model.")}
+        optim = {k: t for k, t in tensors.items() if k.startswith("optimizer.")}
+        return {"keys": sorted(obj), "model_devices": names(t.device for t in model.values()),
+                "model_dtypes": names(t.dtype for t in model.values()),
+                "optimizer_devices": names(t.device for t in optim.values()),
+                "optimizer_dtypes": names(t.dtype for t in optim.values() if t.dim()),
+                "tied_keys": ("model.transformer.wte.weight" in model
+                              and "model.lm_head.weight" in model)}
+
+
+@contextlib.contextmanager
+def compile_for_cuda(graphs):
+    """torch.compile as the project calls it, but fullgraph=True (a graph break is an error) and
+    the aot_eager backend (autograd's joint graph traced, no Triton kernels built); graphs counts
+    each graph compiled (a recompile is one more)."""
+    original = torch.compile
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        graphs.append({"nodes": len(gm.graph.nodes), "grad": torch.is_grad_enabled()})
+        return aot_eager(gm, example_inputs)
+
+    def compile_(model=None, **kwargs):
+        kwargs.update(fullgraph=True, backend=backend)
+        return original(model, **kwargs)
+
+    torch.compile = compile_
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
+# ------------------------------------------------------------------------------------- checks
+
+def check_train():
+    """main() on --device cuda (eager, --dtype auto): three steps of two micro-steps with val,
+    samples, HellaSwag and the final checkpoint; then --resume latest for a fourth step."""
+    data, log = scratch()
+    args = tiny_args(data, log, "--no-compile")
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA() as sim, \
+            CheckpointsInMemory() as ckpts:
+        reads = lambda: sum(sim.reads.values())  # noqa: E731
+        with Watch(reads) as first:
+            out, err = run_main(args)
+        saved = [ckpts.describe(obj) for obj in ckpts.saved.values()]
+        with Watch(reads) as resumed:  # the last --max_steps wins
+            out2, err2 = run_main(args + ["--max_steps", "4", "--resume", "latest"])
+    return {"stdout": out, "stderr": err, "forwards": first.forwards, "steps": first.steps,
+            "clips": first.clips, "saved": saved, "cuda_calls": sim.project_cuda_calls(),
+            "reads": dict(sim.reads),
+            "resume": {"stdout": out2, "stderr": err2, "steps": resumed.steps}}
+
+
+def check_compile():
+    """main() with torch.compile on cuda (fullgraph, aot_eager): val evaluations and train steps
+    alternate, eval -> train -> eval -> ... -> train -> final eval."""
+    data, log = scratch()
+    args = tiny_args(data, log, "--compile", "--eval_every", "1", "--hellaswag_every", "0",
+                     "--sample_every", "0")
+    graphs = []
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA(), CheckpointsInMemory(), \
+            compile_for_cuda(graphs):
+        out, err = run_main(args)
+    from torch._dynamo.utils import counters
+
+    return {"stdout": out, "stderr": err, "graphs": graphs,
+            "graph_breaks": dict(counters["graph_break"]),
+            "recompiles": dict(counters["recompiles"])}
+
+
+def check_inference():
+    """On cuda under bf16 autocast: generate() with and without the KV cache; a prefill in two
+    chunks through the cache (the second chunk sees the cached keys through an attention mask);
+    hellaswag.evaluate batched (several examples per forward) and one example per forward."""
+    scratch()
+    out = {}
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA() as sim:
+        config = tg.GPTConfig(**TINY)
+        model = tg.GPT(config).to("cuda")
+        ctx, out["bf16"] = common.autocast_for("auto", "cuda")
+        prompt = torch.randint(0, config.real_vocab_size, (2, 8), device="cuda")
+        for use_cache in (True, False):
+            with Watch() as watch, ctx:
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                ids = model.generate(prompt, 4, generator=gen, use_cache=use_cache)
+            out["cache" if use_cache else "recompute"] = {
+                "shape": list(ids.shape), "device": str(ids.device), "dtype": str(ids.dtype),
+                "forwards": watch.forwards}
+        cache = tg.KVCache(config, 2, 16, "cuda", torch.bfloat16)
+        model.eval()
+        with Watch() as watch, ctx, torch.no_grad():
+            first, _ = model(prompt[:, :5], kv_cache=cache)
+            second, _ = model(prompt[:, 5:], kv_cache=cache)
+        out["chunks"] = {"shapes": [list(first.shape), list(second.shape)], "cached": cache.pos,
+                         "forwards": watch.forwards}
+        for batch_tokens in (512, 0):
+            before = collections.Counter(sim.reads)
+            with Watch() as watch:
+                r = hellaswag.evaluate(model, "cuda", batch_tokens=batch_tokens,
+                                       autocast_dtype=torch.bfloat16)
+            out[f"hellaswag_{batch_tokens}"] = {"n": r["n"], "forwards": watch.forwards,
+                                                "reads": dict(sim.reads - before)}
+    return {**out, "reads": dict(sim.reads)}
+
+
+def check_distributed(kind):
+    """main() as rank 0 of 8 (torchrun's environment, a fake process group): --fsdp, or DDP by
+    default."""
+    data, log = scratch()
+    args = tiny_args(data, log, "--no-compile", "--total_batch_size", "1024", "--max_steps", "2",
+                     *(["--fsdp"] if kind == "fsdp" else []))
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA() as sim, \
+            CheckpointsInMemory() as ckpts, simcuda.FakeProcessGroup(0, 8) as pg, \
+            Watch() as watch:
+        # DDP should all-reduce on the last micro-step only
+        pg.on_reduce = lambda: watch.micro_steps()
+        out, err = run_main(args)
+    return {"stdout": out, "stderr": err, "backends": pg.backends, "ddp": pg.ddp,
+            "reduced_at_micro_step": pg.reduced, "steps": watch.steps,
+            "saved": [ckpts.describe(o) for o in ckpts.saved.values()],
+            "cuda_calls": sim.project_cuda_calls()}
+
+
+# ------------------------------------------------- estimates (bench.py --suite gpu-estimate)
+
+# H100 SXM: dense bf16 tensor-core peak (rundir.PEAK_BF16_FLOPS) and HBM3 bandwidth, from NVIDIA's
+# datasheet
+H100_FLOPS, H100_BYTES_PER_S = 989e12, 3.35e12
+
+
+class Roofline:
+    """Per aten op: FLOPs (torch's FLOP formulas) and bytes read and written; the op's time on an
+    H100 is at least max(FLOPs / peak, bytes / bandwidth). Summed over a step with no overlap and
+    no fusion between ops: a lower bound for eager, which runs them one by one."""
+
+    def __init__(self):
+        # name -> [flops, bytes, seconds, calls]
+        self.ops = collections.defaultdict(lambda: [0, 0, 0.0, 0])
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        from torch.utils.flop_counter import flop_registry
+
+        def nbytes(values):
+            return sum(t.numel() * t.element_size() for t in tree_leaves(values)
+                       if isinstance(t, torch.Tensor))
+
+        ops = self.ops
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if (func.is_view or func.namespace != "aten"
+                        or func._overloadpacket in METADATA_OPS):
+                    return out
+                schema = func._schema
+                written = sum(nbytes(v) for a, v in zip(schema.arguments, args)
+                              if a.alias_info and a.alias_info.is_write)
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                written += sum(nbytes(v) for r, v in zip(schema.returns, outs)
+                               if not r.alias_info)
+                moved = nbytes((args, kwargs)) + written
+                packet = func._overloadpacket
+                flops = 0
+                if packet in flop_registry:
+                    flops = flop_registry[packet](*args, **kwargs, out_val=out)
+                row = ops[str(packet)]
+                row[0] += flops
+                row[1] += moved
+                row[2] += max(flops / H100_FLOPS, moved / H100_BYTES_PER_S)
+                row[3] += 1
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+METADATA_OPS = ()  # filled in below, once torch.ops is importable
+
+
+def estimate_step(model, optimizer, autocast_ctx, B, T, vocab):
+    """One steady-state training step of B x T tokens (AdamW state already there), as the
+    project's step: forward under autocast, backward, clip to 1.0, fused AdamW; its peak tensor
+    memory (MemTracker), FLOPs of forward + backward (FlopCounterMode) and roofline time
+    (Roofline)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randint(0, vocab, (B, T), device="cuda")
+    y = torch.randint(0, vocab, (B, T), device="cuda")
+    tracker, flops, roofline = MemTracker(), FlopCounterMode(display=False), Roofline()
+    tracker.track_external(model, optimizer)
+    with tracker, roofline:
+        optimizer.zero_grad(set_to_none=True)
+        with flops:
+            with autocast_ctx:
+                _, loss = model(x, y)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    peak = tracker.get_tracker_snapshot("peak")
+    device = next(d for d in peak if str(d).startswith("cuda"))
+    by_op = {str(k): v for k, v in flops.get_flop_counts()["Global"].items()}
+    by_kind = {str(getattr(k, "value", k)): v for k, v in peak[device].items()}
+    return {"peak_bytes": peak[device]["Total"],
+            "peak_by_kind": {k: v for k, v in by_kind.items() if k != "Total"},
+            "flops": flops.get_total_flops(), "flops_by_op": by_op,
+            "roofline": {name: {"flops": f, "bytes": b, "seconds": t, "calls": n}
+                         for name, (f, b, t, n) in roofline.ops.items()}}
+
+
+def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
+    """GPT-2's training step on one simulated H100, eager, bf16 autocast, flash attention (strict:
+    any other attention kernel is an error, as the estimate assumes flash), per micro-batch
+    size."""
+    global METADATA_OPS
+    aten = torch.ops.aten
+    METADATA_OPS = {aten.detach, aten.alias, aten.lift_fresh, aten._local_scalar_dense,
+                    aten.empty_like, aten.empty, aten.empty_strided, aten.new_empty,
+                    aten.new_empty_strided}
+    T = int(T)
+    config = tg.GPTConfig(**tg.MODEL_PRESETS[preset])
+    rows = {}
+    with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA():
+        model = tg.GPT(config).to("cuda")
+        optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
+        autocast_ctx, use_bf16 = common.autocast_for("auto", "cuda")
+        # AdamW makes its state on its first step: a step over zero gradients
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        n_params = model.get_num_params(non_embedding=True)
+        for B in (int(b) for b in batch_sizes.split(",")):
+            rows[B] = estimate_step(model, optimizer, autocast_ctx, B, T, config.real_vocab_size)
+    matmul = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul")
+    for B, r in rows.items():
+        r["tokens"] = B * T
+        r["six_n"] = 6 * n_params * B * T
+        r["formula"] = tg.flops_per_token(config, n_params, T) * B * T
+        r["matmul_flops"] = sum(v for k, v in r["flops_by_op"].items() if k in matmul)
+    return {"preset": preset, "T": T, "bf16": use_bf16, "non_embedding_params": n_params,
+            "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
+
+
+@contextlib.contextmanager
+def project_from(folder):
+    """train_gpt2 and hellaswag as the checks see them, taken from folder where it has them."""
+    global tg, hellaswag
+    before = {"train_gpt2": tg, "hellaswag": hellaswag}
+    loaded = dict(before)
+    for name in before:
+        path = os.path.join(folder, f"{name}.py")
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location(name, path)
+            loaded[name] = importlib.util.module_from_spec(spec)
+            sys.modules[name] = loaded[name]  # dataclasses look their module up there
+            spec.loader.exec_module(loaded[name])
+    tg, hellaswag = loaded["train_gpt2"], loaded["hellaswag"]
+    try:
+        yield
+    finally:
+        tg, hellaswag = before["train_gpt2"], before["hellaswag"]
+        sys.modules.update(before)
+
+
+def run(spec):
+    """One check, as {"spec", "ok", "result" | "error"}."""
+    name, _, folder = spec.partition("@")
+    check, *args = name.split(":")
+    fn = globals().get(f"check_{check}")
+    if fn is None:
+        return {"spec": spec, "ok": False, "error": f"no check {check!r}"}
+    try:
+        with project_from(folder) if folder else contextlib.nullcontext():
+            return {"spec": spec, "ok": True, "result": fn(*args)}
+    except Exception:
+        return {"spec": spec, "ok": False, "error": traceback.format_exc()}
+
+
+def main(specs):
+    warnings.filterwarnings("ignore")
+    for spec in specs:
+        print("RESULT " + json.dumps(run(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[2:])
