@@ -105,7 +105,7 @@ def bench_training(args, config, device, device_type, autocast_ctx):
         torch.cuda.reset_peak_memory_stats(device)
     dt = timed(step, device_type, args.warmup, args.steps)
     tokens = args.micro_batch_size * args.sequence_length * accum
-    flops = tg.flops_per_token(config, model.get_num_params(non_embedding=True),
+    flops = rundir.flops_per_token(config, model.get_num_params(non_embedding=True),
                                args.sequence_length)
     peak = args.peak_flops or (rundir.peak_flops(torch.cuda.get_device_name(device))
                                if device_type == "cuda" else None)
@@ -403,7 +403,7 @@ ESTIMATE_METHOD = [
     "attention: the flash kernel, as CUDA's SDPA takes it on an H100 (a CPU build of torch would "
     "decompose it into the math path, which stores (B, H, T, T) attention matrices)",
     "FLOPs: torch's FlopCounterMode over forward + backward, against 6N (N: non-embedding "
-    "parameters) and train_gpt2.flops_per_token (6N + 12*L*H*Q*T, the MFU column's formula)",
+    "parameters) and rundir.flops_per_token (6N + 12*L*H*Q*T, the MFU column's formula)",
     "roofline: each aten op of the step takes at least max(FLOPs / 989 TFLOP/s, bytes read and "
     "written / 3.35 TB/s) on an H100 SXM; summed with no overlap and no fusion: a lower bound on "
     "eager's step time. MFU ceiling = flops_per_token x tokens / (that time x 989 TFLOP/s): "
@@ -415,8 +415,8 @@ ESTIMATE_METHOD = [
 
 
 def estimate_rows(est):
-    """Per micro-batch size: the figures gpu-estimate prints, from simcuda_checks.py estimate's
-    result."""
+    """Per micro-batch size: the figures gpu-estimate prints, from the result of the estimate check
+    (tests/simcuda/checks.py)."""
     rows = {}
     for B, r in est["rows"].items():
         roof = r["roofline"]
@@ -438,7 +438,7 @@ def estimate_rows(est):
 
 
 def run_gpu_estimate(args):
-    """--suite gpu-estimate: GPT-2's training step on one simulated H100 (tests/simcuda.py), in a
+    """--suite gpu-estimate: GPT-2's training step on one simulated H100 (tests/simcuda/), in a
     child process (the simulation's library must load before torch); figures from the code, not a
     measurement."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -470,7 +470,7 @@ def run_gpu_estimate(args):
         except simcuda.SimCUDAError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        cmd = [sys.executable, os.path.join(REPO, "tests", "simcuda_checks.py"), lib,
+        cmd = [sys.executable, os.path.join(REPO, "tests", "simcuda", "checks.py"), lib,
                f"estimate:{args.preset}:{','.join(map(str, sizes))}:{T}"]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     found = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines()
@@ -812,9 +812,9 @@ def build_parser():
                         "eager, flash attention) on a simulated H100, for each of "
                         "--estimate_batch_sizes (or -B): peak tensor memory, FLOPs against the MFU "
                         "formula, a roofline lower bound on the step time and the MFU ceiling, "
-                        "with the method (needs g++ and the torch tests/simcuda.py is written "
-                        "for). gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, B=64, "
-                        "bf16 with 8 micro-steps (524,288 tokens) for ours (compiled) and "
+                        "with the method (needs g++ and the torch that tests/simcuda/ is "
+                        "written for). gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, "
+                        "B=64, bf16 with 8 micro-steps (524,288 tokens) for ours (compiled) and "
                         "build-nanogpt's configuration (eager), HellaSwag batched vs one example "
                         "per forward, KV cache vs recompute; writes --out/gpu_suite.json and "
                         "gpu_suite.md. Synthetic tokens, no network")
@@ -823,7 +823,7 @@ def build_parser():
                         "only)")
     p.add_argument("--sim_lib", default=None, metavar="PATH",
                    help="with --suite gpu-estimate: a simulated-CUDA library already built by "
-                        "tests/simcuda.py (default: build one with g++ into a temp dir)")
+                        "tests/simcuda/harness.py (default: build one with g++ into a temp dir)")
     p.add_argument("--out", default="results",
                    help="with --suite: folder for its JSON, Markdown and test output")
     p.add_argument("--skip_tests", action="store_true",

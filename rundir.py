@@ -254,10 +254,11 @@ def format_run_config(run_config, settings):
                   if run_config[k] is not None and run_config[k] is not False]
         if values:
             lines.append(textwrap.fill(" ".join(values), 100, break_long_words=False,
+                                       break_on_hyphens=False,
                                        initial_indent=f"  {title.split(' (')[0]}: ",
                                        subsequent_indent="    "))
     model = " ".join(f"{k}={v}" for k, v in run_config["model"].items())
-    lines.append(textwrap.fill(model, 100, initial_indent="  GPTConfig: ",
+    lines.append(textwrap.fill(model, 100, initial_indent="  GPTConfig: ", break_on_hyphens=False,
                                subsequent_indent="    "))
     return "\n".join(lines)
 

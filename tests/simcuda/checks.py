@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import hellaswag  # noqa: E402
+import rundir  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
 from conftest import write_hellaswag, write_shards  # noqa: E402
 
@@ -511,7 +512,7 @@ def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
     for B, r in rows.items():
         r["tokens"] = B * T
         r["six_n"] = 6 * n_params * B * T
-        r["formula"] = tg.flops_per_token(config, n_params, T) * B * T
+        r["formula"] = rundir.flops_per_token(config, n_params, T) * B * T
         r["matmul_flops"] = sum(v for k, v in r["flops_by_op"].items() if k in matmul)
     return {"preset": preset, "T": T, "bf16": use_bf16, "non_embedding_params": n_params,
             "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
