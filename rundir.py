@@ -17,6 +17,7 @@ import glob
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -87,8 +88,10 @@ def write_checkpoint(path, checkpoint, keep_last=0, master=True, agree=None):
 
 
 def rng_state():
-    """The python, numpy, torch (and CUDA) random generators' states, for an exact resume."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """The python, numpy, torch (and CUDA) random generators' states, for an exact resume: tuples,
+    lists, numbers and tensors, all a weights-only load reads back."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -97,24 +100,45 @@ def rng_state():
 
 def set_rng_state(state):
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(tuple(state["numpy"]))
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and len(state.get("cuda", ())) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def numpy_array_globals():
+    """What the uint32 array of numpy's RNG state pickles as (checkpoints that kept it as an array):
+    data only, allowed to a weights-only load under the names numpy 2 and numpy 1 write."""
+    rebuild = np.ndarray.__reduce__(np.zeros(1))[0]  # multiarray._reconstruct
+    return [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
+            type(np.dtype(np.uint32))]
+
+
 def read_checkpoint(path, keys=("model", "config"), check_weights=True):
-    """The dict in one of our checkpoints (memory-mapped), in today's layout, or a UsageError
-    saying why it cannot be used; check_weights=False skips the scan for NaN/inf."""
-    if not os.path.isfile(path):
+    """The dict in one of our checkpoints (memory-mapped, weights only: a pickle that asks to run
+    anything is refused and nothing runs), in today's layout, or a UsageError saying why it cannot
+    be used; check_weights=False skips the scan for NaN/inf."""
+    if not os.path.exists(path):
         raise UsageError(f"checkpoint not found: {path}")
+    if not os.path.isfile(path):
+        raise UsageError(f"{path} is not a checkpoint file (a directory or a device)")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        with torch.serialization.safe_globals(numpy_array_globals()):
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:  # a global the weights-only unpickler does not allow
+        asked = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"({asked.group(1)}) " if asked else ""
+        raise UsageError(f"{path} is not a safe checkpoint: its pickle asks to run code {what}"
+                         f"and was refused; nothing from it ran") from None
     except Exception as e:  # truncated, or not a torch file at all
         raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
+    for key in ("model", "config", "args", "optimizer", "loader", "rng"):
+        if key in ckpt and not isinstance(ckpt[key], dict):
+            raise UsageError(f"{path} is not a usable checkpoint: its {key!r} is a "
+                             f"{type(ckpt[key]).__name__}, not a dict")
     if check_weights and (bad := non_finite(ckpt["model"])):
         raise UsageError(f"{path} holds NaN or inf weights ({bad}): a diverged run's")
     return upgrade_checkpoint(ckpt)
