@@ -182,6 +182,8 @@ def umask():
 def write_new_dir(path, flag, write):
     """Fill a new (or empty) directory through write(tmp), tmp a folder beside it renamed to path
     at the end: a failed write leaves nothing behind. flag names the path in errors."""
+    if not path:
+        raise UsageError(f"{flag} is empty: give the directory to write")
     out = os.path.abspath(path)
     parent = os.path.dirname(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -197,6 +199,24 @@ def write_new_dir(path, flag, write):
         raise UsageError(f"{flag} {path}: cannot write there ({one_line(e)})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def hub_unreachable(timeout=5.0):
+    """True when the Hugging Face hub's host refuses or ignores a TCP connection: its clients would
+    retry for most of a minute before saying so. Unsure (a proxy, or offline mode) -> False."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
+                                       "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout).close()
+    except OSError:
+        return True
+    return False
 
 
 def _live_holder(record):
@@ -234,8 +254,11 @@ def dir_lock(folder, name, busy, error=UsageError, wait_for_holder=10.0):
     if none turned up. folder must exist; an OSError (not writable, disk full) passes through."""
     import filelock  # only a prep or a training run needs it
 
-    lock = filelock.FileLock(os.path.join(folder, name), thread_local=False, is_singleton=False)
-    record = os.path.join(folder, name + ".holder")
+    path, record = os.path.join(folder, name), os.path.join(folder, name + ".holder")
+    for link in (path, record):  # filelock truncates its file: never one a link points to
+        if os.path.islink(link):
+            raise error(f"{link} is a symbolic link: remove it (a lock is a plain file)")
+    lock = filelock.FileLock(path, thread_local=False, is_singleton=False)
     deadline = time.monotonic() + wait_for_holder
     while True:
         try:
@@ -307,6 +330,9 @@ def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None
 
 POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
 POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+SEED = bounded(int, 0, 2**32 - 1, what="in 0..4294967295, numpy's seed range")
+FLOAT32_MAX = 3.4028234663852886e38  # a larger learning rate is inf in the optimizer's float32
+LEARNING_RATE = bounded(float, 0, FLOAT32_MAX, low_open=True, what="positive, below 3.4e38")
 
 
 def flag_dest(flags):

@@ -28,13 +28,12 @@ import socket
 import sys
 import time
 from typing import Optional
-from urllib.parse import urlparse
 
 import numpy as np
 from tqdm import tqdm
 
 from common import (DiskFullError, HelpFormatter, OneLineParser, UsageError, atomic_write,
-                    dir_lock, one_line)
+                    dir_lock, hub_unreachable, one_line)
 
 # ===== constants (train_gpt2.py relies on the shard names and the default data root) ==============
 HF_DATASET = "HuggingFaceFW/fineweb-edu"
@@ -317,27 +316,11 @@ def _hub_error(dataset, name, e):
     return DataPrepError(f"cannot load {dataset} ({name}): {type(e).__name__}: {one_line(e)}")
 
 
-def _hub_unreachable(timeout=5.0):
-    """True when the hub's host refuses or ignores a TCP connection: `datasets` would retry for
-    ~25 s before saying so. Unsure (a proxy is configured, or offline mode asked for) -> False."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
-                                       "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        return False
-    from huggingface_hub import constants
-    url = urlparse(constants.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname, port), timeout).close()
-    except OSError:
-        return True
-    return False
-
-
 def _iter_hub(dataset, name, text_column, streaming, skip, num_proc):
     """Documents of a HF dataset from index `skip` on. `dataset`: a hub id or a local copy of one
     (how the tests run this offline); opened here, so an unreachable hub fails before any write."""
     import datasets  # heavy: imported only when a dataset is actually read
-    if not os.path.exists(dataset) and _hub_unreachable():
+    if not os.path.exists(dataset) and hub_unreachable():
         raise _hub_error(dataset, name, ConnectionError(f"no connection to {dataset}'s host"))
     try:
         kwargs = {} if streaming else {"num_proc": num_proc if num_proc > 1 else None}

@@ -2,19 +2,14 @@
 
 Each example has a context and four candidate endings. Every ending is appended to the context (as
 ``" " + ending``) and scored by the cross-entropy of its tokens given everything before them:
+``acc`` picks the ending with the lowest *summed* loss, ``acc_norm`` the lowest *mean* loss.
 
-* ``acc``      picks the ending with the lowest *summed* loss,
-* ``acc_norm`` picks the ending with the lowest *mean* (per-token) loss.
-
-This file is both a library (``train_gpt2.py`` imports :func:`evaluate` from it) and a CLI that
-scores OpenAI's GPT-2 through transformers' own ``GPT2LMHeadModel``, an implementation independent
-of ours::
+A library (``train_gpt2.py`` takes :func:`evaluate` and :func:`load_hf_model` from it) and a CLI
+that scores OpenAI's GPT-2 through transformers' own ``GPT2LMHeadModel``, an implementation
+independent of ours (ours: ``python train_gpt2.py eval --checkpoint log/model_19072.pt``)::
 
     python hellaswag.py -m gpt2 -d cuda          # openai-community/gpt2 (or a save_pretrained dir)
     python hellaswag.py -m gpt2-xl --limit 500   # a quick subset
-
-One of our checkpoints is scored by ``python train_gpt2.py eval --checkpoint log/model_19072.pt``
-(same :func:`evaluate`); timing lives in ``python bench.py --only hellaswag``.
 
 Data: ``hellaswag_{train,val,test}.jsonl`` live in a folder next to this file (``--hellaswag_dir``
 / ``$HELLASWAG_DIR`` override it). A missing file is fetched from the ``Rowan/hellaswag`` dataset's
@@ -33,7 +28,8 @@ import time
 
 import fineweb
 from common import (NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write, autocast,
-                    autocast_for, device_type_of, enable_tf32, one_line, resolve_device)
+                    autocast_for, device_type_of, enable_tf32, hub_unreachable, one_line,
+                    resolve_device)
 
 # ---------------------------------------------------------------------------
 # data
@@ -668,20 +664,23 @@ def hub_name(name):
 
 def load_hf_model(name):
     """transformers' own ``GPT2LMHeadModel`` (fp32, eval mode) from a hub name or a local
-    save_pretrained directory; a one-line UsageError if it can't be loaded."""
-    try:
-        from transformers import GPT2LMHeadModel
-    except ImportError as e:
-        raise UsageError(f"loading {name} needs transformers ({one_line(e, 80)}): pip install "
-                         f"transformers") from None
-    source = name if os.path.isdir(name) else hub_name(name)
-    try:
-        model = GPT2LMHeadModel.from_pretrained(source)
-    except Exception as e:  # offline and not cached, unknown name, not a model directory
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"could not load GPT-2 model {name!r} from {source} "
-                         f"({one_line(first, 160)}); offline, pass a local directory written by "
-                         f"GPT2LMHeadModel.save_pretrained") from None
+    save_pretrained directory; a one-line UsageError if it can't be loaded, in seconds when the
+    hub is out of reach (its client would retry for most of a minute)."""
+    from transformers import GPT2LMHeadModel
+
+    local = os.path.isdir(name)
+    source = name if local else hub_name(name)
+    offline = not local and hub_unreachable()
+    try:  # offline, only a copy in the local cache can load
+        model = GPT2LMHeadModel.from_pretrained(source, local_files_only=offline)
+    except Exception as e:  # not cached, an unknown name, not a model directory, damaged weights
+        first = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+        if offline:
+            why = "the hub is unreachable and it is not in the local cache"
+        message = (f"could not load GPT-2 model {name!r} from {source} ({why}); offline, pass a "
+                   f"local directory written by GPT2LMHeadModel.save_pretrained")
+        raise UsageError(one_line(message, 10_000)) from None
     return model.float().eval()
 
 

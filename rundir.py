@@ -234,6 +234,9 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
     for tmp in glob.glob(os.path.join(log_dir, "*.tmp")):
         os.remove(tmp)
     log_file, warnings = os.path.join(log_dir, "log.txt"), []
+    if os.path.islink(log_file):  # appending or truncating would write to wherever it points
+        raise UsageError(f"{log_file} is a symbolic link (to {os.readlink(log_file)}): the run "
+                         f"writes its own log.txt; remove the link or choose another --log_dir")
     if resume_step is None:
         earlier = os.path.exists(log_file) and os.path.getsize(log_file) > 0
         if (earlier or find_checkpoints(log_dir)) and not overwrite:
@@ -298,7 +301,9 @@ LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
 
 
 def append_log(path, step, kind, value):
-    with open(path, "a") as f:
+    # never through a symbolic link: the run's log stays its own (the claim refuses one)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(fd, "a") as f:
         f.write(f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n")
 
 
@@ -347,9 +352,12 @@ SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_
                   "batch_ramp_tokens", "batch_ramp_start", "seed")
 
 
-def usable_val_tokens(args, train_tokens, val_tokens_held, val_tokens):
-    """The val size the val shards can give (a warning when less than asked); also notes a run
-    that reads its train data more than once."""
+def check_data(args, status, train_tokens, val_tokens_held, val_tokens):
+    """The val size the val shards can give (a warning when less than asked); also warns of shards
+    no manifest vouches for and notes a run that reads its train data more than once."""
+    if not status.has_manifest:
+        print0(f"warning: {args.data_root} has no manifest.json: its shards were not written by "
+               f"fineweb.py (or lost their record), so they are not checked against a prep")
     reads = args.max_steps * args.total_batch_size
     if reads > train_tokens:
         print0(f"note: the run reads {reads:,} train tokens and {args.data_root} holds "
@@ -386,6 +394,8 @@ def check_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
                          f"{', '.join(shape)}")
     for key in ("log_dir", "data_root"):  # found now, not mid-run
         path = getattr(args, key)
+        if not path:
+            raise UsageError(f"--{key} is empty: give a folder")
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"--{key} {path} is a file, not a folder")
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import fineweb
 import hellaswag
 import rundir
-from common import (NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, OneLineParser,
+from common import (LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, OneLineParser,
                     UsageError, add_flags, autocast_for, bounded, device_type_of, enable_tf32,
                     exit_process, flag_dest, one_line, print0, rank, resolve_device,
                     run_cli, write_new_dir)
@@ -62,12 +62,12 @@ RUN_SETTINGS = {
     ],
     "optimisation": [
         ("--optimizer", "adamw", ["adamw", "muon"], "muon: Muon for the blocks' matrices"),
-        ("--muon_lr", None, POSITIVE, "Muon's peak LR (default: --max_lr)"),
+        ("--muon_lr", None, LEARNING_RATE, "Muon's peak LR (default: --max_lr)"),
         ("--muon_momentum", 0.95, FRACTION, "Muon's Nesterov momentum"),
         ("--muon_ns_steps", 5, bounded(int, 1, 99, what="in 1..99"), "Newton-Schulz steps"),
         ("--muon_adjust_lr", "match_rms_adamw", ["match_rms_adamw", "original"],
          "match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr"),
-        ("--max_lr", 6e-4, POSITIVE, "peak learning rate"),
+        ("--max_lr", 6e-4, LEARNING_RATE, "peak learning rate"),
         ("--min_lr_ratio", 0.1, bounded(float, 0, 1, what="in [0, 1]"), "final LR / max_lr"),
         ("--warmup_steps", 715, NONNEG_INT, "linear warmup steps"),
         ("--max_steps", 19073, POSITIVE_INT, "optimizer steps (19073 x 2^19 = 10B tokens)"),
@@ -93,7 +93,7 @@ RUN_SETTINGS = {
         ("--keep_last", 0, NONNEG_INT, "keep only the newest N model_*.pt (0: all)"),
     ],
     "data": [
-        ("--seed", 1337, int, "seed for init, data order and sampling"),
+        ("--seed", 1337, SEED, "seed for init, data order and sampling"),
         ("--data_root", fineweb.DEFAULT_DATA_ROOT, str, "shard folder; rank 0 prepares it"),
         ("--fineweb_name", "sample-10BT", list(fineweb.NAMES), "FineWeb-Edu sample to prepare"),
         ("--input", None, {"nargs": "+", "metavar": "PATH"}, "prepare it from these files"),
@@ -336,8 +336,8 @@ class GPT(nn.Module):
                     and hc.n_inner in (None, 4 * hc.n_embd)
                     and not getattr(hc, "scale_attn_by_inverse_layer_idx", False)
                     and not getattr(hc, "reorder_and_upcast_attn", False))
-        if not standard:
-            raise ValueError(f"{name_or_dir}: not a standard GPT-2 architecture")
+        if hc.model_type != "gpt2" or not standard:
+            raise UsageError(f"{name_or_dir}: not a standard GPT-2 architecture")
 
         padded_vocab = math.ceil(hc.vocab_size / 64) * 64
         config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
@@ -354,7 +354,7 @@ class GPT(nn.Module):
         try:
             model.load_state_dict(sd)  # strict: GPT-2's names and shapes, one to one
         except RuntimeError as e:
-            raise ValueError(f"{name_or_dir}: not GPT-2's parameters ({one_line(e)})") from None
+            raise UsageError(f"{name_or_dir}: not GPT-2's parameters ({one_line(e)})") from None
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True,
@@ -797,17 +797,17 @@ def train(args, ckpt=None):
     state, step, last_saved, stopped_by = TrainState(args=vars(args)), None, -1, None
     try:
         # ---- the data, prepared on first use (by rank 0; the others wait)
-        fineweb.ensure_prepared(args.data_root, train_tokens=args.max_steps * args.total_batch_size,
-                                val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
-                                text_column=args.text_column, master=proc.master,
-                                agree=proc.agree, print0=print0,
-                                vocab_size=config.real_vocab_size)
+        status = fineweb.ensure_prepared(
+            args.data_root, train_tokens=args.max_steps * args.total_batch_size,
+            val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
+            text_column=args.text_column, master=proc.master, agree=proc.agree, print0=print0,
+            vocab_size=config.real_vocab_size)
         train_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "train", args.data_root,
                                       args.seed, config.real_vocab_size)
         val_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "val", args.data_root,
                                     args.seed, config.real_vocab_size)
-        val_tokens = rundir.usable_val_tokens(args, train_loader.epoch_tokens,
-                                              val_loader.epoch_tokens, val_tokens)
+        val_tokens = rundir.check_data(args, status, train_loader.epoch_tokens,
+                                       val_loader.epoch_tokens, val_tokens)
 
         # ---- the model (raw: unwrapped, uncompiled, for saving, HellaSwag and samples)
         torch.manual_seed(args.seed)
@@ -990,6 +990,7 @@ def parse_args(argv=None):
 
     asked_shape = None
     if ckpt is not None:
+        model_from_checkpoint(ckpt, args.resume, "meta")  # its config and weights agree
         asked_shape = asdict(model_config_from_args(args))
     for warning in rundir.check_flags(args, set(given), ckpt, SHAPE_FLAGS, asked_shape, get_lr):
         print0(f"warning: {warning}")
@@ -1003,7 +1004,7 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
                ("--max_new_tokens", 64, POSITIVE_INT, "new tokens per sample"),
                ("--top_k", 50, POSITIVE_INT, "the k likeliest tokens (1: greedy)"),
                ("--temperature", 1.0, NONNEG, "softmax temperature (0: greedy)"),
-               ("--seed", 1337, int, "sampling seed"),
+               ("--seed", 1337, SEED, "sampling seed"),
                ("--no_kv_cache", False, {"action": "store_true"}, "recompute it all each token")],
     "export": ["a checkpoint as a transformers GPT2LMHeadModel directory",
                ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
@@ -1032,11 +1033,15 @@ def build_parser(shown=DEFAULTS, command=None):
         add_flags(p.add_argument_group(title), entries, shown)
     return p
 
-def model_from_checkpoint(path):
-    """The GPT in one of our model_*.pt, in fp32 on the CPU."""
-    ckpt = rundir.read_checkpoint(path)
-    model = GPT(GPTConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
+def model_from_checkpoint(ckpt, path, device="cpu"):
+    """The GPT a checkpoint holds, in fp32, or a UsageError if its config and weights do not make
+    one; on device "meta" only that check, which allocates nothing."""
+    try:
+        with torch.device(device):
+            model = GPT(GPTConfig(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"], assign=device == "meta")
+    except (TypeError, ValueError, RuntimeError) as e:  # an unknown key, a shape the weights lack
+        raise UsageError(f"{path}: its config and weights disagree ({one_line(e, 200)})") from None
     return model
 
 def model_for_command(args):
@@ -1045,7 +1050,7 @@ def model_for_command(args):
         raise UsageError("give one of --checkpoint (a model_*.pt) or --init_from (OpenAI's GPT-2)")
     device = resolve_device(args.device)
     if args.checkpoint:
-        model = model_from_checkpoint(args.checkpoint)
+        model = model_from_checkpoint(rundir.read_checkpoint(args.checkpoint), args.checkpoint)
     else:
         model = GPT.from_pretrained(args.init_from)
     ctx, use_bf16 = autocast_for(args.dtype, device)
@@ -1064,8 +1069,9 @@ def sample_main(args):
     return 0
 
 def export_main(args):
+    ckpt = rundir.read_checkpoint(args.checkpoint)
     write_new_dir(args.out, "--out",
-                  lambda tmp: export_hf(model_from_checkpoint(args.checkpoint), tmp))
+                  lambda tmp: export_hf(model_from_checkpoint(ckpt, args.checkpoint), tmp))
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
