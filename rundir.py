@@ -14,14 +14,17 @@ train_gpt2.py imports it; it imports nothing of train_gpt2.py.
 import argparse
 import contextlib
 import glob
+import hashlib
 import json
 import math
 import os
 import pickle
+import platform
 import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -159,6 +162,42 @@ def upgrade_checkpoint(ckpt):
     return ckpt
 
 
+def provenance(device):
+    """What produced a run's numbers: the code (its git commit, and whether tracked files differed
+    from it, in a git checkout; else a hash of train_gpt2.py), torch, Python and the device."""
+    repo, code = os.path.dirname(os.path.abspath(__file__)), None
+    try:
+        git = ["git", "-C", repo]
+        head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode == 0:
+            changed = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                                     capture_output=True, text=True, timeout=10).stdout.strip()
+            code = f"git {head.stdout.strip()}" + (" (dirty)" if changed else "")
+    except (OSError, subprocess.SubprocessError):  # no git here
+        pass
+    if code is None:
+        with open(os.path.join(repo, "train_gpt2.py"), "rb") as f:
+            code = f"train_gpt2.py sha256 {hashlib.sha256(f.read()).hexdigest()}"
+    name = platform.processor() or platform.machine() or "cpu"
+    if str(device).startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+    return {"code": code, "torch": str(torch.__version__), "python": platform.python_version(),
+            "device": f"{device} ({name})"}
+
+
+def open_checkpoint(path):
+    """read_checkpoint for the sample, export and eval commands, which say where it came from."""
+    ckpt = read_checkpoint(path)
+    made = ckpt.get("provenance")
+    if isinstance(made, dict):
+        made = ", ".join(f"{k} {v}" for k, v in made.items())
+    step = ckpt.get("step", "?")
+    print(f"{path}: step {step}, written by {made or 'a run that recorded no provenance'}",
+          file=sys.stderr, flush=True)
+    return ckpt
+
+
 def find_resume_checkpoint(resume, log_dir, print0=print):
     """(path, checkpoint) for --resume latest|PATH; latest skips unusable newer files with a
     warning."""
@@ -269,25 +308,23 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
 
 def format_run_config(run_config, settings):
     """The run config in short, wrapped at 100 columns: the set values of each group of flags in
-    settings ({title: [(flags, ...)]}), then what the run worked out, then the model."""
+    settings ({title: [(flags, ...)]}), then what the run worked out, then each dict in it (the
+    model's config, the provenance) on its own."""
     groups = {title: [flag_dest(e[0]) for e in entries] for title, entries in settings.items()}
-    shown = {"model"}
-    for names in groups.values():
-        shown.update(names)
-    groups["this run"] = [k for k in run_config if k not in shown]
+    shown = {k for names in groups.values() for k in names}
+    groups["this run"] = [k for k, v in run_config.items()
+                          if k not in shown and not isinstance(v, dict)]
     lines = ["run config:"]
     for title, names in groups.items():
         values = [f"{k}={run_config[k]}" for k in names
                   if run_config[k] is not None and run_config[k] is not False]
-        if values:
-            lines.append(textwrap.fill(" ".join(values), 100, break_long_words=False,
-                                       break_on_hyphens=False,
-                                       initial_indent=f"  {title.split(' (')[0]}: ",
-                                       subsequent_indent="    "))
-    model = " ".join(f"{k}={v}" for k, v in run_config["model"].items())
-    lines.append(textwrap.fill(model, 100, initial_indent="  GPTConfig: ", break_on_hyphens=False,
-                               subsequent_indent="    "))
-    return "\n".join(lines)
+        lines.append(f"  {title.split(' (')[0]}: " + " ".join(values))
+    for key, value in run_config.items():
+        if isinstance(value, dict):
+            title = "GPTConfig" if key == "model" else key
+            lines.append(f"  {title}: " + " ".join(f"{k}={v}" for k, v in value.items()))
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent="    ", break_long_words=False,
+                                   break_on_hyphens=False) for line in lines)
 
 
 def save_run_config(log_dir, run_config):

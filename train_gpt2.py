@@ -739,6 +739,7 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, 
         "loader": train_loader.state_dict(),  # where the next batch starts
         "rng": rundir.rng_state(),  # python, numpy, torch (and CUDA) generators
         "args": state.args,
+        "provenance": rundir.provenance(proc.device),  # the code, torch, Python and device
     }
     rundir.write_checkpoint(path, checkpoint, keep_last, proc.master,
                             proc.agree if collective else None)
@@ -788,7 +789,8 @@ def train(args, ckpt=None):
                                  ": shorten them, or turn samples off with --sample_every 0")
     run_config = {**vars(args), "device": proc.device, "world_size": proc.world_size,
                   "grad_accum_steps": grad_accum_steps, "bf16": use_bf16, "compile": use_compile,
-                  "val_tokens": val_tokens, "model": asdict(config)}
+                  "val_tokens": val_tokens, "model": asdict(config),
+                  "provenance": rundir.provenance(proc.device)}
     print0(rundir.format_run_config(run_config, RUN_SETTINGS))
 
     # one run per log dir (a lock, released however the run ends); stop signals caught
@@ -1050,7 +1052,7 @@ def model_for_command(args):
         raise UsageError("give one of --checkpoint (a model_*.pt) or --init_from (OpenAI's GPT-2)")
     device = resolve_device(args.device)
     if args.checkpoint:
-        model = model_from_checkpoint(rundir.read_checkpoint(args.checkpoint), args.checkpoint)
+        model = model_from_checkpoint(rundir.open_checkpoint(args.checkpoint), args.checkpoint)
     else:
         model = GPT.from_pretrained(args.init_from)
     ctx, use_bf16 = autocast_for(args.dtype, device)
@@ -1069,7 +1071,7 @@ def sample_main(args):
     return 0
 
 def export_main(args):
-    ckpt = rundir.read_checkpoint(args.checkpoint)
+    ckpt = rundir.open_checkpoint(args.checkpoint)
     write_new_dir(args.out, "--out",
                   lambda tmp: export_hf(model_from_checkpoint(ckpt, args.checkpoint), tmp))
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
