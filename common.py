@@ -17,10 +17,12 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import socket
 import sys
 import tempfile
 import time
+import traceback
 
 
 # ===== Errors a user can fix: one line, exit status 1 ===========================================
@@ -368,21 +370,41 @@ def add_flags(parser, entries, shown=None):
 def run_cli(main, *args):
     """main(*args)'s exit status, with what a user can fix as one line on stderr: a UsageError
     (status 1; under torchrun from rank 0, or from the rank it concerns), a full disk (1), Ctrl-C
-    outside a training loop (130). Anything else is a bug and keeps its traceback."""
+    or a stop signal outside a training step (128 + the signal). Anything else is a bug and keeps
+    its traceback. Under torchrun the line (or the traceback) also goes to torchrun's error file,
+    so that its failure summary names the cause."""
     try:
         return main(*args)
     except UsageError as e:
         if e.rank_specific or rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        record_error(f"error: {e}")
         return 1
     except OSError as e:
         if e.errno not in DISK_FULL:
+            record_error(traceback.format_exc())
             raise
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        record_error(f"error: {one_line(e)}")
         return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or rundir.Stopped: a stop signal
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"error: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        return 128 + signum
+    except Exception:
+        record_error(traceback.format_exc())
+        raise
+
+
+def record_error(text):
+    """Under torchrun, text as this worker's error (TORCHELASTIC_ERROR_FILE, the file the record
+    decorator of torch.distributed.elastic writes), which torchrun's failure summary shows."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            extra = {"py_callstack": text, "timestamp": str(int(time.time()))}
+            json.dump({"message": {"message": text.strip().splitlines()[-1],
+                                   "extraInfo": extra}}, f)
 
 
 def exit_process(code):

@@ -618,6 +618,19 @@ def open_shard(path, vocab_size):
     n, offset = _open_checked(path, check)
     return np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(n,))
 
+
+def open_split(data_root, split, vocab_size):
+    """(paths, memory-mapped token arrays) of a split's shards, each checked by open_shard; a
+    UsageError naming the file otherwise (this rank's own: another node may see other files)."""
+    paths = list_shards(data_root, split)
+    if not paths:
+        raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: prepare them "
+                         f"with fineweb.py", rank_specific=True)
+    try:  # header, size, dtype and every token id < vocab_size, checked once
+        return paths, [open_shard(path, vocab_size) for path in paths]
+    except ShardError as e:
+        raise UsageError(str(e), rank_specific=True) from None
+
 # ===== the public entry point =====================================================================
 def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset):
     """Check prepare's arguments; returns what determines the shards (manifest.json's "args")."""

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import torch
@@ -222,20 +223,54 @@ def divergence(loss, norm):
 
 
 def report_failure(e, step, log_dir, last_saved):
-    """Raise what stopped a run at `step`, naming the checkpoint of the last finished step: an
-    error of the environment or the input (UsageError, OSError) as one line, a bug with its
-    traceback."""
+    """What stopped a run at `step`, naming the checkpoint of its last finished step: a stop
+    signal's exit status is returned; an error of the environment or the input (UsageError,
+    OSError) is raised as one line; a bug keeps its traceback. Under torchrun the failing rank
+    leaves a note in log_dir, and a rank whose collective broke because of it names that rank."""
     saved = ""
     if last_saved >= 0:
-        path = checkpoint_path(log_dir, last_saved)
-        saved = f"; {path} holds step {last_saved}: continue with --resume latest"
-    if isinstance(e, UsageError):
-        raise UsageError(f"step {step} failed ({e}){saved}") from None
-    if isinstance(e, OSError):
-        what = f"{type(e).__name__}: {one_line(e)}"
-        raise UsageError(f"step {step} failed ({what}){saved}") from None
+        saved = f"; {checkpoint_path(log_dir, last_saved)} holds step {last_saved}"
+    resume = f": continue with python train_gpt2.py --resume latest --log_dir {log_dir}"
+    line = None
+    if isinstance(e, Stopped):
+        line = f"stopped by {e} at step {step}{saved}{resume}"
+    elif isinstance(e, UsageError):
+        line = f"step {step} failed ({e}){saved}{resume}"
+    elif isinstance(e, OSError):
+        line = f"step {step} failed ({type(e).__name__}: {one_line(e)}){saved}{resume}"
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        other = peer_failure(log_dir, line or f"{type(e).__name__}: {one_line(e)}",
+                             wait=2.0 if line is None else 0.0)
+        if other is not None and line is None:  # our collective broke when that rank left
+            raise UsageError(f"rank {other[0]}: {other[1]} (rank {rank()} stopped with it)",
+                             rank_specific=True) from None
+    if isinstance(e, Stopped):
+        print0(line)
+        return 128 + e.signum
+    if line is not None:
+        raise UsageError(line, rank_specific=world_size > 1) from None
     print(f"error at step {step}{saved}", file=sys.stderr, flush=True)
     raise e
+
+
+def peer_failure(log_dir, what, wait):
+    """Note this rank's failure in log_dir (.failure.rank{N}); (rank, note) of the first other
+    rank's failure that turns up within `wait` seconds, or None."""
+    with contextlib.suppress(OSError):
+        note = what.encode()
+        atomic_write(os.path.join(log_dir, f".failure.rank{rank()}"), lambda f: f.write(note))
+    deadline = time.monotonic() + wait
+    while True:
+        notes = glob.glob(os.path.join(log_dir, ".failure.rank*"))
+        for path in sorted(notes, key=os.path.getmtime):
+            other = int(path.rsplit("rank", 1)[1])
+            if other != rank():
+                with open(path) as f:
+                    return other, f.read().strip()
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
 
 
 # ===== The log dir: one run at a time, an earlier run never overwritten by accident ==============
@@ -270,8 +305,9 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
     and a copy of log.txt to after_step_N/, where --resume latest cannot pick up an abandoned step,
     and cuts log.txt back to its checkpoint. --overwrite deletes an earlier run's log and
     checkpoints; otherwise such a run is refused."""
-    for tmp in glob.glob(os.path.join(log_dir, "*.tmp")):
-        os.remove(tmp)
+    for tmp in glob.glob(os.path.join(log_dir, "*.tmp")) + glob.glob(os.path.join(log_dir,
+                                                                              ".failure.rank*")):
+        os.remove(tmp)  # a crash's temp files, an earlier run's failure notes
     log_file, warnings = os.path.join(log_dir, "log.txt"), []
     if os.path.islink(log_file):  # appending or truncating would write to wherever it points
         raise UsageError(f"{log_file} is a symbolic link (to {os.readlink(log_file)}): the run "
@@ -656,16 +692,32 @@ class Profiler:
         return self.mode == "exit"
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal that arrived outside a training step: evaluation, samples, data prep."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class StopSignals:
-    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before a time limit) while training: the run
-    finishes its step, saves a checkpoint and exits with 128 + the signal. A second Ctrl-C leaves
-    at once. Installed when made; restore() puts the previous handlers back."""
+    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before a time limit): during a training step
+    the run finishes the step, saves a checkpoint and exits with 128 + the signal; anywhere else
+    (evaluation, samples, data prep) the signal raises Stopped at once, so that a preempted run
+    saves its last finished step inside the scheduler's kill window. A second Ctrl-C leaves at
+    once. Under torchrun a worker also gets SIGTERM when its launcher dies (Linux), so it never
+    trains on as an orphan. Installed when made; restore() puts the previous handlers back."""
 
     def __init__(self):
-        self.signum, self.previous = None, {}
+        self.signum, self.previous, self.interruptible, self.raised = None, {}, True, False
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-                self.previous[s] = signal.signal(s, self.handle)
+            for name in ("SIGTERM", "SIGINT", "SIGUSR1"):  # no SIGUSR1 on Windows
+                if hasattr(signal, name):
+                    s = getattr(signal, name)
+                    self.previous[s] = signal.signal(s, self.handle)
+        if "WORLD_SIZE" in os.environ and sys.platform == "linux":
+            import ctypes  # prctl(PR_SET_PDEATHSIG, SIGTERM): the kernel signals us when the
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # launcher dies
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
@@ -673,9 +725,20 @@ class StopSignals:
             os.write(2, f"error: {name} again: leaving now, without saving this step\n".encode())
             os._exit(128 + signum)
         self.signum = self.signum or signum
+        if self.interruptible and not self.raised:  # once: the save after it runs to the end
+            self.raised = True
+            raise Stopped(signum)
         if rank() == 0:
             os.write(2, f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again: "
                         f"now)\n".encode())
+
+    def allow_interrupts(self, allowed):
+        """Whether a signal interrupts what runs now (not a training step's update); a signal that
+        came while it could not is raised now."""
+        self.interruptible = allowed
+        if allowed and self.signum is not None and not self.raised:
+            self.raised = True
+            raise Stopped(self.signum)
 
     def restore(self):
         for s, handler in self.previous.items():

@@ -462,18 +462,9 @@ class DataLoaderLite:
 
     def __init__(self, B, T, process_rank=0, num_processes=1, split="train",
                  data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337, vocab_size=GPT2_VOCAB_SIZE):
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         self.B, self.T, self.split, self.seed = B, T, split, seed
         self.process_rank, self.num_processes = process_rank, num_processes
-        self.shards = fineweb.list_shards(data_root, split)
-        if not self.shards:
-            raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: prepare "
-                             f"them with fineweb.py", rank_specific=True)
-        try:  # header, size, dtype and every token id < vocab_size, checked once
-            self.tokens = [fineweb.open_shard(path, vocab_size) for path in self.shards]
-        except fineweb.ShardError as e:
-            raise UsageError(str(e), rank_specific=True) from None
+        self.shards, self.tokens = fineweb.open_split(data_root, split, vocab_size)  # checked
         self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
         self.epoch_tokens = int(self.lengths.sum())
         if self.epoch_tokens < B * T + 1:
@@ -720,7 +711,7 @@ class TrainState:
     step: int = -1  # the last optimizer step taken (and included in a checkpoint); -1: none yet
     tokens_seen: int = 0  # train tokens consumed so far (the batch-size ramp depends on it)
     val_loss: float | None = None  # the latest val loss
-    args: dict | None = None  # the run's flags: a resumed run takes those not given again
+    args: dict | None = None  # the run's flags: a resume takes those not given again
 
 def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, proc,
                     collective=True):
@@ -739,7 +730,7 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, 
         "loader": train_loader.state_dict(),  # where the next batch starts
         "rng": rundir.rng_state(),  # python, numpy, torch (and CUDA) generators
         "args": state.args,
-        "provenance": rundir.provenance(proc.device),  # the code, torch, Python and device
+        "provenance": rundir.provenance(proc.device),  # the code and machine that wrote it
     }
     rundir.write_checkpoint(path, checkpoint, keep_last, proc.master,
                             proc.agree if collective else None)
@@ -762,8 +753,7 @@ def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
 
 # ===== train(): the whole run =====
 def train(args, ckpt=None):
-    """One run, start to end, from parse_args' settings and checkpoint; returns the exit status
-    (0, or 128 + the signal that stopped it)."""
+    """One run, start to end; returns the exit status (0, or 128 + the signal that stopped it)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     proc = setup_distributed(args)
     pretrained, config = None, model_config_from_args(args)
@@ -776,7 +766,7 @@ def train(args, ckpt=None):
     # each rank runs micro-steps of B*T tokens, accumulated into steps of total_batch_size
     B, T = args.micro_batch_size, args.sequence_length
     grad_accum_steps = accumulation_steps(args, proc.world_size, config.block_size)
-    unit = B * T * proc.world_size  # tokens of one micro-step, all ranks together
+    unit = B * T * proc.world_size  # tokens of a micro-step on all ranks
     val_tokens = args.val_tokens if args.val_steps is None else args.val_steps * unit
     end = rundir.end_step(args)  # the run stops before this step (--stop_step)
     autocast_ctx, use_bf16 = autocast_for(args.dtype, proc.device_type)
@@ -842,7 +832,8 @@ def train(args, ckpt=None):
 
         # ============================== training ==============================
         for step in range(state.step + 1, args.max_steps + 1):
-            last_step = step == args.max_steps  # not trained: the final model is only evaluated
+            stop.allow_interrupts(True)  # a stop signal from here on: at once
+            last_step = step == args.max_steps  # the final model: evaluated, not trained
             if step == end and not last_step:
                 break
 
@@ -853,7 +844,7 @@ def train(args, ckpt=None):
                 print0(f"validation loss: {state.val_loss:.4f}")
                 metrics.log(step, "val", state.val_loss)
 
-            # once in a while: HellaSwag, on the raw model, its examples split over the ranks
+            # once in a while: HellaSwag, on the raw model, split over the ranks
             if hellaswag_on and due(args.hellaswag_every, step, last_step):
                 try:
                     res = hellaswag.evaluate(raw_model, proc.device, limit=args.hellaswag_limit,
@@ -868,7 +859,7 @@ def train(args, ckpt=None):
                            f"{res['acc_norm']:.4f}")
                     metrics.log(step, "hella", res["acc_norm"])
 
-            # once in a while: samples from each rank, with its own seed
+            # once in a while: samples, each rank with its own seed
             if step > 0 and due(args.sample_every, step, last_step):
                 texts = sample_texts(raw_model, enc, args.sample_prompt, args.num_samples,
                                      args.sample_tokens, proc.device, autocast_ctx,
@@ -879,6 +870,7 @@ def train(args, ckpt=None):
                 break
 
             # one optimizer step: gradients accumulated over the micro-steps, clipped, applied
+            stop.allow_interrupts(False)  # from here on: after this step, saved
             t0 = time.time()
             batch_size = batch_size_at(state.tokens_seen, args.batch_ramp_tokens,
                                        args.total_batch_size, unit, args.batch_ramp_start)
@@ -899,8 +891,7 @@ def train(args, ckpt=None):
                                                   args.grad_clip or float("inf"))
             if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
                 norm = norm.full_tensor()
-            # one read-back a step: the loss (mean over ranks), the norm, and whether all ranks go
-            # on (a signal on one rank stops all after this step)
+            # one read-back a step: the loss (mean over ranks), the norm, whether all ranks go on
             go_on = torch.tensor(float(stop.signum is None), device=proc.device)
             if proc.world_size > 1:
                 dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, divide
@@ -939,7 +930,7 @@ def train(args, ckpt=None):
         if args.fsdp:
             raw_model.reshard()  # FSDP keeps the root's parameters gathered after an eval forward
         proc.agree(True)  # all ranks done with collectives before the process group goes
-    except Exception as e:
+    except (Exception, rundir.Stopped) as e:
         if step is None:  # before the first step: nothing trained to keep
             raise
         # keep the last finished step, without a collective: the failure may be this rank's alone
@@ -948,7 +939,7 @@ def train(args, ckpt=None):
             save_checkpoint(rundir.checkpoint_path(args.log_dir, state.step), raw_model, optimizer,
                             state, train_loader, args.keep_last, proc, collective=False)
             last_saved = state.step
-        rundir.report_failure(e, step, args.log_dir, last_saved)  # one line, or a bug's traceback
+        return rundir.report_failure(e, step, args.log_dir, last_saved)  # or raised
     finally:
         stop.restore()
         claim.close()
@@ -1036,8 +1027,8 @@ def build_parser(shown=DEFAULTS, command=None):
     return p
 
 def model_from_checkpoint(ckpt, path, device="cpu"):
-    """The GPT a checkpoint holds, in fp32, or a UsageError if its config and weights do not make
-    one; on device "meta" only that check, which allocates nothing."""
+    """The GPT a checkpoint holds, in fp32, or a UsageError if its config and weights disagree; on
+    device "meta" only that check, which allocates nothing."""
     try:
         with torch.device(device):
             model = GPT(GPTConfig(**ckpt["config"]))
@@ -1047,7 +1038,7 @@ def model_from_checkpoint(ckpt, path, device="cpu"):
     return model
 
 def model_for_command(args):
-    """(GPT in eval mode, device, autocast, uses bf16) of --checkpoint or --init_from."""
+    """(GPT in eval mode, device, autocast, bf16?) of --checkpoint or --init_from."""
     if (args.checkpoint is None) == (args.init_from is None):
         raise UsageError("give one of --checkpoint (a model_*.pt) or --init_from (OpenAI's GPT-2)")
     device = resolve_device(args.device)
