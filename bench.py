@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 import torch
@@ -210,6 +211,28 @@ def bench_loader(args, tmp):
     dt = time.perf_counter() - t0
     return {"us_per_batch": dt / n * 1e6, "batches": n,
             "rss_added_mib": (rss_bytes() - before) / 2**20, "shard_tokens": 10_000_000}
+
+
+def bench_save(args, config, device, tmp, repeats=3):
+    """train_gpt2.save_checkpoint of the model with its AdamW state (one step taken), the way a run
+    saves (rank 0, fsync'ed, renamed into place): the median seconds and the file's size. The time
+    a preempted run needs inside its scheduler's kill window."""
+    torch.manual_seed(0)
+    model = tg.GPT(config).to(device)
+    optimizer = model.configure_optimizers(0.1, 6e-4, device.split(":")[0], verbose=False)
+    x = torch.randint(0, fineweb.GPT2_VOCAB_SIZE, (1, 16), device=device)
+    model(x, x)[1].backward()
+    optimizer.step()
+    proc = tg.Proc(False, 0, 0, 1, device)
+    loader = types.SimpleNamespace(state_dict=lambda: {"position": 0})
+    seconds = []
+    for i in range(repeats):
+        path = os.path.join(tmp, f"model_{i:05d}.pt")
+        t0 = time.perf_counter()
+        tg.save_checkpoint(path, model, optimizer, tg.TrainState(step=i, args={}), loader, 0,
+                           proc)
+        seconds.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(seconds), "gib": os.path.getsize(path) / 2**30}
 
 
 def bench_train_loop(args, device):
@@ -779,7 +802,7 @@ def build_parser():
                    help="timed training steps (the median is reported)")
 
     p.add_argument("--only",
-                   default="train,train_loop,optimizers,hellaswag,generate,loader,fineweb",
+                   default="train,train_loop,optimizers,hellaswag,generate,loader,save,fineweb",
                    help="comma-separated subset of rows to measure (train_loop: train_gpt2.main's "
                         "own loop; also: fineweb_naive, fineweb.py vs the build-nanogpt loop; "
                         "optimizers_compare, the tiny preset trained with AdamW and with Muon)")
@@ -901,6 +924,9 @@ def main(argv=None):
     if "loader" in only:
         with tempfile.TemporaryDirectory() as tmp:
             results["loader"] = bench_loader(args, tmp)
+    if "save" in only:
+        with tempfile.TemporaryDirectory(dir=os.getcwd()) as tmp:  # where log/ would be
+            results["save"] = bench_save(args, config, device, tmp)
     try:
         results.update(fineweb_results(args, only))
     except fineweb.DataPrepError as e:
@@ -943,6 +969,9 @@ def print_table(results):
         rows += [(f"generate tok/s, KV cache ({g['new_tokens']} new)", fmt(g["kv_cache"])),
                  (f"generate tok/s, recompute ({g['new_tokens']} new)", fmt(g["no_cache"])),
                  ("generate KV-cache speedup", fmt(g["speedup"], "x"))]
+    if "save" in results:
+        rows += [("checkpoint save s", fmt(results["save"]["seconds"])),
+                 ("checkpoint size", fmt(results["save"]["gib"], " GiB"))]
     if "loader" in results:
         d = results["loader"]
         rows += [("DataLoaderLite µs/batch", fmt(d["us_per_batch"])),
