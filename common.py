@@ -203,20 +203,23 @@ def write_new_dir(path, flag, write):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def hub_unreachable(timeout=5.0):
-    """True when the Hugging Face hub's host refuses or ignores a TCP connection: its clients would
-    retry for most of a minute before saying so. Unsure (a proxy, or offline mode) -> False."""
+def hub_unreachable(timeout=3.0):
+    """True when the Hugging Face hub does not answer an HTTP request within `timeout` seconds
+    (refused, no route, or a silent host): its clients would retry for minutes before saying so.
+    Unsure (a proxy, or offline mode asked for) -> False."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
                                        "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return False
-    from urllib.parse import urlparse
+    import urllib.error
+    import urllib.request
 
     from huggingface_hub import constants
-    url = urlparse(constants.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        socket.create_connection((url.hostname, port), timeout).close()
-    except OSError:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"),
+                               timeout=timeout).close()
+    except urllib.error.HTTPError:  # an answer, even an error status: the hub is there
+        return False
+    except (OSError, ValueError):  # URLError, a timeout, a refused connection, a bad URL
         return True
     return False
 
@@ -369,9 +372,9 @@ def add_flags(parser, entries, shown=None):
 
 def run_cli(main, *args):
     """main(*args)'s exit status, with what a user can fix as one line on stderr: a UsageError
-    (status 1; under torchrun from rank 0, or from the rank it concerns), a full disk (1), Ctrl-C
-    or a stop signal outside a training step (128 + the signal). Anything else is a bug and keeps
-    its traceback. Under torchrun the line (or the traceback) also goes to torchrun's error file,
+    (status 1; under torchrun from rank 0, or from the rank it concerns), an OSError such as a full
+    disk (1), Ctrl-C or a stop signal outside a training step (128 + the signal). Anything else is
+    a bug and keeps its traceback. Under torchrun the line (or the traceback) also goes to torchrun's error file,
     so that its failure summary names the cause."""
     try:
         return main(*args)
@@ -380,10 +383,7 @@ def run_cli(main, *args):
             print(f"error: {e}", file=sys.stderr, flush=True)
         record_error(f"error: {e}")
         return 1
-    except OSError as e:
-        if e.errno not in DISK_FULL:
-            record_error(traceback.format_exc())
-            raise
+    except OSError as e:  # the machine's: a full disk, a file that cannot be read or written
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         record_error(f"error: {one_line(e)}")
         return 1

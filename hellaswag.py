@@ -29,7 +29,7 @@ import time
 import fineweb
 from common import (NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write, autocast,
                     autocast_for, device_type_of, enable_tf32, hub_unreachable, one_line,
-                    resolve_device)
+                    resolve_device, run_cli)
 
 # ---------------------------------------------------------------------------
 # data
@@ -399,8 +399,8 @@ def model_logits(model, idx, positions=None, use_kwarg=True):
             logits = logits[:, positions.to(logits.device)]
     want = N if positions is None else positions.numel()
     if logits.dim() != 3 or logits.shape[:2] != (R, want):
-        raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)} for input "
-                           f"{tuple(idx.shape)}; HellaSwag scoring needs ({R}, {want}, vocab)")
+        raise UsageError(f"model returned logits of shape {tuple(logits.shape)} for input "
+                         f"{tuple(idx.shape)}; HellaSwag scoring needs ({R}, {want}, vocab)")
     return logits
 
 
@@ -423,7 +423,7 @@ def _fit(rendered, max_len):
         return rendered
     keep = max(max_len - longest, 1)
     if longest + keep > max_len:
-        raise ValueError(f"a HellaSwag ending of {longest} tokens does not fit the model's "
+        raise UsageError(f"a HellaSwag ending of {longest} tokens does not fit the model's "
                          f"{max_len} positions")
     return ctx[-keep:], ends, label
 
@@ -665,19 +665,22 @@ def hub_name(name):
 def load_hf_model(name):
     """transformers' own ``GPT2LMHeadModel`` (fp32, eval mode) from a hub name or a local
     save_pretrained directory; a one-line UsageError if it can't be loaded, in seconds when the
-    hub is out of reach (its client would retry for most of a minute)."""
-    from transformers import GPT2LMHeadModel
+    hub is out of reach (its client would retry for minutes)."""
+    from huggingface_hub import try_to_load_from_cache
 
     local = os.path.isdir(name)
     source = name if local else hub_name(name)
-    offline = not local and hub_unreachable()
-    try:  # offline, only a copy in the local cache can load
+    offline = not local and hub_unreachable()  # then only a copy in the local cache can load
+    why = "the hub is unreachable and it is not in the local cache"
+    try:
+        if offline and not isinstance(try_to_load_from_cache(source, "config.json"), str):
+            raise LookupError(why)
+        from transformers import GPT2LMHeadModel
         model = GPT2LMHeadModel.from_pretrained(source, local_files_only=offline)
     except Exception as e:  # not cached, an unknown name, not a model directory, damaged weights
-        first = str(e).strip().splitlines()
-        why = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
-        if offline:
-            why = "the hub is unreachable and it is not in the local cache"
+        if not offline:
+            first = str(e).strip().splitlines()
+            why = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
         message = (f"could not load GPT-2 model {name!r} from {source} ({why}); offline, pass a "
                    f"local directory written by GPT2LMHeadModel.save_pretrained")
         raise UsageError(one_line(message, 10_000)) from None
@@ -718,31 +721,26 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (1, already printed)
         return e.code if isinstance(e.code, int) else 1
-    try:
-        # fail early on missing or bad data, before importing torch or loading a model
-        for _ in itertools.islice(iterate_examples(args.split, args.hellaswag_dir), args.limit):
-            pass
-        import torch
+    return run_cli(score, args)  # what a user can fix is one line; a bug keeps its traceback
 
-        device = resolve_device(args.device)
-        enable_tf32(device)
-        _, use_bf16 = autocast_for(args.dtype, device)  # a UsageError where bf16 is not honoured
-        model = load_hf_model(args.model).to(device)
-        t0 = time.perf_counter()
-        res = evaluate(model, device, split=args.split, limit=args.limit,
-                       batch_tokens=args.batch_tokens, data_dir=args.hellaswag_dir, progress=True,
-                       autocast_dtype=torch.bfloat16 if use_bf16 else None)
-        dtype = "bf16" if use_bf16 else "fp32"
-        print(summary(args.model, device, dtype, args.split, res, time.perf_counter() - t0))
-        return 0
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # one line, no traceback
-        plain = isinstance(e, (UsageError, ValueError, FileNotFoundError, RuntimeError)) and str(e)
-        msg = str(e) if plain else f"{type(e).__name__}: {e}"
-        print(f"error: {one_line(msg, 10_000)}", file=sys.stderr)
-        return 1
+
+def score(args):
+    # fail early on missing or bad data, before importing torch or loading a model
+    for _ in itertools.islice(iterate_examples(args.split, args.hellaswag_dir), args.limit):
+        pass
+    import torch
+
+    device = resolve_device(args.device)
+    enable_tf32(device)
+    _, use_bf16 = autocast_for(args.dtype, device)  # a UsageError where bf16 is not honoured
+    model = load_hf_model(args.model).to(device)
+    t0 = time.perf_counter()
+    res = evaluate(model, device, split=args.split, limit=args.limit,
+                   batch_tokens=args.batch_tokens, data_dir=args.hellaswag_dir, progress=True,
+                   autocast_dtype=torch.bfloat16 if use_bf16 else None)
+    dtype = "bf16" if use_bf16 else "fp32"
+    print(summary(args.model, device, dtype, args.split, res, time.perf_counter() - t0))
+    return 0
 
 
 if __name__ == "__main__":
