@@ -374,8 +374,8 @@ def run_cli(main, *args):
     """main(*args)'s exit status, with what a user can fix as one line on stderr: a UsageError
     (status 1; under torchrun from rank 0, or from the rank it concerns), an OSError such as a full
     disk (1), Ctrl-C or a stop signal outside a training step (128 + the signal). Anything else is
-    a bug and keeps its traceback. Under torchrun the line (or the traceback) also goes to torchrun's error file,
-    so that its failure summary names the cause."""
+    a bug and keeps its traceback. Under torchrun the line (or the traceback) also goes to
+    torchrun's error file, so that its failure summary names the cause."""
     try:
         return main(*args)
     except UsageError as e:
