@@ -209,10 +209,15 @@ def assert_same_log(a, b, tol):
         assert la[kind][1] == pytest.approx(lb[kind][1], abs=tol), kind
 
 
-def torchrun(*args, nproc=2, script=os.path.join(REPO, "train_gpt2.py")):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def torchrun(*args, nproc=2, script=os.path.join(REPO, "train_gpt2.py"), env=None, wait=True):
+    """`torchrun --standalone --nproc_per_node=nproc script args`, env added to this process's:
+    its CompletedProcess, or (wait=False) the Popen, stdout and stderr piped as text."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", script, *args]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
 
 

@@ -25,8 +25,8 @@ import fineweb
 import rundir
 import train_gpt2 as tg
 from helpers import (HOOK, REPO, assert_one_line_error, dir_bytes, log_of, newest_step, output,
-                     read_text, resume_args, run_args, run_cli, series, start_hooked, wait_until,
-                     write_corpus_jsonl, write_shards)
+                     read_text, resume_args, run_args, run_cli, series, start_hooked, torchrun,
+                     wait_until, write_corpus_jsonl, write_shards)
 
 
 def steps_saved(log):
@@ -205,19 +205,16 @@ def test_torchrun_ranks_agree_on_the_step_to_stop(data, tmp_path):
     hook = tmp_path / "hook.py"
     hook.write_text(HOOK)
 
-    def torchrun(log, extra_env=None, *extra):
-        env = {**os.environ, "HOOK_REPO": REPO, "OMP_NUM_THREADS": "1", **(extra_env or {})}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(hook), *run_args(data, log, "-B", "1", "--sample_every", "0", *extra)]
-        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    def hooked_torchrun(log, hook_env, *extra):  # two ranks of B=1: one micro-step each
+        return torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0", *extra),
+                        script=str(hook), env={"HOOK_REPO": REPO, **hook_env}, wait=False)
 
-    ref = torchrun(str(tmp_path / "ref"))
+    ref = hooked_torchrun(str(tmp_path / "ref"), {})
     assert ref.wait(timeout=300) == 0, ref.stderr.read()
     log = str(tmp_path / "log")
     hold = {"HOOK_MODE": "hold_after_log", "HOOK_ARG": "3 train",
             "HOOK_MARKER": str(tmp_path / "held"), "HOOK_RELEASE": str(tmp_path / "release")}
-    run = torchrun(log, hold)
+    run = hooked_torchrun(log, hold)
     wait_until(lambda: (tmp_path / "held").exists(), [], "rank 0's hold at step 3")
     assert run.poll() is None
     os.kill(int((tmp_path / "held").read_text()), signal.SIGTERM)  # rank 0 alone gets the signal
@@ -227,7 +224,7 @@ def test_torchrun_ranks_agree_on_the_step_to_stop(data, tmp_path):
     assert "stopped by SIGTERM after step 4" in out  # seen at the next step's read-back, by all
     assert "exitcode  : 143" in err or "143" in err
     assert newest_step(log) == 4 and steps_saved(log).count(4) == 1
-    resumed = torchrun(log, None, "--resume", "latest")
+    resumed = hooked_torchrun(log, {}, "--resume", "latest")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert log_of(log) == log_of(str(tmp_path / "ref"))
