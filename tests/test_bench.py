@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, tiny_model
+from helpers import REPO, assert_one_line_error, tiny_model
 
 
 def bench(*args, timeout=300):
@@ -34,7 +34,7 @@ def test_bench_bad_device_is_one_line():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: --device cuda is not an error")
     r = bench("--device", "cuda", "--only", "train", timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    assert_one_line_error(r, "--device")
 
 
 def test_gpu_suite_defaults_are_gpt2_with_the_real_batch():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import hellaswag
-from helpers import (REPO, SHORT, classic_scores, make_records, preds, tiny_hf_model,
-                     write_jsonl)
+from helpers import (REPO, SHORT, assert_one_line_error, classic_scores, make_records, preds,
+                     tiny_hf_model, write_jsonl)
 
 # --------------------------------------------------------------------------
 # fixtures
@@ -473,9 +473,8 @@ def test_bad_data_is_refused(case, tmp_path, hf_model):
 def test_bad_data_cli_one_line(tmp_path):
     path = _write_lines(str(tmp_path / "bad"), _edited(make_records(3, **SHORT), 2, label=5))
     proc = _cli(["-m", "gpt2", "--hellaswag_dir", str(tmp_path / "bad")])
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == \
-        [f"error: {path}:2: label 5 is not one of 0, 1, 2, 3"]
+    line = assert_one_line_error(proc)
+    assert line == f"error: {path}:2: label 5 is not one of 0, 1, 2, 3"
 
 
 def test_string_labels_read_as_numbers(tmp_path, hf_model):
@@ -659,12 +658,7 @@ def _cli(args, **kw):
 ])
 def test_cli_errors_subprocess(args, needle, data_dir, tmp_path):
     args = [a.format(data=data_dir, empty=str(tmp_path / "empty")) for a in args]
-    proc = _cli(args)
-    assert proc.returncode == 1, (proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert needle in lines[0]
-    assert "Traceback" not in proc.stderr
+    assert_one_line_error(_cli(args), needle)
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -15,8 +15,8 @@ import common
 import fineweb
 import rundir
 import train_gpt2 as tg
-from helpers import (SHAPE_FLAGS, hf_gpt2, log_of, resume_args, run_args, run_cli, series,
-                     step_lines, write_corpus_jsonl, write_hellaswag)
+from helpers import (SHAPE_FLAGS, assert_one_line_error, hf_gpt2, log_of, resume_args, run_args,
+                     run_cli, series, step_lines, write_corpus_jsonl, write_hellaswag)
 
 QUIET = ["--eval_every", "0", "--sample_every", "0", "--save_every", "0"]
 
@@ -180,7 +180,7 @@ def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
     log = str(tmp_path / "log")
     shutil.copytree(ref, log)
     r = run_cli(*run_args(data, log))
-    assert r.returncode == 1 and "--resume latest" in r.stderr and "Traceback" not in r.stderr
+    assert_one_line_error(r, "holds an earlier run", "--resume latest", "--overwrite")
     assert log_of(log) == log_of(ref)
     r = run_cli(*run_args(data, log, "--max_steps", "3", *QUIET, "--overwrite"))
     assert r.returncode == 0, r.stderr
