@@ -63,8 +63,9 @@ def non_finite(model_state):
 def write_checkpoint(path, checkpoint, keep_last=0, master=True, agree=None):
     """torch.save(checkpoint) to path on the master process, under a temp name renamed when
     complete (never a truncated model_*.pt, even on a crash); then only the newest keep_last
-    checkpoints are kept (0: all). agree (Proc.agree, or None after a failure that may be one
-    rank's alone): every rank stops if the master could not write (a full disk)."""
+    checkpoints are kept (0: all). agree (Proc.agree): every rank stops if the master could not
+    write (a full disk). agree None, after a failure that may be one rank's alone: no collective,
+    and a write that fails returns False (the failure's report names the newest checkpoint)."""
     error = None
     if master:
         try:
@@ -77,13 +78,14 @@ def write_checkpoint(path, checkpoint, keep_last=0, master=True, agree=None):
                     os.remove(old)
         except (UsageError, OSError) as e:
             error = e
-    ok = error is None
-    if agree is not None:
-        ok = agree(ok)
+    if agree is None:
+        return error is None
+    ok = agree(error is None)
     if error is not None:
         raise UsageError(f"saving {path} failed: {one_line(error)}")
     if not ok:
         raise UsageError("saving failed on rank 0")
+    return True
 
 
 def rng_state():

@@ -169,10 +169,6 @@ def test_kv_cache_logits_match_full_forward():
     torch.testing.assert_close(got[..., :50257], want[..., :50257], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.xfail(reason="KVCache makes k and v by unpacking one torch.zeros(2, ...): views of a "
-                          "multi-output op, which autograd refuses to write in place, so a forward "
-                          "with a cache fails unless autograd is off", raises=RuntimeError,
-                   strict=True)
 def test_kv_cache_forward_with_autograd_on():
     model = tiny_model()
     cache = tg.KVCache(model.config, 1, 8, "cpu", torch.float32)

@@ -405,9 +405,6 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_earlier_ones_and_resumes(data, re
     assert log_of(log) == log_of(reference)
 
 
-@pytest.mark.xfail(reason="a failed checkpoint write is retried by the failure handler, whose own "
-                          "error then escapes report_failure: the line names neither the failed "
-                          "step nor the checkpoint that holds the last saved one", strict=True)
 def test_a_failed_checkpoint_write_names_the_checkpoint_to_continue_from(data, tmp_path,
                                                                          monkeypatch):
     log = str(tmp_path / "log")
