@@ -68,8 +68,9 @@ def non_finite(model_state):
 def write_checkpoint(path, checkpoint, keep_last=0, master=True, agree=None):
     """torch.save(checkpoint) to path on the master process, under a temp name renamed when
     complete (never a truncated model_*.pt, even on a crash); then only the newest keep_last
-    checkpoints are kept (0: all). agree (Proc.agree, or None after a failure that may be one
-    rank's alone): every rank stops if the master could not write (a full disk)."""
+    checkpoints are kept (0: all). agree (Proc.agree): every rank stops if the master could not
+    write (a full disk). agree None, after a failure that may be one rank's alone: no collective,
+    and a write that fails returns False (the failure's report names the newest checkpoint)."""
     error = None
     if master:
         try:
@@ -82,13 +83,14 @@ def write_checkpoint(path, checkpoint, keep_last=0, master=True, agree=None):
                     os.remove(old)
         except (UsageError, OSError) as e:
             error = e
-    ok = error is None
-    if agree is not None:
-        ok = agree(ok)
+    if agree is None:
+        return error is None
+    ok = agree(error is None)
     if error is not None:
         raise UsageError(f"saving {path} failed: {one_line(error)}")
     if not ok:
         raise UsageError("saving failed on rank 0")
+    return True
 
 
 def rng_state():
@@ -229,15 +231,16 @@ def report_failure(e, step, log_dir, last_saved):
     leaves a note in log_dir, and a rank whose collective broke because of it names that rank."""
     saved = ""
     if last_saved >= 0:
-        saved = f"; {checkpoint_path(log_dir, last_saved)} holds step {last_saved}"
-    resume = f": continue with python train_gpt2.py --resume latest --log_dir {log_dir}"
+        path = checkpoint_path(log_dir, last_saved)
+        saved = f"; {path} holds step {last_saved}: continue with --resume latest"
     line = None
     if isinstance(e, Stopped):
-        line = f"stopped by {e} at step {step}{saved}{resume}"
+        line = (f"stopped by {e} at step {step}{saved}; that is python train_gpt2.py --resume "
+                f"latest --log_dir {log_dir}")
     elif isinstance(e, UsageError):
-        line = f"step {step} failed ({e}){saved}{resume}"
+        line = f"step {step} failed ({e}){saved}"
     elif isinstance(e, OSError):
-        line = f"step {step} failed ({type(e).__name__}: {one_line(e)}){saved}{resume}"
+        line = f"step {step} failed ({type(e).__name__}: {one_line(e)}){saved}"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
         other = peer_failure(log_dir, line or f"{type(e).__name__}: {one_line(e)}",

@@ -186,7 +186,7 @@ class KVCache:
     def __init__(self, config: GPTConfig, batch_size, max_len, device, dtype):
         hs = config.n_embd // config.n_head
         shape = (config.n_layer, batch_size, config.n_kv_head, max_len, hs)
-        self.k, self.v = torch.zeros(2, *shape, device=device, dtype=dtype)
+        self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
         self.pos = 0
 
     def update(self, layer, k, v):
@@ -716,7 +716,7 @@ class TrainState:
 def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, proc,
                     collective=True):
     """model_{step}.pt, all an exact resume needs. Every rank calls it (FSDP gathers), rank 0
-    writes; collective=False after a failure that may be this rank's alone."""
+    writes. collective=False, after a failure that may be this rank's alone: False if not saved."""
     from torch.distributed.checkpoint import state_dict as dcp
     # unsharded, on the CPU, keyed by parameter name: the same from a plain, DDP or FSDP model
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -732,8 +732,8 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, 
         "args": state.args,
         "provenance": rundir.provenance(proc.device),  # the code and machine that wrote it
     }
-    rundir.write_checkpoint(path, checkpoint, keep_last, proc.master,
-                            proc.agree if collective else None)
+    return rundir.write_checkpoint(path, checkpoint, keep_last, proc.master,
+                                   proc.agree if collective else None)
 
 def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
     """Load a checkpoint into the model (FSDP: each rank its shard), optimizer, loader and random
@@ -936,9 +936,9 @@ def train(args, ckpt=None):
         # keep the last finished step, without a collective: the failure may be this rank's alone
         # (FSDP must gather its shards to save: the last checkpoint written stays the newest)
         if state.step > last_saved and not (args.fsdp and proc.world_size > 1):
-            save_checkpoint(rundir.checkpoint_path(args.log_dir, state.step), raw_model, optimizer,
-                            state, train_loader, args.keep_last, proc, collective=False)
-            last_saved = state.step
+            if save_checkpoint(rundir.checkpoint_path(args.log_dir, state.step), raw_model,
+                               optimizer, state, train_loader, args.keep_last, proc, False):
+                last_saved = state.step
         return rundir.report_failure(e, step, args.log_dir, last_saved)  # or raised
     finally:
         stop.restore()

@@ -1,68 +1,60 @@
-"""Shared test setup: offline hub settings, tiny shard fixtures, repository paths."""
+"""Shared test set-up: offline hub settings, one torch thread, and the fixtures more than one test
+file uses (the tiny run's shards, its uninterrupted reference run, GPT-2's tokenizer). Plain helpers
+are in helpers.py."""
 import os
-import sys
 
-import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from helpers import REPO, run_args, run_cli, write_hellaswag, write_shards
+
+# the simulated-CUDA harness (tests/simcuda/) imports these from here
+__all__ = ["REPO", "write_hellaswag", "write_shards"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-def write_shards(root, split, sizes, seed=0, vocab=50257, prefix="test"):
-    """Write uint16 shards `{prefix}_{split}_NNNNNN.npy` of the given token counts; returns the arrays."""
-    os.makedirs(root, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    first = 0 if split == "val" else 1
-    arrays = []
-    for i, n in enumerate(sizes):
-        arr = rng.integers(0, vocab, size=n, dtype=np.int64).astype(np.uint16)
-        import fineweb
-        np.save(os.path.join(root, fineweb.shard_name(first + i, split, prefix=prefix)), arr)
-        arrays.append(arr)
-    return arrays
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """torch in one thread. The tiny models run faster so on a small shared machine, and runs in
+    this process give the numbers of the subprocess runs (OMP_NUM_THREADS=1) they are compared
+    with, to the last bit."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
-@pytest.fixture
-def shard_dir(tmp_path):
-    """A data root with one val shard and three train shards of random tokens."""
-    root = str(tmp_path / "data")
-    write_shards(root, "val", [5000], seed=1)
-    write_shards(root, "train", [7000, 6000, 6500], seed=2)
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """The tiny run's shards: one val shard of 3,000 tokens, three train shards of 6,000 in all.
+    Read only: a test that damages shards writes its own."""
+    root = str(tmp_path_factory.mktemp("shards") / "data")
+    write_shards(root, "val", [3000], seed=1)
+    write_shards(root, "train", [2000, 1500, 2500], seed=2)
     return root
 
 
-def write_hellaswag(folder, n, seed=0):
-    """A hellaswag_val.jsonl of n made-up examples in the original schema."""
-    import json
-    import random
-    rng = random.Random(seed)
-    words = "the a man woman dog ball runs jumps into water slowly then picks up throws it over fence".split()
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "hellaswag_val.jsonl"), "w") as f:
-        for i in range(n):
-            ctx_a = " ".join(rng.choice(words) for _ in range(rng.randint(5, 12))).capitalize() + "."
-            ctx_b = " ".join(rng.choice(words) for _ in range(rng.randint(2, 5)))
-            endings = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + "." for _ in range(4)]
-            f.write(json.dumps({"ind": i, "activity_label": "Fixture", "ctx_a": ctx_a, "ctx_b": ctx_b,
-                                "ctx": f"{ctx_a} {ctx_b}", "split": "val", "split_type": "indomain",
-                                "endings": endings, "label": rng.randrange(4), "source_id": f"fixture~{i}"}) + "\n")
+@pytest.fixture(scope="session")
+def reference_run(data, tmp_path_factory):
+    """The tiny run, uninterrupted, as a real `python train_gpt2.py`: (its log dir, its result)."""
+    log = str(tmp_path_factory.mktemp("reference") / "log")
+    r = run_cli(*run_args(data, log), subprocess_run=True)
+    assert r.returncode == 0, r.stderr
+    return log, r
 
 
-def write_corpus_jsonl(path, n_docs=200, seed=0):
-    """A small .jsonl corpus of made-up English-like documents (a `text` field each)."""
-    import json
-    import random
-    rng = random.Random(seed)
-    words = ("the of and to in is was for on that with as by at from his her an were are which this be or "
-             "river mountain city school teacher student science history water light energy plant animal "
-             "learned built grew studied measured found wrote taught").split()
-    with open(path, "w") as f:
-        for _ in range(n_docs):
-            sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "."
-                         for _ in range(rng.randint(3, 8))]
-            f.write(json.dumps({"text": " ".join(sentences)}) + "\n")
+@pytest.fixture(scope="session")
+def reference(reference_run):
+    """The log dir every interrupted or resumed tiny run must reproduce. Read only: copy it to
+    change it."""
+    return reference_run[0]
+
+
+@pytest.fixture(scope="session")
+def enc():
+    import fineweb
+
+    return fineweb.get_encoding()  # checked against tiktoken's own gpt2 in test_tokenizer.py

@@ -1,56 +1,67 @@
-"""bench.py runs on CPU and reports every row (no timing is asserted)."""
+"""bench.py runs on the CPU and reports every row (no timing is asserted)."""
+import argparse
 import json
 import os
 import subprocess
 import sys
 
-from conftest import REPO
+import pytest
+import torch
+
+from helpers import REPO, assert_one_line_error, tiny_model
+
+
+def bench(*args, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def test_bench_json_has_every_row():
-    r = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64",
-                        "--steps", "1", "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--json"],
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
+              "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64
     assert out["train"]["tokens_per_sec"] > 0 and out["train"]["tokens_per_step"] == 128
-    assert out["train_loop"]["ms_per_step"] > 0 and out["train_loop"]["tokens_per_step"] == 128  # train_gpt2.main
+    # through train_gpt2.main
+    assert out["train_loop"]["ms_per_step"] > 0 and out["train_loop"]["tokens_per_step"] == 128
     assert out["hellaswag"]["same_predictions"] and out["hellaswag"]["examples"] == 4
     assert out["generate"]["kv_cache"] > 0 and out["generate"]["new_tokens"] == 4
     assert out["loader"]["us_per_batch"] > 0 and out["fineweb"]["tokens"] > 100_000
 
 
 def test_bench_bad_device_is_one_line():
-    import pytest
-    import torch
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: --device cuda is not an error")
-    r = subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), "--device", "cuda", "--only", "train"],
-                       capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    r = bench("--device", "cuda", "--only", "train", timeout=120)
+    assert_one_line_error(r, "--device")
 
 
 def test_gpu_suite_defaults_are_gpt2_with_the_real_batch():
     import bench
     args = bench.parse_args(["--suite", "gpu"])
-    assert (args.preset, args.micro_batch_size, args.sequence_length, args.grad_accum) == ("gpt2", 64, 1024, 8)
+    assert (args.preset, args.micro_batch_size, args.sequence_length, args.grad_accum) == \
+        ("gpt2", 64, 1024, 8)
     assert args.micro_batch_size * args.sequence_length * args.grad_accum == 524_288
-    assert bench.parse_args(["--suite", "gpu", "--preset", "tiny", "-B", "2"]).micro_batch_size == 2  # flags win
+    # flags given win
+    assert bench.parse_args(["--suite", "gpu", "--preset", "tiny", "-B", "2"]).micro_batch_size == 2
 
 
 def test_gpu_suite_plumbing_on_cpu(tmp_path):
-    """The suite's rows, JSON and Markdown on CPU with the tiny preset; its CUDA tests left out (no pytest in pytest)."""
+    """The suite's rows, JSON and Markdown on the CPU with the tiny preset; its CUDA tests left
+    out (no pytest in pytest)."""
     import bench
     out = tmp_path / "results"
-    code = bench.main(["--suite", "gpu", "--out", str(out), "--device", "cpu", "--preset", "tiny", "-B", "2", "-T", "64",
-                       "--grad_accum", "2", "--steps", "1", "--warmup", "0", "--gen_tokens", "4",
-                       "--hellaswag_examples", "4", "--skip_tests"])
+    code = bench.main(["--suite", "gpu", "--out", str(out), "--device", "cpu", "--preset", "tiny",
+                       "-B", "2", "-T", "64", "--grad_accum", "2", "--steps", "1", "--warmup", "0",
+                       "--gen_tokens", "4", "--hellaswag_examples", "4", "--skip_tests"])
     assert code == 0
     res = json.loads((out / "gpu_suite.json").read_text())
-    assert res["setting"]["preset"] == "tiny" and res["setting"]["grad_accum"] == 2 and "tests" not in res
+    assert res["setting"]["preset"] == "tiny" and res["setting"]["grad_accum"] == 2
+    assert "tests" not in res
     ours, nano = res["train"]["ours"], res["train"]["build_nanogpt"]
-    assert ours["tokens_per_step"] == nano["tokens_per_step"] == 2 * 64 * 2 and nano["compile"] is False
+    assert ours["tokens_per_step"] == nano["tokens_per_step"] == 2 * 64 * 2
+    assert nano["compile"] is False
     assert res["train"]["speedup"] == ours["tokens_per_sec"] / nano["tokens_per_sec"]
     assert res["hellaswag"]["examples"] == 4 and res["generate"]["new_tokens"] == 4
     page = (out / "gpu_suite.md").read_text()
@@ -59,8 +70,6 @@ def test_gpu_suite_plumbing_on_cpu(tmp_path):
 
 
 def test_gpu_suite_without_cuda_is_one_line(capsys):
-    import pytest
-    import torch
     import bench
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -75,9 +84,23 @@ def test_junit_summary(tmp_path):
     xml.write_text('<testsuites><testsuite name="pytest" tests="3">'
                    '<testcase classname="tests.test_cuda" name="test_a" time="1.5"><properties>'
                    '<property name="mfu" value="0.51"/></properties></testcase>'
-                   '<testcase name="test_b" time="0.1"><failure message="boom">trace</failure></testcase>'
+                   '<testcase name="test_b" time="0.1"><failure message="boom">trace</failure>'
+                   '</testcase>'
                    '<testcase name="test_c" time="0"><skipped message="needs 2 GPUs"/></testcase>'
                    '</testsuite></testsuites>')
     s = bench.junit_summary(str(xml))
     assert s["counts"] == {"passed": 1, "failure": 1, "error": 0, "skipped": 1}
-    assert s["properties"] == {"test_a": {"mfu": 0.51}} and s["cases"][2]["message"] == "needs 2 GPUs"
+    assert s["properties"] == {"test_a": {"mfu": 0.51}}
+    assert s["cases"][2]["message"] == "needs 2 GPUs"
+
+
+def test_bench_optimizer_rows():
+    import bench
+
+    import common
+    args = argparse.Namespace(micro_batch_size=2, sequence_length=32, warmup=0, steps=1)
+    row = bench.bench_optimizers(args, tiny_model().config, "cpu", "cpu",
+                                 common.autocast_for("fp32", "cpu")[0])
+    assert row["adamw_ms"] > 0 and row["muon_ms"] > 0
+    assert bench.steps_to_reach([0, 10, 20, 30], [5.0, 4.0, 3.5, 3.0], 3.6) == 20
+    assert bench.steps_to_reach([0, 10], [5.0, 4.0], 3.0) is None

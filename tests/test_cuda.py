@@ -1,9 +1,10 @@
-"""Every CUDA path we ship, on tiny models unless stated: bf16 autocast, flash SDPA, fused AdamW, torch.compile,
-the CLI (val, samples, HellaSwag, checkpoints, MFU and memory), resume on and across devices, KV-cache and
-batched-HellaSwag agreement under bf16, NCCL with DDP and FSDP2, and GPT-2 124M's memory and MFU.
+"""Every CUDA path we ship, on tiny models unless stated: bf16 autocast, flash SDPA, fused AdamW,
+torch.compile, the CLI (val, samples, HellaSwag, checkpoints, MFU and memory), resume on and across
+devices, KV-cache and batched-HellaSwag agreement under bf16, NCCL with DDP and FSDP2, and GPT-2
+124M's memory and MFU.
 
-Skipped without CUDA. `python bench.py --suite gpu --out results/` runs this file and the GPU benchmark in one go.
-"""
+Skipped without CUDA. `python bench.py --suite gpu --out results/` runs this file and the GPU
+benchmark in one go."""
 import argparse
 import os
 import re
@@ -11,67 +12,71 @@ import re
 import pytest
 import torch
 
+import rundir
 import train_gpt2 as tg
-from conftest import write_hellaswag, write_shards
-from test_distributed import STEPS, assert_same_log, stop_then_resume, torchrun
-from test_gpu_paths_cpu import (BF16_LOSS_TOL, bf16_train_step, fused_vs_plain_adamw,
-                                hellaswag_batched_vs_one_per_forward_bf16, kv_cache_vs_recompute_bf16,
-                                random_batch, tiny_gpt)
-from test_train_gpt2 import run_cli, tiny_run_args
+from helpers import (BF16_LOSS_TOL, DIST_FLAGS, GPU_SHAPE, assert_same_log, bf16_train_step,
+                     fused_vs_plain_adamw, hellaswag_batched_vs_one_per_forward_bf16,
+                     kv_cache_vs_recompute_bf16, random_batch, run_args, run_cli, series,
+                     stop_then_resume, tiny_model, torchrun, write_hellaswag)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available on this machine")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="CUDA is not available on this machine")
 
-# Runs in bf16 agree to this much, not bit for bit: CUDA's atomics (embedding and attention backward) add in
-# a varying order, and one process with 4 micro-steps rounds differently from 2 ranks with 2 each
+# Runs in bf16 agree to this much, not bit for bit: CUDA's atomics (embedding and attention
+# backward) add in a varying order, and one process with 4 micro-steps rounds differently from 2
+# ranks with 2 each
 CUDA_LOSS_TOL = 2e-2
 # bf16 on CUDA against fp32 on CPU: the rounding of every matmul, over a few steps
 CROSS_DEVICE_LOSS_TOL = 5e-2
-# A floor, not a target (about 50% is the aim): fp32 matmuls run as TF32 at half the bf16 peak and math
-# attention writes (B, H, T, T) scores to memory, so a silent fallback to either lands far below it
+# A floor, not a target (about 50% is the aim): fp32 matmuls run as TF32 at half the bf16 peak
+# and math attention writes (B, H, T, T) scores to memory, so a silent fallback to either lands
+# far below it
 MFU_FLOOR = 0.25
 
 
 @pytest.fixture(autouse=True)
 def keep_matmul_precision():
-    """The in-process CLI runs turn TF32 on: keep that out of the CPU tests that follow in this process."""
+    """The in-process CLI runs turn TF32 on: keep that out of the CPU tests that follow."""
     before = torch.get_float32_matmul_precision()
     yield
     torch.set_float32_matmul_precision(before)
 
 
 def on_cuda(*args):
-    # eager: compile has its own tests, and a compile per resumed run would not fit the suite's time
+    # eager: compile has its own tests, and a compile per resumed run would not fit the suite's
+    # time
     return run_cli(*args, "--device", "cuda", "--no-compile")
 
 
 @pytest.fixture(scope="module")
-def cuda_single(tmp_path_factory):
+def cuda_single(data, tmp_path_factory):
     """Eight steps straight in one process on CUDA: the reference for the resume and NCCL runs."""
-    root = tmp_path_factory.mktemp("cuda")
-    data, log = str(root / "data"), str(root / "single")
-    write_shards(data, "val", [5000], seed=1)
-    write_shards(data, "train", [7000, 6000, 6500], seed=2)
-    r = on_cuda(*tiny_run_args(data, log, *STEPS))
+    log = str(tmp_path_factory.mktemp("cuda") / "single")
+    r = on_cuda(*run_args(data, log, *DIST_FLAGS))
     assert r.returncode == 0, r.stderr
-    return data, log
+    return log
 
 
-# ----------------------------------------------------------------------------- kernels and numerics
+# -------------------------------------------------------------------------------- kernels, numerics
 
 def test_bf16_autocast_forward_backward():
     x, y = random_batch("cuda")
-    bf16_loss = bf16_train_step(tiny_gpt("cuda"), x, y)
-    assert bf16_loss == pytest.approx(tiny_gpt("cpu")(x.cpu(), y.cpu())[1].item(), abs=BF16_LOSS_TOL)
+    bf16_loss = bf16_train_step(tiny_model(device="cuda", **GPU_SHAPE), x, y)
+    fp32_loss = tiny_model(**GPU_SHAPE)(x.cpu(), y.cpu())[1].item()
+    assert bf16_loss == pytest.approx(fp32_loss, abs=BF16_LOSS_TOL)
 
 
 @pytest.mark.parametrize("n_kv_head", [None, 2], ids=["mha", "gqa"])
 def test_sdpa_uses_a_fused_kernel_for_train_shapes(n_kv_head):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model = tiny_gpt("cuda", n_embd=256, n_head=4, n_kv_head=n_kv_head)  # GPT-2's head size, 64
+    # GPT-2's head size, 64
+    model = tiny_model(device="cuda", n_embd=256, n_kv_head=n_kv_head, **GPU_SHAPE)
     x, y = random_batch("cuda", B=4, T=128)
     # without the math backend, an ineligible call raises instead of silently falling back to it
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = model(x, y)
         loss.backward()
@@ -80,7 +85,8 @@ def test_sdpa_uses_a_fused_kernel_for_train_shapes(n_kv_head):
 
 def test_fused_adamw_is_used_and_matches_plain():
     (model, fused), (ref, plain) = fused_vs_plain_adamw("cuda", steps=1)
-    assert fused.defaults["fused"] and not plain.defaults["fused"]  # configure_optimizers(device_type="cuda")
+    # configure_optimizers(device_type="cuda") fuses
+    assert fused.defaults["fused"] and not plain.defaults["fused"]
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
 
@@ -88,7 +94,7 @@ def test_fused_adamw_is_used_and_matches_plain():
 def test_compile_no_graph_breaks_no_recompiles_and_matches_eager():
     import torch._dynamo
 
-    model = tiny_gpt("cuda")
+    model = tiny_model(device="cuda", **GPU_SHAPE)
     compiled = torch.compile(model, fullgraph=True)  # a graph break is an error
     x, y = random_batch("cuda")
     bf16 = torch.autocast("cuda", dtype=torch.bfloat16)
@@ -131,64 +137,69 @@ def test_batched_hellaswag_equals_one_per_forward_bf16(tmp_path):
     assert batched == single and batched["acc_norm"] == 1.0
 
 
-# ----------------------------------------------------------------------------- the CLI on CUDA
+# ---------------------------------------------------------------------------------- the CLI on CUDA
 
-def test_cli_end_to_end_on_cuda(shard_dir, tmp_path, monkeypatch):
+def test_cli_end_to_end_on_cuda(data, tmp_path, monkeypatch):
     write_hellaswag(str(tmp_path / "hs"), 8)
     monkeypatch.setenv("HELLASWAG_DIR", str(tmp_path / "hs"))
     log = str(tmp_path / "log")
     # an unknown GPU has no MFU by default: give it a peak so the column is still checked
-    peak = [] if tg.peak_flops(torch.cuda.get_device_name()) else ["--peak_flops", "1e15"]
-    r = run_cli(*tiny_run_args(shard_dir, log, "--device", "cuda", "--hellaswag_every", "5", *peak))
+    peak = [] if rundir.peak_flops(torch.cuda.get_device_name()) else ["--peak_flops", "1e15"]
+    r = run_cli(*run_args(data, log, "--device", "cuda", "--hellaswag_every", "5", *peak))
     assert r.returncode == 0, r.stderr
     assert " bf16=True" in r.stdout and " compile=True" in r.stdout  # the defaults on CUDA
     steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 10
-    assert all(re.search(r"\| mfu \d+\.\d%", s) and re.search(r"\| mem \d+\.\dGiB", s) for s in steps), steps[-1]
-    assert r.stdout.count("sample 0:") == 2 and r.stdout.count("HellaSwag accuracy: ") == 3
-    series = tg.read_log(os.path.join(log, "log.txt"))
-    assert series["val"][0] == [0, 4, 8, 9] and series["hella"][0] == [0, 5, 9]
-    model = tg.model_from_checkpoint(os.path.join(log, "model_00009.pt"))  # CUDA-written, loads on CPU
+    assert len(steps) == 8
+    assert all(re.search(r"\| mfu \d+\.\d%", s) and re.search(r"\| mem \d+\.\dGiB", s)
+               for s in steps), steps[-1]
+    # samples at 3, 6 and of the final model; HellaSwag at 0, 5 and of the final model
+    assert r.stdout.count("sample 0:") == 3 and r.stdout.count("HellaSwag accuracy: ") == 3
+    logged = series(log)
+    assert logged["val"][0] == [0, 3, 6, 8] and logged["hella"][0] == [0, 5, 8]
+    # written on CUDA, loads on the CPU
+    model = tg.model_from_checkpoint(os.path.join(log, "model_00007.pt"))
     assert next(model.parameters()).device.type == "cpu"
 
 
-def test_stop_and_resume_on_cuda(cuda_single, tmp_path):
-    data, ref = cuda_single
+def test_stop_and_resume_on_cuda(data, cuda_single, tmp_path):
     log = str(tmp_path / "resumed")
     stop_then_resume(data, log, on_cuda, on_cuda)
-    assert_same_log(log, ref, CUDA_LOSS_TOL)
+    assert_same_log(log, cuda_single, CUDA_LOSS_TOL)
 
 
-@pytest.mark.parametrize("first, second", [(on_cuda, run_cli), (run_cli, on_cuda)], ids=["cuda-cpu", "cpu-cuda"])
-def test_checkpoint_moves_between_cuda_and_cpu(cuda_single, tmp_path, first, second):
-    data, ref = cuda_single
+@pytest.mark.parametrize("first, second", [(on_cuda, run_cli), (run_cli, on_cuda)],
+                         ids=["cuda-cpu", "cpu-cuda"])
+def test_checkpoint_moves_between_cuda_and_cpu(data, cuda_single, tmp_path, first, second):
     log = str(tmp_path / "moved")
     stop_then_resume(data, log, first, second)
-    assert_same_log(log, ref, CROSS_DEVICE_LOSS_TOL)
+    assert_same_log(log, cuda_single, CROSS_DEVICE_LOSS_TOL)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL across processes needs at least 2 CUDA GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="NCCL across processes needs at least 2 CUDA GPUs")
 @pytest.mark.parametrize("extra", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
-def test_two_gpus_nccl_match_one_process(cuda_single, tmp_path, extra):
-    data, ref = cuda_single
+def test_two_gpus_nccl_match_one_process(data, cuda_single, tmp_path, extra):
     log = str(tmp_path / "nccl")
-    r = torchrun(*tiny_run_args(data, log, *STEPS, "--device", "cuda", *extra))  # compiled, as shipped
+    # compiled, as shipped
+    r = torchrun(*run_args(data, log, *DIST_FLAGS, "--device", "cuda", *extra))
     assert r.returncode == 0, r.stderr[-3000:]
     assert " world_size=2" in r.stdout and " compile=True" in r.stdout
-    assert_same_log(log, ref, CUDA_LOSS_TOL)
+    assert_same_log(log, cuda_single, CUDA_LOSS_TOL)
 
 
-# ----------------------------------------------------------------------------- GPT-2 124M
+# --------------------------------------------------------------------------------------- GPT-2 124M
 
 def test_gpt2_124m_compiled_memory_and_mfu(record_property):
     import bench
 
     torch.cuda.empty_cache()
     torch.set_float32_matmul_precision("high")
-    args = argparse.Namespace(micro_batch_size=64, sequence_length=1024, grad_accum=1, compile=True, compile_mode=None,
-                              foreach_adamw=False, peak_flops=None, warmup=3, steps=3)
+    args = argparse.Namespace(micro_batch_size=64, sequence_length=1024, grad_accum=1,
+                              compile=True, compile_mode=None, foreach_adamw=False,
+                              peak_flops=None, warmup=3, steps=3)
     config = tg.GPTConfig(**tg.MODEL_PRESETS["gpt2"])
-    row = bench.bench_training(args, config, "cuda", "cuda", torch.autocast("cuda", dtype=torch.bfloat16))
+    row = bench.bench_training(args, config, "cuda", "cuda",
+                               torch.autocast("cuda", dtype=torch.bfloat16))
     for key in ("tokens_per_sec", "ms_per_step", "mfu", "peak_mem_gib"):
         record_property(key, row[key])  # bench.py --suite gpu reads these from the JUnit XML
     print(f"GPT-2 124M B=64 T=1024 compiled bf16 on {torch.cuda.get_device_name()}: {row}")

@@ -17,21 +17,16 @@ import time
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import common
+import fineweb
+from fineweb import EOT, DataPrepError, prepare
+from helpers import (REPO, assert_one_line_error, dir_bytes, write_corpus_jsonl, write_jsonl,
+                     write_shards)
 
-# never touch the network (datasets reads these when it is first imported)
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import common  # noqa: E402
-import fineweb  # noqa: E402
-from conftest import write_shards  # noqa: E402
-from fineweb import EOT, DataPrepError, prepare  # noqa: E402
-
-WORDS = ("the of and to in is was for on that with as by at from education learning school students "
-         "teacher science history water energy cell plant animal river mountain city number theory "
-         "experiment result data model children reading writing mathematics language world").split()
+WORDS = ("the of and to in is was for on that with as by at from education learning school "
+         "students teacher science history water energy cell plant animal river mountain city "
+         "number theory experiment result data model children reading writing mathematics "
+         "language world").split()
 
 
 def make_docs(n, seed=0, min_words=20, max_words=200):
@@ -39,15 +34,14 @@ def make_docs(n, seed=0, min_words=20, max_words=200):
     docs = []
     for i in range(n):
         words = [rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))]
-        docs.append(f"Document {i}. " + " ".join(words) + ".\n\nThe end, n=" + str(rng.randint(0, 10**6)))
+        end = rng.randint(0, 10**6)
+        docs.append(f"Document {i}. " + " ".join(words) + ".\n\nThe end, n=" + str(end))
     return docs
 
 
-def write_jsonl(path, docs, key="text"):
-    with open(path, "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps({key: d, "id": len(d)}) + "\n")
-    return str(path)
+def write_docs(path, docs, key="text"):
+    """A .jsonl corpus: one document a line, under `key`, beside a field fineweb.py must skip."""
+    return write_jsonl(path, [{key: d, "id": len(d)} for d in docs])
 
 
 def write_parquet(path, docs, key="text"):
@@ -55,11 +49,6 @@ def write_parquet(path, docs, key="text"):
     import pyarrow.parquet as pq
     pq.write_table(pa.table({key: docs, "score": [1.0] * len(docs)}), str(path), row_group_size=50)
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def enc():
-    return fineweb.get_encoding()  # checked against tiktoken's own gpt2 in test_tokenizer.py
 
 
 def expected_tokens(enc, docs):
@@ -81,15 +70,6 @@ def cli(*args, env_extra=None):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
     return subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=120)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 # -----------------------------------------------------------------------------
@@ -114,11 +94,13 @@ def test_shard_layout_and_names(tmp_path, enc):
     n_shards = -(-len(expected) // 1000)
     assert n_shards >= 4
     names = [os.path.basename(p) for p in paths]
-    assert names == ["text_val_000000.npy"] + [f"text_train_{i:06d}.npy" for i in range(1, n_shards)]
+    assert names == ["text_val_000000.npy"] + [f"text_train_{i:06d}.npy"
+                                               for i in range(1, n_shards)]
     # what the loader globs, and nothing else (no temp files left behind)
     assert sorted(glob.glob(str(out / "*_val_[0-9]*.npy"))) == paths[:1]
     assert sorted(glob.glob(str(out / "*_train_[0-9]*.npy"))) == paths[1:]
-    assert sorted(os.listdir(out)) == sorted(names + ["manifest.json", fineweb.LOCK])  # the holder file is gone
+    # the holder file is gone
+    assert sorted(os.listdir(out)) == sorted(names + ["manifest.json", fineweb.LOCK])
     sizes = [len(np.load(p)) for p in paths]
     assert sizes[:-1] == [1000] * (n_shards - 1)  # val is a full shard by default
     assert 0 < sizes[-1] <= 1000  # the last partial shard is written
@@ -134,11 +116,13 @@ def test_round_trip_mixed_inputs(tmp_path, enc):
     txt_docs = ["A plain text file.\nSecond line.\n", "Another file, one document."]
     for i, d in enumerate(txt_docs):
         (tmp_path / f"t{i}.txt").write_text(d, encoding="utf-8")
-    a = write_jsonl(tmp_path / "a.jsonl", docs[:10])
+    a = write_docs(tmp_path / "a.jsonl", docs[:10])
     b = write_parquet(tmp_path / "b.parquet", docs[10:])
     # a quoted glob is expanded by fineweb itself, sorted
-    (tmp_path / "notes.md").write_text("# Notes\n\nMarkdown is plain text: one document.\n", encoding="utf-8")
-    paths = prepare(tmp_path / "out", inputs=[a, b, str(tmp_path / "t*.txt"), str(tmp_path / "notes.md")],
+    (tmp_path / "notes.md").write_text("# Notes\n\nMarkdown is plain text: one document.\n",
+                                       encoding="utf-8")
+    paths = prepare(tmp_path / "out",
+                    inputs=[a, b, str(tmp_path / "t*.txt"), str(tmp_path / "notes.md")],
                     shard_size=700, num_proc=1, progress=False)
     all_docs = docs + txt_docs + ["# Notes\n\nMarkdown is plain text: one document.\n"]
     tokens = load(paths)
@@ -151,7 +135,7 @@ def test_round_trip_mixed_inputs(tmp_path, enc):
 
 def test_document_split_across_shard_boundary(tmp_path, enc):
     docs = make_docs(20, seed=2, min_words=150, max_words=300)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     paths = prepare(tmp_path / "out", inputs=[src], shard_size=500, num_proc=1, progress=False)
     shards = [np.load(p) for p in paths]
     # documents are longer than a shard, so shards start inside a document...
@@ -162,7 +146,7 @@ def test_document_split_across_shard_boundary(tmp_path, enc):
 
 def test_multi_batch_pool_matches_inline(tmp_path, monkeypatch, enc):
     docs = make_docs(80, seed=3)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     monkeypatch.setattr(fineweb, "BATCH_CHARS", 2000)  # many small batches, boundaries inside them
     one = prepare(tmp_path / "one", inputs=[src], shard_size=900, num_proc=1, progress=False)
     two = prepare(tmp_path / "two", inputs=[src], shard_size=900, num_proc=2, progress=False)
@@ -180,7 +164,8 @@ def test_empty_documents_are_skipped(tmp_path, enc):
 
 
 def test_tokenize_batch_matches_encode_ordinary(enc):
-    texts = ["Hello world", "", None, "lone surrogate \ud800 from a JSON escape", "<|endoftext|> as text"]
+    texts = ["Hello world", "", None, "lone surrogate \ud800 from a JSON escape",
+             "<|endoftext|> as text"]
     tokens, lengths = fineweb.tokenize_batch(texts)
     expected = []
     for t in texts:
@@ -204,7 +189,7 @@ def test_token_ids_checked_against_uint16(monkeypatch):
 
 def test_small_corpus_gets_val_and_train(tmp_path, enc):
     docs = make_docs(5, seed=4)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     expected = expected_tokens(enc, docs)
     assert len(expected) < 5000  # smaller than one (val) shard
     paths = prepare(tmp_path / "out", inputs=[src], shard_size=5000, num_proc=1, progress=False)
@@ -218,8 +203,9 @@ def test_small_corpus_gets_val_and_train(tmp_path, enc):
 
 def test_explicit_val_tokens(tmp_path, enc):
     docs = make_docs(20, seed=5)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
-    paths = prepare(tmp_path / "out", inputs=[src], shard_size=1000, val_tokens=123, num_proc=1, progress=False)
+    src = write_docs(tmp_path / "d.jsonl", docs)
+    paths = prepare(tmp_path / "out", inputs=[src], shard_size=1000, val_tokens=123, num_proc=1,
+                    progress=False)
     assert len(np.load(paths[0])) == 123
     assert all(len(np.load(p)) == 1000 for p in paths[1:-1])
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
@@ -229,12 +215,13 @@ def test_explicit_val_tokens(tmp_path, enc):
 
 def test_max_tokens_stops(tmp_path, enc, monkeypatch):
     docs = make_docs(200, seed=6)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     monkeypatch.setattr(fineweb, "BATCH_CHARS", 1000)
     seen = []
     real = fineweb.tokenize_batch
     monkeypatch.setattr(fineweb, "tokenize_batch", lambda texts: seen.extend(texts) or real(texts))
-    paths = prepare(tmp_path / "out", inputs=[src], shard_size=1000, max_tokens=2500, num_proc=1, progress=False)
+    paths = prepare(tmp_path / "out", inputs=[src], shard_size=1000, max_tokens=2500, num_proc=1,
+                    progress=False)
     sizes = [len(np.load(p)) for p in paths]
     assert sizes == [250, 1000, 1000, 250]  # val: 10% of max_tokens by default
     assert np.array_equal(load(paths), expected_tokens(enc, docs)[:2500])
@@ -276,8 +263,8 @@ def hf_cache(tmp_path, monkeypatch):
 def test_streaming_path_on_local_dataset(tmp_path, enc, hf_cache):
     docs = make_docs(60, seed=7)
     repo = make_hub_repo(tmp_path / "repo", docs)
-    paths = prepare(tmp_path / "out", dataset=repo, name="sample-10BT", shard_size=1000, max_tokens=3000,
-                    num_proc=1, progress=False)
+    paths = prepare(tmp_path / "out", dataset=repo, name="sample-10BT", shard_size=1000,
+                    max_tokens=3000, num_proc=1, progress=False)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["args"]["streaming"] is True and manifest["args"]["name"] == "sample-10BT"
     assert manifest["prefix"] == "edufineweb"  # FineWeb data keeps FineWeb's names
@@ -289,9 +276,11 @@ def test_streaming_path_on_local_dataset(tmp_path, enc, hf_cache):
     manifest["complete"] = False  # as a crash just before the last manifest update leaves it
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     status = fineweb.prep_status(tmp_path / "out")
-    assert status.prepare_kwargs["dataset"] == repo and status.prepare_kwargs["name"] == "sample-10BT"
+    assert status.prepare_kwargs["dataset"] == repo
+    assert status.prepare_kwargs["name"] == "sample-10BT"
     words = shlex.split(status.resume_command)
-    assert words[:2] == ["python", "fineweb.py"] and "--dataset" in words and "--max_tokens" in words
+    assert words[:2] == ["python", "fineweb.py"]
+    assert "--dataset" in words and "--max_tokens" in words
     assert fineweb.main(words[2:] + ["--num_proc", "1"]) == 0
     assert fineweb.prep_status(tmp_path / "out").complete
 
@@ -299,18 +288,20 @@ def test_streaming_path_on_local_dataset(tmp_path, enc, hf_cache):
 def test_download_path_on_local_dataset(tmp_path, enc, hf_cache):
     docs = make_docs(40, seed=8)
     repo = make_hub_repo(tmp_path / "repo", docs)
-    paths = prepare(tmp_path / "out", dataset=repo, name="sample-10BT", shard_size=1000, num_proc=1, progress=False)
+    paths = prepare(tmp_path / "out", dataset=repo, name="sample-10BT", shard_size=1000, num_proc=1,
+                    progress=False)
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
     with pytest.raises(DataPrepError, match="no column 'body'"):
-        prepare(tmp_path / "out2", dataset=repo, name="sample-10BT", text_column="body", max_tokens=100,
-                progress=False)
+        prepare(tmp_path / "out2", dataset=repo, name="sample-10BT", text_column="body",
+                max_tokens=100, progress=False)
 
 
 def test_hub_network_failure_is_a_clear_error(tmp_path, monkeypatch):
     import datasets
 
     def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (LocalEntryNotFoundError)")
+        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub "
+                              "(LocalEntryNotFoundError)")
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataPrepError) as e:
         prepare(tmp_path / "out", max_tokens=1000, progress=False)
@@ -328,7 +319,7 @@ def test_cli_offline_hub(tmp_path):
 
 def test_resume_after_interrupted_run(tmp_path, enc, monkeypatch):
     docs = make_docs(100, seed=9)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     out = tmp_path / "out"
     monkeypatch.setattr(fineweb, "BATCH_CHARS", 1500)
     real_write = fineweb.atomic_write
@@ -352,24 +343,28 @@ def test_resume_after_interrupted_run(tmp_path, enc, monkeypatch):
     monkeypatch.setattr(fineweb, "atomic_write", real_write)
     seen = []
     real_tokenize = fineweb.tokenize_batch
-    monkeypatch.setattr(fineweb, "tokenize_batch", lambda texts: seen.extend(texts) or real_tokenize(texts))
+    monkeypatch.setattr(fineweb, "tokenize_batch",
+                        lambda texts: seen.extend(texts) or real_tokenize(texts))
     paths = prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False)
     assert len(paths) > 4
-    assert {p: os.stat(p).st_mtime_ns for p in paths[:3]} == before  # finished shards kept as they were
-    assert len(seen) == len(docs) - manifest["shards"][-1]["next_doc"]  # only the rest was tokenized
+    # finished shards kept as they were
+    assert {p: os.stat(p).st_mtime_ns for p in paths[:3]} == before
+    # only the rest was tokenized
+    assert len(seen) == len(docs) - manifest["shards"][-1]["next_doc"]
     assert seen[0] == docs[manifest["shards"][-1]["next_doc"]]
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
     assert not glob.glob(str(out / "*.tmp"))
     assert all(os.path.basename(p).startswith("text_") for p in paths)  # the resume kept the prefix
     # a third run finds it complete and reads nothing
-    monkeypatch.setattr(fineweb, "_iter_files", lambda *a: pytest.fail("re-read a complete directory"))
+    monkeypatch.setattr(fineweb, "_iter_files",
+                        lambda *a: pytest.fail("re-read a complete directory"))
     assert prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False) == paths
 
 
 def test_resume_of_a_prep_without_a_recorded_prefix_keeps_its_names(tmp_path, enc, monkeypatch):
     # manifests written before the prefix was recorded named every shard edufineweb_, --input or not
     docs = make_docs(40, seed=18)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     out = tmp_path / "out"
     real_write = fineweb.atomic_write
 
@@ -398,7 +393,7 @@ def test_resume_of_a_prep_without_a_recorded_prefix_keeps_its_names(tmp_path, en
 @pytest.mark.parametrize("max_tokens", [None, 1500])
 def test_resume_when_only_the_complete_flag_is_missing(tmp_path, enc, monkeypatch, max_tokens):
     docs = make_docs(30, seed=13)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     out = tmp_path / "out"
     real_save = fineweb._save_manifest
 
@@ -408,10 +403,12 @@ def test_resume_when_only_the_complete_flag_is_missing(tmp_path, enc, monkeypatc
         real_save(local_dir, manifest)
     monkeypatch.setattr(fineweb, "_save_manifest", crash_at_the_end)
     with pytest.raises(KeyboardInterrupt):
-        prepare(out, inputs=[src], shard_size=1000, max_tokens=max_tokens, num_proc=1, progress=False)
+        prepare(out, inputs=[src], shard_size=1000, max_tokens=max_tokens, num_proc=1,
+                progress=False)
     monkeypatch.setattr(fineweb, "_save_manifest", real_save)
     assert json.loads((out / "manifest.json").read_text())["complete"] is False
-    paths = prepare(out, inputs=[src], shard_size=1000, max_tokens=max_tokens, num_proc=1, progress=False)
+    paths = prepare(out, inputs=[src], shard_size=1000, max_tokens=max_tokens, num_proc=1,
+                    progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is True
     assert np.array_equal(load(paths), expected_tokens(enc, docs)[:max_tokens])
@@ -419,13 +416,13 @@ def test_resume_when_only_the_complete_flag_is_missing(tmp_path, enc, monkeypatc
 
 def test_refuses_mismatched_arguments(tmp_path):
     docs = make_docs(20, seed=10)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     out = tmp_path / "out"
     paths = prepare(out, inputs=[src], shard_size=1000, num_proc=1, progress=False)
     before = {p: os.stat(p).st_mtime_ns for p in paths}
     with pytest.raises(DataPrepError, match=r"different arguments \(shard_size: 1000 -> 2000"):
         prepare(out, inputs=[src], shard_size=2000, num_proc=1, progress=False)
-    other = write_jsonl(tmp_path / "other.jsonl", docs[:5])
+    other = write_docs(tmp_path / "other.jsonl", docs[:5])
     with pytest.raises(DataPrepError, match="inputs"):
         prepare(out, inputs=[other], shard_size=1000, num_proc=1, progress=False)
     r = cli("--input", src, "--data_root", out, "--shard_size", 1000, "--max_tokens", 500)
@@ -436,8 +433,9 @@ def test_refuses_mismatched_arguments(tmp_path):
 def test_refuses_directory_of_foreign_shards(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    np.save(out / "edufineweb_val_000000.npy", np.zeros(10, dtype=np.uint16))  # e.g. from build-nanogpt
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(3))
+    # e.g. from build-nanogpt
+    np.save(out / "edufineweb_val_000000.npy", np.zeros(10, dtype=np.uint16))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(3))
     with pytest.raises(DataPrepError, match="no manifest.json"):
         prepare(out, inputs=[src], shard_size=1000, progress=False)
     assert len(np.load(out / "edufineweb_val_000000.npy")) == 10
@@ -448,14 +446,16 @@ def test_refuses_directory_of_foreign_shards(tmp_path):
 
 def test_missing_text_column(tmp_path):
     pq = write_parquet(tmp_path / "d.parquet", ["a", "b"], key="content")
-    jl = write_jsonl(tmp_path / "d.jsonl", ["a", "b"], key="content")
+    jl = write_docs(tmp_path / "d.jsonl", ["a", "b"], key="content")
     for src in (pq, jl):
         with pytest.raises(DataPrepError, match="no (column|field) 'text'.*--text_column"):
             prepare(tmp_path / "out", inputs=[src], progress=False)
-        assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out"), "'text'", "--text_column")
+        assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out"), "'text'",
+                              "--text_column")
     assert not (tmp_path / "out").exists()
     # and with the right column it works
-    paths = prepare(tmp_path / "ok", inputs=[pq], text_column="content", shard_size=100, num_proc=1, progress=False)
+    paths = prepare(tmp_path / "ok", inputs=[pq], text_column="content", shard_size=100, num_proc=1,
+                    progress=False)
     assert len(paths) == 2
 
 
@@ -470,11 +470,12 @@ def test_empty_input(tmp_path, kind):
     elif kind == "parquet":
         src = write_parquet(tmp_path / "e.parquet", [])
     else:
-        src = write_jsonl(tmp_path / "e.jsonl", ["", ""])
+        src = write_docs(tmp_path / "e.jsonl", ["", ""])
     with pytest.raises(DataPrepError, match="contains no text"):
         prepare(tmp_path / "out", inputs=[str(src)], shard_size=100, num_proc=1, progress=False)
     assert not glob.glob(str(tmp_path / "out" / "*"))  # no manifest claiming the directory
-    assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out", "--num_proc", 1), "no text")
+    assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out", "--num_proc", 1),
+                          "no text")
 
 
 def test_unreadable_inputs(tmp_path):
@@ -484,17 +485,20 @@ def test_unreadable_inputs(tmp_path):
     bad_txt.write_bytes(b"caf\xe9 latin-1 bytes")
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "fine"}\n{"text": broken\n')
-    cases = [(bad_parquet, "not a valid Parquet file"), (bad_txt, "not UTF-8"), (bad_json, "bad.jsonl:2: invalid JSON"),
-             (tmp_path / "missing.jsonl", "not found"), (tmp_path / "x.csv", "unsupported"),
+    cases = [(bad_parquet, "not a valid Parquet file"), (bad_txt, "not UTF-8"),
+             (bad_json, "bad.jsonl:2: invalid JSON"), (tmp_path / "missing.jsonl", "not found"),
+             (tmp_path / "x.csv", "unsupported"),
              (str(tmp_path / "nothing*.parquet"), "no files match")]
     (tmp_path / "x.csv").write_text("a,b\n")
     for src, message in cases:
         with pytest.raises(DataPrepError, match=message):
             prepare(tmp_path / "out", inputs=[str(src)], shard_size=100, num_proc=1, progress=False)
-        assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out", "--num_proc", 1), message)
+        assert_one_line_error(cli("--input", src, "--data_root", tmp_path / "out", "--num_proc", 1),
+                              message)
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can read anything")
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root can read anything")
 def test_permission_denied(tmp_path):
     src = tmp_path / "secret.txt"
     src.write_text("text")
@@ -508,7 +512,7 @@ def test_permission_denied(tmp_path):
 
 def test_cli_success(tmp_path, enc):
     docs = make_docs(10, seed=11)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     r = cli("--input", src, "--data_root", tmp_path / "out", "--shard_size", 500, "--num_proc", 1)
     assert r.returncode == 0, r.stderr
     assert "tokens in" in r.stdout
@@ -523,21 +527,23 @@ def test_cli_input_defaults_to_the_local_text_folder(tmp_path, monkeypatch, enc)
     monkeypatch.setattr(fineweb, "LOCAL_DATA_ROOT", str(local))
     monkeypatch.setattr(fineweb, "DEFAULT_DATA_ROOT", str(fw))
     docs = make_docs(20, seed=19)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     assert fineweb.main(["--input", src, "--shard_size", "600", "--num_proc", "1"]) == 0
     assert not fw.exists()
     names = sorted(os.listdir(local))
     assert names[0] == fineweb.LOCK
     names = names[1:]
     assert names[-1] == "text_val_000000.npy" and names[0] == "manifest.json"
-    assert names[1:-1] == [f"text_train_{i:06d}.npy" for i in range(1, len(names) - 1)] and len(names) > 3
+    assert names[1:-1] == [f"text_train_{i:06d}.npy" for i in range(1, len(names) - 1)]
+    assert len(names) > 3
     assert fineweb.list_shards(str(local), "val") == [str(local / "text_val_000000.npy")]
     paths = fineweb.list_shards(str(local), "val") + fineweb.list_shards(str(local), "train")
     assert np.array_equal(load(paths), expected_tokens(enc, docs))
     # an explicit --data_root still wins, with the same local-text names
-    assert fineweb.main(["--input", src, "--data_root", str(tmp_path / "mine"), "--num_proc", "1"]) == 0
-    assert sorted(os.listdir(tmp_path / "mine")) == [".fineweb.lock", "manifest.json", "text_train_000001.npy",
-                                                     "text_val_000000.npy"]
+    args = ["--input", src, "--data_root", str(tmp_path / "mine"), "--num_proc", "1"]
+    assert fineweb.main(args) == 0
+    assert sorted(os.listdir(tmp_path / "mine")) == [".fineweb.lock", "manifest.json",
+                                                     "text_train_000001.npy", "text_val_000000.npy"]
 
 
 def test_cli_fineweb_keeps_its_default_folder(tmp_path, monkeypatch):
@@ -555,24 +561,27 @@ def test_cli_fineweb_keeps_its_default_folder(tmp_path, monkeypatch):
 
 def test_cli_old_flag_names_still_work():
     parser = fineweb.build_parser()
-    new = parser.parse_args(["--data_root", "d", "--fineweb_name", "sample-100BT", "--val_shard_tokens", "5"])
+    new = parser.parse_args(["--data_root", "d", "--fineweb_name", "sample-100BT",
+                             "--val_shard_tokens", "5"])
     old = parser.parse_args(["--local_dir", "d", "--name", "sample-100BT", "--val_tokens", "5"])
     assert old == new
     shown = parser.format_help()
-    assert "--data_root" in shown and not {"--local_dir", "--name", "--val_tokens"} & set(shown.split())
+    assert "--data_root" in shown
+    assert not {"--local_dir", "--name", "--val_tokens"} & set(shown.split())
 
 
 def test_import_has_no_side_effects():
     code = ("import multiprocessing as mp, sys; import fineweb; "
             "assert not mp.active_children(); assert 'datasets' not in sys.modules; "
             "assert 'tiktoken' not in sys.modules; print('ok')")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_works_with_spawn(tmp_path, enc):
     docs = make_docs(40, seed=12)
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     script = tmp_path / "run_spawn.py"
     script.write_text(textwrap.dedent(f"""\
         import multiprocessing as mp, sys
@@ -593,7 +602,8 @@ def test_works_with_spawn(tmp_path, enc):
 
 def test_unreachable_hub_fails_fast_with_input_hint(tmp_path, monkeypatch):
     import socket
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy",
+                "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     calls = []
 
@@ -609,15 +619,14 @@ def test_unreachable_hub_fails_fast_with_input_hint(tmp_path, monkeypatch):
 
 
 def test_no_progress_bar_in_non_interactive_logs(tmp_path):
-    import subprocess
-    import sys
-    from conftest import REPO, write_corpus_jsonl
     corpus = str(tmp_path / "c.jsonl")
     write_corpus_jsonl(corpus, 300)
-    r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus, "--data_root",
-                        str(tmp_path / "out"), "--num_proc", "1"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus,
+                        "--data_root", str(tmp_path / "out"), "--num_proc", "1"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "tok/s" not in r.stderr and "shard 0" not in r.stderr  # stderr is a pipe: tqdm stays quiet
+    # stderr is a pipe: tqdm stays quiet
+    assert "tok/s" not in r.stderr and "shard 0" not in r.stderr
     assert "tokens in 2 shards" in r.stdout
 
 
@@ -627,26 +636,31 @@ def test_no_progress_bar_in_non_interactive_logs(tmp_path):
 def test_shard_names_and_list_shards_agree(tmp_path):
     root = tmp_path / "data"
     root.mkdir()
-    named = {"val": [fineweb.shard_name(0)], "train": [fineweb.shard_name(i) for i in (2, 10, 100, 1)]}
-    named["train"] += [fineweb.shard_name(3, "train", prefix="other")]  # list_shards takes any prefix
+    named = {"val": [fineweb.shard_name(0)],
+             "train": [fineweb.shard_name(i) for i in (2, 10, 100, 1)]}
+    # list_shards takes any prefix
+    named["train"] += [fineweb.shard_name(3, "train", prefix="other")]
     for name in named["val"] + named["train"]:
         np.save(root / name, np.zeros(1, dtype=np.uint16))
     # things that are not shards: temp files of an interrupted write, another split, other files
-    for junk in (fineweb.shard_name(7) + ".a1b2c3.tmp", fineweb.shard_name(8, "test"), "edufineweb_train_.npy",
-                 "notes_train.txt", "manifest.json"):
+    for junk in (fineweb.shard_name(7) + ".a1b2c3.tmp", fineweb.shard_name(8, "test"),
+                 "edufineweb_train_.npy", "notes_train.txt", "manifest.json"):
         (root / junk).write_bytes(b"x")
-    found = {split: [os.path.basename(p) for p in fineweb.list_shards(str(root), split)] for split in ("val", "train")}
+    found = {split: [os.path.basename(p) for p in fineweb.list_shards(str(root), split)]
+             for split in ("val", "train")}
     assert found["val"] == ["edufineweb_val_000000.npy"]
     # in index order (zero-padded), whatever the order they were written in
-    assert found["train"] == ["edufineweb_train_000001.npy", "edufineweb_train_000002.npy", "edufineweb_train_000010.npy",
-                              "edufineweb_train_000100.npy", "other_train_000003.npy"]
+    assert found["train"] == ["edufineweb_train_000001.npy", "edufineweb_train_000002.npy",
+                              "edufineweb_train_000010.npy", "edufineweb_train_000100.npy",
+                              "other_train_000003.npy"]
     assert fineweb.list_shards(str(tmp_path / "missing"), "train") == []
 
 
 def test_prepare_writes_what_list_shards_finds(tmp_path):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(30, seed=14))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(30, seed=14))
     paths = prepare(tmp_path / "out", inputs=[src], shard_size=800, num_proc=1, progress=False)
-    assert fineweb.list_shards(str(tmp_path / "out"), "val") + fineweb.list_shards(str(tmp_path / "out"), "train") == paths
+    out = str(tmp_path / "out")
+    assert fineweb.list_shards(out, "val") + fineweb.list_shards(out, "train") == paths
     assert len(paths) >= 3
 
 
@@ -666,14 +680,14 @@ def test_open_shard_returns_a_read_only_memmap(tmp_path):
 
 def test_open_shard_reads_what_prepare_wrote(tmp_path, enc):
     docs = make_docs(20, seed=15)
-    paths = prepare(tmp_path / "out", inputs=[write_jsonl(tmp_path / "d.jsonl", docs)], shard_size=700, num_proc=1,
-                    progress=False)
+    paths = prepare(tmp_path / "out", inputs=[write_docs(tmp_path / "d.jsonl", docs)],
+                    shard_size=700, num_proc=1, progress=False)
     tokens = np.concatenate([fineweb.open_shard(p, enc.n_vocab) for p in paths])
     assert np.array_equal(tokens, expected_tokens(enc, docs))
 
 
 def write_broken_shard(path, kind):
-    if kind == "truncated":  # what a copy cut short leaves: np.load(mmap_mode="r") fails with an mmap message
+    if kind == "truncated":  # a copy cut short: np.load(mmap_mode="r") fails with an mmap message
         np.save(path, np.arange(1000, dtype=np.uint16))
         data = open(path, "rb").read()
         open(path, "wb").write(data[:-100])
@@ -700,7 +714,7 @@ def write_broken_shard(path, kind):
     ("not npy", r"not a \.npy file"),
     ("empty file", r"not a \.npy file"),
     ("int32", "holds int32 values, expected uint16"),
-    ("2-D", r"2-D array of shape \(10, 100\), expected a 1-D"),
+    ("2-D", r"holds an array of shape \(10, 100\), expected a 1-D token stream"),
     ("big id", "token id 50300 at offset 1234 is >= the vocabulary size 50257"),
     ("missing", "cannot read it"),
 ])
@@ -725,7 +739,8 @@ def test_open_shard_finds_a_bad_id_in_any_chunk(tmp_path, monkeypatch):
         bad[offset] = 8
         bad[-1] = 9 if offset != 10_499 else 8  # the first bad id is the one reported
         np.save(tmp_path / "s.npy", bad)
-        with pytest.raises(fineweb.ShardError, match=f"token id 8 at offset {offset} is >= the vocabulary size 8"):
+        with pytest.raises(fineweb.ShardError,
+                           match=f"token id 8 at offset {offset} is >= the vocabulary size 8"):
             fineweb.open_shard(str(tmp_path / "s.npy"), 8)
 
 
@@ -738,27 +753,29 @@ def test_padded_vocabulary_accepts_ids_below_it(tmp_path):
 # prep_status, and finishing a prep killed with kill -9
 
 def shard_bytes(folder):
-    return {os.path.basename(p): open(p, "rb").read()
-            for p in fineweb.list_shards(str(folder), "val") + fineweb.list_shards(str(folder), "train")}
+    paths = fineweb.list_shards(str(folder), "val") + fineweb.list_shards(str(folder), "train")
+    return {os.path.basename(p): open(p, "rb").read() for p in paths}
 
 
 def test_prep_status_of_empty_and_foreign_dirs(tmp_path):
-    np.save(tmp_path / "edufineweb_val_000000.npy", np.zeros(5, dtype=np.uint16))  # shards from another tool
+    np.save(tmp_path / "edufineweb_val_000000.npy", np.zeros(5, dtype=np.uint16))  # another tool's
     for root in (tmp_path / "missing", tmp_path):
         status = fineweb.prep_status(root)
         assert status.data_root == str(root) and not status.has_manifest and not status.complete
-        assert status.args is None and status.resume_command is None and status.prepare_kwargs is None
+        assert status.args is None and status.resume_command is None
+        assert status.prepare_kwargs is None
 
 
 def test_kill_9_then_prepare_finishes_the_same_shards(tmp_path):
-    from conftest import write_corpus_jsonl
     corpus = str(tmp_path / "c.jsonl")
     write_corpus_jsonl(corpus, 3000)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus, "--data_root", str(out),
-                             "--shard_size", "1000", "--num_proc", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus,
+                             "--data_root", str(out), "--shard_size", "1000", "--num_proc", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        while proc.poll() is None and fineweb.prep_status(out).shards < 3:  # the manifest is replaced atomically
+        # the manifest is replaced atomically
+        while proc.poll() is None and fineweb.prep_status(out).shards < 3:
             time.sleep(0.002)
     finally:
         proc.kill()  # SIGKILL: no handler, no cleanup
@@ -767,17 +784,22 @@ def test_kill_9_then_prepare_finishes_the_same_shards(tmp_path):
 
     status = fineweb.prep_status(out)
     assert status.has_manifest and not status.complete and status.shards >= 3
-    # the recorded shards are there; one more if the kill fell between a shard's rename and the manifest
-    # update (the resume writes it again); nothing half-written under a shard name (temp name, then rename)
+    # the recorded shards are there; one more if the kill fell between a shard's rename and the
+    # manifest update (the resume writes it again); nothing half-written under a shard name (temp
+    # name, then rename)
     on_disk = shard_bytes(out)
-    assert [s["file"] for s in json.loads((out / "manifest.json").read_text())["shards"]] == list(on_disk)[:status.shards]
+    recorded = json.loads((out / "manifest.json").read_text())["shards"]
+    assert [s["file"] for s in recorded] == list(on_disk)[:status.shards]
     assert status.shards <= len(on_disk) <= status.shards + 1
-    assert status.args["shard_size"] == 1000 and [i["path"] for i in status.args["inputs"]] == [corpus]
+    assert status.args["shard_size"] == 1000
+    assert [i["path"] for i in status.args["inputs"]] == [corpus]
     assert status.resume_command.startswith("python fineweb.py --data_root ")
-    assert f"--input {corpus}" in status.resume_command and "--shard_size 1000" in status.resume_command
+    assert f"--input {corpus}" in status.resume_command
+    assert "--shard_size 1000" in status.resume_command
 
     paths = prepare(out, inputs=[corpus], shard_size=1000, num_proc=1, progress=False)
-    reference = prepare(tmp_path / "reference", inputs=[corpus], shard_size=1000, num_proc=1, progress=False)
+    reference = prepare(tmp_path / "reference", inputs=[corpus], shard_size=1000, num_proc=1,
+                        progress=False)
     assert len(paths) == len(reference) > status.shards
     assert shard_bytes(out) == shard_bytes(tmp_path / "reference")
     assert fineweb.prep_status(out).complete and fineweb.prep_status(out).resume_command is None
@@ -785,7 +807,8 @@ def test_kill_9_then_prepare_finishes_the_same_shards(tmp_path):
 
 
 def test_resume_command_finishes_the_prep(tmp_path, monkeypatch):
-    src = write_jsonl(tmp_path / "my corpus.jsonl", make_docs(60, seed=16))  # a space: the command must quote it
+    # a space: the command must quote it
+    src = write_docs(tmp_path / "my corpus.jsonl", make_docs(60, seed=16))
     out = tmp_path / "out dir"
     kwargs = dict(inputs=[src], shard_size=700, val_tokens=300, max_tokens=5000, text_column="text")
     real_write = fineweb.atomic_write
@@ -806,8 +829,8 @@ def test_resume_command_finishes_the_prep(tmp_path, monkeypatch):
     assert not status.complete and status.shards == 4 and status.tokens == 300 + 3 * 700
     words = shlex.split(status.resume_command)
     assert words[:2] == ["python", "fineweb.py"]
-    r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), *words[2:], "--num_proc", "1"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), *words[2:],
+                        "--num_proc", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert fineweb.prep_status(out).complete
     reference = prepare(tmp_path / "reference", num_proc=1, progress=False, **kwargs)
@@ -819,32 +842,34 @@ def test_resume_command_finishes_the_prep(tmp_path, monkeypatch):
 # bench.py's fineweb rows (the naive build-nanogpt comparison lives there, not in the library)
 
 def bench(*args):
-    return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *map(str, args)], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+    return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
 def test_bench_fineweb_naive_row(tmp_path, enc):
     docs = make_docs(300, seed=17)
-    src = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    src = write_docs(tmp_path / "corpus.jsonl", docs)
     r = bench("--only", "fineweb,fineweb_naive", "--fineweb_input", src, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     n_tokens = len(expected_tokens(enc, docs))
     assert out["fineweb"]["tokens"] == out["fineweb_naive"]["tokens"] == n_tokens
     naive = out["fineweb_naive"]
-    assert naive["documents"] == len(docs) and naive["same_tokens"] is True  # naive, ours, end to end: one stream
+    assert naive["documents"] == len(docs)
+    assert naive["same_tokens"] is True  # naive, ours, end to end: one stream
     assert naive["speedup"] > 0 and naive["naive_tok_s"] > 0 and naive["ours_end_to_end_tok_s"] > 0
     assert "train" not in out and "loader" not in out  # only the rows asked for
     assert not hasattr(fineweb, "compare_with_naive")
 
 
 def test_bench_fineweb_bad_input_is_one_line(tmp_path):
-    assert_one_line_error(bench("--only", "fineweb_naive", "--fineweb_input", tmp_path / "missing.jsonl"), "not found")
+    r = bench("--only", "fineweb_naive", "--fineweb_input", tmp_path / "missing.jsonl")
+    assert_one_line_error(r, "not found")
 
 
 # -----------------------------------------------------------------------------
-# ensure_prepared: train_gpt2.py's data on first use (these call it directly; the CLI-level
-# tests of the same behaviour are in test_train_gpt2.py, test_hostile.py, test_distributed.py)
+# ensure_prepared: train_gpt2.py's data on first use (these call it directly; training runs that
+# prepare their data are in test_training.py, test_run_safety.py, test_distributed.py)
 
 def ensure(root, printed, **kwargs):
     kwargs = {"train_tokens": 1000, "val_tokens": 100, **kwargs}
@@ -866,21 +891,23 @@ def interrupt_at_shard(monkeypatch, index, **kwargs):
 
 
 def test_ensure_prepared_prepares_an_empty_root_once(tmp_path, monkeypatch):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=20))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(40, seed=20))
     root, printed = str(tmp_path / "data"), []
     status = ensure(root, printed, inputs=[src])
     assert printed == [f"no shards in {root}: preparing them from {src}"]
-    assert status.complete and status.args["inputs"][0]["path"] == src and status.args["max_tokens"] is None
+    assert status.complete and status.args["inputs"][0]["path"] == src
+    assert status.args["max_tokens"] is None
     reference = prepare(tmp_path / "reference", inputs=[src], num_proc=1, progress=False)
     assert shard_bytes(root) == shard_bytes(os.path.dirname(reference[0]))
     # once there, it is checked, not prepared again; --input given again is pointed out
     monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared twice"))
     printed.clear()
     assert ensure(root, printed, inputs=[src], inputs_given=True) == status
-    assert printed == [f"warning: --input has no effect: {root} already holds shards (use another --data_root "
-                       f"to prepare one from it)"]
+    assert printed == [f"warning: --input has no effect: {root} already holds shards (use another "
+                       f"--data_root to prepare one from it)"]
     printed.clear()
-    ensure(root, printed, train_tokens=status.tokens + 1)  # passing over the data twice: train_gpt2.py says so
+    # passing over the data twice: train_gpt2.py says so
+    ensure(root, printed, train_tokens=status.tokens + 1)
     assert printed == []
 
 
@@ -888,22 +915,23 @@ def test_ensure_prepared_prepares_an_empty_root_once(tmp_path, monkeypatch):
     (1_000, 100, 10_000_000, 100),  # a tiny run still gets MIN_PREP_TOKENS
     (20_000_000, 1_000_000, 21_000_000, 1_000_000),
     (30_000_000, 0, 30_000_000, 1),  # no val evaluation: the prep still needs one val token
-    (9_500_000_000, 10_000_000, None, None),  # most of sample-10BT: take it whole, val as fineweb.py's default
+    # most of sample-10BT: take it whole, val as fineweb.py's default
+    (9_500_000_000, 10_000_000, None, None),
 ])
-def test_ensure_prepared_sizes_a_hub_prep_to_the_run(tmp_path, monkeypatch, train_tokens, val_tokens, max_tokens,
-                                                    prep_val_tokens):
+def test_ensure_prepared_sizes_a_hub_prep_to_the_run(tmp_path, monkeypatch, train_tokens,
+                                                     val_tokens, max_tokens, prep_val_tokens):
     calls = []
     monkeypatch.setattr(fineweb, "prepare", lambda root, **kw: calls.append((root, kw)))
     root, printed = str(tmp_path / "data"), []
     ensure(root, printed, train_tokens=train_tokens, val_tokens=val_tokens)
-    assert calls == [(root, dict(name="sample-10BT", inputs=None, text_column="text", max_tokens=max_tokens,
-                                 val_tokens=prep_val_tokens))]
+    assert calls == [(root, dict(name="sample-10BT", inputs=None, text_column="text",
+                                 max_tokens=max_tokens, val_tokens=prep_val_tokens))]
     assert printed == [f"no shards in {root}: preparing them from FineWeb-Edu sample-10BT"
                        + (f" ({max_tokens:,} tokens)" if max_tokens else "")]
 
 
 def test_ensure_prepared_finishes_an_unfinished_prep(tmp_path, monkeypatch):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(60, seed=21))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(60, seed=21))
     root = str(tmp_path / "data")
     kwargs = dict(inputs=[src], shard_size=600, val_tokens=300, num_proc=1, progress=False)
     interrupt_at_shard(monkeypatch, 3, local_dir=root, **kwargs)
@@ -916,30 +944,32 @@ def test_ensure_prepared_finishes_an_unfinished_prep(tmp_path, monkeypatch):
 
 
 def test_ensure_prepared_unfinished_prep_without_its_source(tmp_path, monkeypatch):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(60, seed=21))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(60, seed=21))
     root = str(tmp_path / "data")
-    interrupt_at_shard(monkeypatch, 3, local_dir=root, inputs=[src], shard_size=600, val_tokens=300, num_proc=1,
-                       progress=False)
+    interrupt_at_shard(monkeypatch, 3, local_dir=root, inputs=[src], shard_size=600, val_tokens=300,
+                       num_proc=1, progress=False)
     os.remove(src)
-    before = {name: open(os.path.join(root, name), "rb").read() for name in os.listdir(root)}
+    before = dir_bytes(root)
     with pytest.raises(DataPrepError) as e:
         ensure(root, [])
     command = fineweb.prep_status(root).resume_command
-    assert str(e.value) == (f"{root} is an unfinished prep and finishing it failed (input file not found: {src}); "
-                            f"finish it with: {command}")
-    assert {name: open(os.path.join(root, name), "rb").read() for name in os.listdir(root)} == before
+    assert str(e.value) == (f"{root} is an unfinished prep and finishing it failed (input file "
+                            f"not found: {src}); finish it with: {command}")
+    assert dir_bytes(root) == before
 
 
 def test_ensure_prepared_failure_is_one_line(tmp_path):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(5), key="body")
+    src = write_docs(tmp_path / "d.jsonl", make_docs(5), key="body")
     root = str(tmp_path / "data")
-    with pytest.raises(DataPrepError, match=rf"^preparing {re.escape(root)} failed: .*has no field 'text'") as e:
+    with pytest.raises(DataPrepError,
+                       match=rf"^preparing {re.escape(root)} failed: .*has no field 'text'") as e:
         ensure(root, [], inputs=[src])
     assert "\n" not in str(e.value) and not os.path.exists(root)
 
 
 class Ranks:
-    """agree() of one rank among several: the AND over all ranks is what the other ranks are set to answer."""
+    """agree() of one rank among several: the AND over all ranks is what the other ranks are set
+    to answer."""
 
     def __init__(self, others_ok=True, others_ok_after_prep=True):
         self.others_ok, self.others_ok_after_prep, self.calls = others_ok, others_ok_after_prep, []
@@ -950,35 +980,38 @@ class Ranks:
 
 
 def test_ensure_prepared_only_the_master_prepares(tmp_path, monkeypatch):
-    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("a non-master rank prepared"))
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("a non-master prepared"))
     root, printed = str(tmp_path / "data"), []
     ranks = Ranks()  # rank 0 prepared: the long wait ends with every rank agreeing
     ensure(root, printed, master=False, agree=ranks)
     assert ranks.calls == [(True, False), (False, False), (True, True)] and printed == []
     ranks = Ranks(others_ok_after_prep=False)  # rank 0's prep failed
-    with pytest.raises(DataPrepError, match=r"^data preparation failed on rank 0 \(see its message\)$"):
+    with pytest.raises(DataPrepError,
+                       match=r"^data preparation failed on rank 0 \(see its message\)$"):
         ensure(root, printed, master=False, agree=ranks)
-    # a shard check that failed on another rank (here the data is fine): every rank stops, none prepares
+    # a shard check that failed on another rank (here the data is fine): every rank stops, none
+    # prepares
     write_shards(root, "val", [100])
     write_shards(root, "train", [300])
     with pytest.raises(DataPrepError, match="the data check failed on another rank"):
         ensure(root, printed, agree=Ranks(others_ok=False))
 
 
-def test_ensure_prepared_takes_shards_with_no_manifest_as_they_are(shard_dir, monkeypatch):
-    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared over hand-made shards"))
-    status = ensure(shard_dir, [], inputs_given=False)
+def test_ensure_prepared_takes_shards_with_no_manifest_as_they_are(data, monkeypatch):
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared hand-made"))
+    status = ensure(data, [], inputs_given=False)
     assert not status.has_manifest
 
 
 @pytest.mark.parametrize("only", ["train", "val"])
 def test_a_missing_split_is_named(tmp_path, monkeypatch, only):
-    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared over the other split"))
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared a split"))
     root = str(tmp_path / "data")
     write_shards(root, only, [500, 400])
     missing = "val" if only == "train" else "train"
-    with pytest.raises(DataPrepError, match=rf"^no {missing} shard in {re.escape(root)} \(2 {only} shards, "
-                                            rf"but no file matching \*_{missing}_\[0-9\]\*\.npy\)"):
+    with pytest.raises(DataPrepError,
+                       match=rf"^no {missing} shard in {re.escape(root)} \(2 {only} shards, "
+                             rf"but no file matching \*_{missing}_\[0-9\]\*\.npy\)"):
         ensure(root, [])
 
 
@@ -987,10 +1020,12 @@ def test_a_missing_split_is_named(tmp_path, monkeypatch, only):
 
 @pytest.fixture
 def prepared(tmp_path):
-    """A complete prep of 5 shards (val 300 tokens, train 1000 each, the last shorter): (root, corpus)."""
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=22))
+    """A complete prep of 5 shards (val 300 tokens, train 1000 each, the last shorter): (root,
+    corpus)."""
+    src = write_docs(tmp_path / "d.jsonl", make_docs(40, seed=22))
     root = str(tmp_path / "data")
-    paths = prepare(root, inputs=[src], shard_size=1000, val_tokens=300, max_tokens=4000, num_proc=1, progress=False)
+    paths = prepare(root, inputs=[src], shard_size=1000, val_tokens=300, max_tokens=4000,
+                    num_proc=1, progress=False)
     assert [len(np.load(p)) for p in paths] == [300, 1000, 1000, 1000, 700]
     return root, src
 
@@ -1005,7 +1040,7 @@ def edit_manifest(root, change):
 def test_ensure_prepared_checks_headers_against_the_manifest_not_tokens(prepared, monkeypatch):
     root, _ = prepared
     monkeypatch.setattr(fineweb, "_check_token_ids", lambda *a: pytest.fail("read every token"))
-    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared a complete directory"))
+    monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("prepared a whole prep"))
     status = ensure(root, [])
     assert status.complete and status.shards == 5
 
@@ -1015,12 +1050,12 @@ def shard(root, index):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda root: np.save(shard(root, 5), np.ones(50, np.uint16)), "(5 train shards on disk, 4 recorded; not "
-                                                                   "recorded: text_train_000005.npy)"),
-    (lambda root: os.remove(shard(root, 2)), "(3 train shards on disk, 4 recorded; missing: "
-                                             "text_train_000002.npy)"),
-    (lambda root: np.save(shard(root, 3), np.ones(700, np.uint16)), "(text_train_000003.npy holds 700 tokens, "
-                                                                    "1,000 recorded)"),
+    (lambda root: np.save(shard(root, 5), np.ones(50, np.uint16)),
+     "(5 train shards on disk, 4 recorded; not recorded: text_train_000005.npy)"),
+    (lambda root: os.remove(shard(root, 2)),
+     "(3 train shards on disk, 4 recorded; missing: text_train_000002.npy)"),
+    (lambda root: np.save(shard(root, 3), np.ones(700, np.uint16)),
+     "(text_train_000003.npy holds 700 tokens, 1,000 recorded)"),
     (lambda root: edit_manifest(root, lambda m: m["args"].update(shard_size=2000)),
      "(text_train_000001.npy holds 1,000 tokens; the recorded shard size is 2,000)"),
     (lambda root: edit_manifest(root, lambda m: m["args"].update(val_tokens=200)),
@@ -1031,47 +1066,55 @@ def test_ensure_prepared_refuses_shards_that_do_not_match_the_manifest(prepared,
     damage(root)
     with pytest.raises(DataPrepError) as e:
         ensure(root, [])
-    assert str(e.value) == (f"{root} does not match its manifest.json {message}: the directory was mixed or "
-                            f"changed after its prep: delete it and prepare it again")
+    assert str(e.value) == (f"{root} does not match its manifest.json {message}: the directory was "
+                            f"mixed or changed after its prep: delete it and prepare it again")
 
 
 def test_ensure_prepared_refuses_another_tokenizer_and_a_small_vocabulary(prepared):
     root, _ = prepared
-    with pytest.raises(DataPrepError, match="holds gpt2 token ids up to 50256, which a model with vocab_size 1000"):
+    with pytest.raises(DataPrepError, match="holds gpt2 token ids up to 50256, which a model "
+                                            "with vocab_size 1000"):
         ensure(root, [], vocab_size=1000)
     edit_manifest(root, lambda m: m["args"].update(tokenizer="cl100k_base"))
-    with pytest.raises(DataPrepError, match=f"{re.escape(root)} was tokenized with 'cl100k_base', not 'gpt2'"):
+    with pytest.raises(DataPrepError,
+                       match=f"{re.escape(root)} was tokenized with 'cl100k_base', not 'gpt2'"):
         ensure(root, [])
 
 
 def test_two_preps_with_different_shard_sizes_one_after_the_other(prepared, tmp_path):
-    """The issue's scenario, run in turn: the second is refused and the first one's shards stay as they were."""
+    """Two preps into one folder, in turn: the second is refused and the first one's shards stay as
+    they were."""
     root, src = prepared
     before = shard_bytes(root)
-    r = cli("--input", src, "--data_root", root, "--shard_size", 700, "--val_shard_tokens", 300, "--max_tokens", 4000)
+    r = cli("--input", src, "--data_root", root, "--shard_size", 700, "--val_shard_tokens", 300,
+            "--max_tokens", 4000)
     assert_one_line_error(r, root, "different arguments (shard_size: 1000 -> 700)")
     assert shard_bytes(root) == before
-    # what two runs at once left before there was a lock: shards of both, under the manifest of one
+    # what two runs at once would leave without the lock: shards of both, the manifest of one
     other = str(tmp_path / "other")
-    prepare(other, inputs=[src], shard_size=700, val_tokens=300, max_tokens=4000, num_proc=1, progress=False)
-    for name in (fineweb.MANIFEST, fineweb.shard_name(5, prefix=fineweb.LOCAL_SHARD_PREFIX), fineweb.shard_name(6, prefix=fineweb.LOCAL_SHARD_PREFIX)):
+    prepare(other, inputs=[src], shard_size=700, val_tokens=300, max_tokens=4000, num_proc=1,
+            progress=False)
+    for name in (fineweb.MANIFEST, os.path.basename(shard(root, 5)),
+                 os.path.basename(shard(root, 6))):
         os.replace(os.path.join(other, name), os.path.join(root, name))
     with pytest.raises(DataPrepError, match=f"^{re.escape(root)} does not match its manifest.json "
-                                            f"\\(text_train_000001.npy holds 1,000 tokens, 700 recorded\\)"):
+                                            f"\\(text_train_000001.npy holds 1,000 tokens, 700 "
+                                            f"recorded\\)"):
         ensure(root, [])
 
 
 def test_a_held_lock_refuses_a_second_prep(tmp_path):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(10, seed=23))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(10, seed=23))
     root = tmp_path / "data"
     root.mkdir()
-    with fineweb._prep_lock(str(root)):  # flock: another open of the file is refused, in this process too
+    with fineweb._prep_lock(str(root)):  # flock: another open is refused, in this process too
         holder = json.loads((root / fineweb.LOCK_HOLDER).read_text())
         assert holder["pid"] == os.getpid()
         with pytest.raises(DataPrepError) as e:
             prepare(root, inputs=[src], num_proc=1, progress=False)
-        assert str(e.value).startswith(f"{root} is being prepared by another process (pid {os.getpid()} on "
-                                       f"{holder['host']}, since {holder['started']}: python ")
+        assert str(e.value).startswith(f"{root} is being prepared by another process (pid "
+                                       f"{os.getpid()} on {holder['host']}, since "
+                                       f"{holder['started']}: python ")
         assert sorted(os.listdir(root)) == [fineweb.LOCK, fineweb.LOCK_HOLDER]  # nothing written
     assert sorted(os.listdir(root)) == [fineweb.LOCK]  # released, the holder file gone
     assert prepare(root, inputs=[src], num_proc=1, progress=False)
@@ -1095,9 +1138,10 @@ sys.exit(fineweb.main(sys.argv[1:]))
 
 
 def test_two_concurrent_fineweb_processes(tmp_path):
-    """A second fineweb.py on a directory another one is writing is refused with the holder named, whatever its
-    arguments; the first one finishes unmixed. The first is held at its first shard until the second has run."""
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=24))
+    """A second fineweb.py on a directory another one is writing is refused with the holder named,
+    whatever its arguments; the first one finishes unmixed. The first is held at its first shard
+    until the second has run."""
+    src = write_docs(tmp_path / "d.jsonl", make_docs(40, seed=24))
     root, holding, go = str(tmp_path / "data"), str(tmp_path / "holding"), str(tmp_path / "go")
     first_args = ["--input", src, "--data_root", root, "--shard_size", "1000", "--num_proc", "1"]
     script = HOLD_THE_LOCK.format(repo=REPO, holding=holding, go=go)
@@ -1109,20 +1153,26 @@ def test_two_concurrent_fineweb_processes(tmp_path):
             time.sleep(0.02)
         assert os.path.exists(holding), first.communicate()
         for shard_size in (700, 1000):  # other arguments, and the same ones
-            r = cli("--input", src, "--data_root", root, "--shard_size", shard_size, "--num_proc", 1)
-            assert_one_line_error(r, f"{root} is being prepared by another process (pid {first.pid} on "
-                                     f"{socket.gethostname()}, since ", "--shard_size 1000", "wait for it to end")
-        assert not fineweb.list_shards(root, "val") and not os.path.exists(os.path.join(root, fineweb.MANIFEST))
+            r = cli("--input", src, "--data_root", root, "--shard_size", shard_size,
+                    "--num_proc", 1)
+            assert_one_line_error(r, f"{root} is being prepared by another process (pid "
+                                     f"{first.pid} on {socket.gethostname()}, since ",
+                                  "--shard_size 1000", "wait for it to end")
+        assert not fineweb.list_shards(root, "val")
+        assert not os.path.exists(os.path.join(root, fineweb.MANIFEST))
     finally:
         open(go, "w").close()
         out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
-    reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1, progress=False)
+    reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1,
+                        progress=False)
     assert shard_bytes(root) == shard_bytes(os.path.dirname(reference[0]))
-    # the lock is free again: the same command finds the prep complete, another shard size is refused
+    # the lock is free again: the same command finds the prep complete, another shard size is
+    # refused
     assert cli(*first_args).returncode == 0
     r = cli("--input", src, "--data_root", root, "--shard_size", 700)
-    assert_one_line_error(r, "different arguments (shard_size: 1000 -> 700; val_tokens: 1000 -> 700)")
+    assert_one_line_error(r, "different arguments (shard_size: 1000 -> 700; val_tokens: 1000 "
+                             "-> 700)")
 
 
 # -----------------------------------------------------------------------------
@@ -1146,9 +1196,11 @@ def test_atomic_write_disk_full_keeps_the_old_file(tmp_path, err, what):
     assert isinstance(e.value, OSError) and e.value.errno == err and e.value.written == 5000
     free = e.value.free
     assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < 1 << 30
-    assert str(e.value) == (f"{what} writing {path} ({common.human_bytes(free)} free on its filesystem, 4.9 KiB "
-                            f"written); it was not written: free some space and run again")
-    assert os.listdir(tmp_path) == ["model_00010.pt"] and path.read_bytes() == b"the good checkpoint"
+    assert str(e.value) == (f"{what} writing {path} ({common.human_bytes(free)} free on its "
+                            f"filesystem, 4.9 KiB written); it was not written: free some space "
+                            f"and run again")
+    assert os.listdir(tmp_path) == ["model_00010.pt"]
+    assert path.read_bytes() == b"the good checkpoint"
 
 
 def test_atomic_write_finds_a_wrapped_disk_full_and_passes_other_errors_on(tmp_path):
@@ -1156,10 +1208,12 @@ def test_atomic_write_finds_a_wrapped_disk_full_and_passes_other_errors_on(tmp_p
         try:
             write_then_fail(errno.ENOSPC)(f)
         except OSError as e:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from e
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 "
+                               "vs 598") from e
     with pytest.raises(common.DiskFullError, match="no space left on device writing"):
         common.atomic_write(str(tmp_path / "a.pt"), torch_like)
-    for error in (OSError(errno.EIO, "Input/output error"), OSError("42 requested and 7 written"), ValueError("bad")):
+    for error in (OSError(errno.EIO, "Input/output error"), OSError("42 requested and 7 written"),
+                  ValueError("bad")):
         def fail(f, error=error):
             f.write(b"data")
             raise error
@@ -1175,7 +1229,8 @@ def test_human_bytes():
 
 
 def fail_shard_write(monkeypatch, index, err=errno.ENOSPC):
-    """The np.save of shard `index` (the index-th np.save of a prep) writes half of it, then the disk is full."""
+    """The np.save of shard `index` (the index-th np.save of a prep) writes half of it, then the
+    disk is full."""
     real_save, calls = np.save, []
 
     def save(f, array, *a, **k):
@@ -1189,7 +1244,7 @@ def fail_shard_write(monkeypatch, index, err=errno.ENOSPC):
 
 
 def test_prep_on_a_full_disk_says_one_line_and_resumes(tmp_path, monkeypatch, capsys):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=25))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(40, seed=25))
     out = str(tmp_path / "out")
     args = ["--input", src, "--data_root", out, "--shard_size", "1000", "--num_proc", "1"]
     with monkeypatch.context() as m:
@@ -1197,36 +1252,41 @@ def test_prep_on_a_full_disk_says_one_line_and_resumes(tmp_path, monkeypatch, ca
         assert fineweb.main(args) == 1
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: no space left on device writing "
-                                                   f"{os.path.join(out, fineweb.shard_name(3, prefix=fineweb.LOCAL_SHARD_PREFIX))} ("), err
-    assert " free on its filesystem, 1,006 B written of about 2.1 KiB); it was not written" in lines[0]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"error: no space left on device writing {shard(out, 3)} (")
+    assert (" free on its filesystem, 1,006 B written of about 2.1 KiB); it was not written"
+            in lines[0])
     # nothing partial under a shard name, no temp file; the manifest lists the three finished shards
-    assert sorted(os.listdir(out)) == sorted([fineweb.LOCK, fineweb.MANIFEST] + [fineweb.shard_name(i, prefix=fineweb.LOCAL_SHARD_PREFIX) for i in range(3)])
+    assert sorted(os.listdir(out)) == sorted([fineweb.LOCK, fineweb.MANIFEST]
+                                             + [os.path.basename(shard(out, i)) for i in range(3)])
     assert fineweb.prep_status(out).shards == 3
     assert fineweb.main(args) == 0  # space freed: the same command finishes it
-    reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1, progress=False)
+    reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1,
+                        progress=False)
     assert shard_bytes(out) == shard_bytes(os.path.dirname(reference[0]))
 
 
 def test_ensure_prepared_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(40, seed=25))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(40, seed=25))
     root = str(tmp_path / "data")
     fail_shard_write(monkeypatch, 0)
     with pytest.raises(DataPrepError) as e:
         ensure(root, [], inputs=[src])
     assert str(e.value).startswith(f"preparing {root} failed: no space left on device writing "
-                                   f"{os.path.join(root, fineweb.shard_name(0, prefix=fineweb.LOCAL_SHARD_PREFIX))} (")
+                                   f"{shard(root, 0)} (")
     assert "\n" not in str(e.value) and not fineweb.list_shards(root, "val")
 
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    """A real 256 KiB tmpfs (root only: skipped where mount is not permitted); unmounted afterwards."""
+    """A real 256 KiB tmpfs (root only: skipped where mount is not permitted); unmounted
+    afterwards."""
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
     try:
@@ -1237,16 +1297,18 @@ def tiny_tmpfs(tmp_path):
 
 def test_prep_fills_a_real_tmpfs_then_resumes(tmp_path, tiny_tmpfs, enc):
     docs = make_docs(1500, seed=26)  # ~180K tokens, 360 KB of shards: more than 256 KiB
-    src = write_jsonl(tmp_path / "d.jsonl", docs)
+    src = write_docs(tmp_path / "d.jsonl", docs)
     out = str(tiny_tmpfs / "data")
     args = ("--input", src, "--data_root", out, "--shard_size", 20_000, "--num_proc", 1)
     r = cli(*args)
-    assert_one_line_error(r, "no space left on device writing " + os.path.join(out, ""), " free on its filesystem")
+    assert_one_line_error(r, "no space left on device writing " + os.path.join(out, ""),
+                          " free on its filesystem")
     status = fineweb.prep_status(out)
     assert not status.complete and status.shards >= 3
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
-    for shard in json.loads(open(os.path.join(out, fineweb.MANIFEST)).read())["shards"]:
-        assert len(np.load(os.path.join(out, shard["file"]))) == shard["tokens"]  # whole, as recorded
+    for written in json.loads(open(os.path.join(out, fineweb.MANIFEST)).read())["shards"]:
+        # whole, as recorded
+        assert len(np.load(os.path.join(out, written["file"]))) == written["tokens"]
     subprocess.run(["mount", "-o", "remount,size=2m", str(tiny_tmpfs)], check=True)  # space freed
     r = cli(*args)
     assert r.returncode == 0, r.stderr
@@ -1259,7 +1321,7 @@ def test_prep_fills_a_real_tmpfs_then_resumes(tmp_path, tiny_tmpfs, enc):
 
 @pytest.mark.parametrize("umask", [0o022, 0o002])
 def test_written_files_follow_the_umask(tmp_path, umask):
-    src = write_jsonl(tmp_path / "d.jsonl", make_docs(10, seed=27))
+    src = write_docs(tmp_path / "d.jsonl", make_docs(10, seed=27))
     old = os.umask(umask)
     try:
         assert common.umask() == umask

@@ -1,8 +1,10 @@
-"""play.ipynb: runs headless (nbclient) on generated logs, writes a valid PNG, and is committed without outputs.
+"""play.ipynb: runs headless (nbclient) on generated logs, writes a valid PNG, and is committed
+without outputs.
 
-The kernel runs this interpreter through a kernelspec written to a temporary folder, so nothing depends on which
-kernels the machine has registered. The log path reaches the notebook through PLAY_LOG_PATH, the override its first
-markdown cell documents; the notebook file itself is never changed.
+The kernel runs this interpreter through a kernelspec written to a temporary folder, so nothing
+depends on which kernels the machine has registered. The log path reaches the notebook through
+PLAY_LOG_PATH, the override its first markdown cell documents; the notebook file itself is never
+changed.
 """
 import math
 import os
@@ -17,9 +19,10 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
+import rundir
 import train_gpt2
+from helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "play.ipynb")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KERNEL_NAME = "play-notebook-test"
@@ -27,7 +30,7 @@ KERNEL_NAME = "play-notebook-test"
 
 @pytest.fixture(scope="module")
 def kernel_dir(tmp_path_factory):
-    """A kernelspec folder whose one kernel is this interpreter (with torch, numpy, ... importable)."""
+    """A kernelspec folder whose one kernel is this interpreter (torch, numpy, ... importable)."""
     from ipykernel.kernelspec import install
 
     prefix = tmp_path_factory.mktemp("kernelspec")
@@ -36,12 +39,14 @@ def kernel_dir(tmp_path_factory):
 
 
 def execute_notebook(kernel_dir, log_path):
-    """Run play.ipynb on log_path; returns the executed notebook and everything its cells printed."""
+    """Run play.ipynb on log_path; returns the executed notebook and all its cells printed."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    km = AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=KernelSpecManager(kernel_dirs=[kernel_dir]))
+    km = AsyncKernelManager(kernel_name=KERNEL_NAME,
+                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[kernel_dir]))
     env = dict(os.environ, MPLBACKEND="Agg", PLAY_LOG_PATH=str(log_path))
     env.pop("PLAY_MODEL_SIZE", None)
-    client = NotebookClient(nb, km=km, timeout=120, startup_timeout=120, resources={"metadata": {"path": REPO}})
+    client = NotebookClient(nb, km=km, timeout=120, startup_timeout=120,
+                            resources={"metadata": {"path": REPO}})
     client.execute(env=env)  # raises CellExecutionError, with the traceback, if a cell fails
     printed = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                       for out in cell.get("outputs", []) if out.get("output_type") == "stream")
@@ -61,7 +66,7 @@ def write_train(log_path, steps, rng):
     """A decreasing noisy loss curve, as a short run writes it."""
     for step in range(steps):
         loss = 3.4 + 7.6 * math.exp(-step / 60) + rng.normal(0, 0.08)
-        train_gpt2.append_log(str(log_path), step, "train", loss)
+        rundir.append_log(str(log_path), step, "train", loss)
 
 
 def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
@@ -70,18 +75,22 @@ def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
     log_path.parent.mkdir()
     write_train(log_path, 300, rng)
     for step in range(0, 300, 25):
-        train_gpt2.append_log(str(log_path), step, "val", 3.5 + 7.5 * math.exp(-step / 60) + rng.normal(0, 0.03))
+        val = 3.5 + 7.5 * math.exp(-step / 60) + rng.normal(0, 0.03)
+        rundir.append_log(str(log_path), step, "val", val)
     for step in range(0, 300, 50):
-        train_gpt2.append_log(str(log_path), step, "hella", 0.25 + 0.01 * step / 50 + rng.normal(0, 0.003))
-    # what a run that diverged at the end logs: the best val loss must be the lowest finite one, not nan
-    train_gpt2.append_log(str(log_path), 300, "val", float("nan"))
-    train_gpt2.append_log(str(log_path), 301, "val", float("-inf"))
-    train_gpt2.append_log(str(log_path), 300, "hella", float("nan"))
+        hella = 0.25 + 0.01 * step / 50 + rng.normal(0, 0.003)
+        rundir.append_log(str(log_path), step, "hella", hella)
+    # what a run that diverged at the end logs: the best val loss must be the lowest finite one,
+    # not nan
+    rundir.append_log(str(log_path), 300, "val", float("nan"))
+    rundir.append_log(str(log_path), 301, "val", float("-inf"))
+    rundir.append_log(str(log_path), 300, "hella", float("nan"))
 
-    series = train_gpt2.read_log(str(log_path))  # the values as the log holds them (rounded to 4 decimals)
+    series = rundir.read_log(str(log_path))  # the values as the log holds them (4 decimals)
     val_steps, val_values = series["val"]
     hella_steps, hella_values = series["hella"]
-    assert math.isnan(val_values[-2]) and val_values[-1] == -math.inf and math.isnan(hella_values[-1])
+    assert math.isnan(val_values[-2]) and val_values[-1] == -math.inf
+    assert math.isnan(hella_values[-1])
     i, j = int(np.argmin(val_values[:-2])), int(np.argmax(hella_values[:-1]))
 
     _, printed = execute_notebook(kernel_dir, log_path)
@@ -97,11 +106,13 @@ def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
 
 
 def test_notebook_tolerates_missing_series(kernel_dir, tmp_path):
-    """Only train lines, and a gpt2-medium checkpoint beside them: plots the loss, picks the 350M baselines."""
+    """Only train lines, and a gpt2-medium checkpoint beside them: plots the loss, picks the 350M
+    baselines."""
     log_path = tmp_path / "log.txt"
     write_train(log_path, 120, np.random.default_rng(1))
     config = asdict(train_gpt2.GPTConfig(**train_gpt2.MODEL_PRESETS["gpt2-medium"]))
-    torch.save({"config": config, "step": 119}, str(tmp_path / "model_00119.pt"))  # config only, no weights
+    # config only, no weights
+    torch.save({"config": config, "step": 119}, str(tmp_path / "model_00119.pt"))
 
     _, printed = execute_notebook(kernel_dir, log_path)
     assert "missing (not plotted): val loss, HellaSwag acc_norm" in printed
@@ -117,6 +128,7 @@ def test_committed_notebook_has_no_outputs():
     assert code, "play.ipynb has no code cells"
     for cell in code:
         assert cell.get("outputs") == [], "play.ipynb must be committed with outputs cleared"
-        assert cell.get("execution_count") is None, "play.ipynb must be committed with execution counts cleared"
+        assert cell.get("execution_count") is None, \
+            "play.ipynb must be committed with execution counts cleared"
     # the first code cell holds the settings the markdown tells users to edit (and PLAY_* override)
     assert 'log_path = "log/log.txt"' in code[0].source and 'model_size = "auto"' in code[0].source

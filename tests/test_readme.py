@@ -1,7 +1,7 @@
-"""README.md's commands run as written: every invocation of train_gpt2.py, fineweb.py, hellaswag.py or
-bench.py (with python, or through torchrun) is parsed by the script's real argument parser, the names a
-`python -c` command takes from these modules exist, and no command holds a placeholder (`...`,
-`<name>`) or a glob on a variable that may be unset (`"$X"/*`).
+"""README.md's commands run as written: every invocation of train_gpt2.py, fineweb.py, hellaswag.py
+or bench.py (with python, or through torchrun) is parsed by the script's real argument parser, the
+names a `python -c` command takes from these modules exist, and no command holds a placeholder
+(`...`, `<name>`) or a glob on a variable that may be unset (`"$X"/*`).
 
 Commands are read from fenced code blocks marked bash, sh, shell, zsh, console (only `$ ` lines) or
 unmarked; from indented code blocks (only lines that start like a shell command: python, torchrun,
@@ -18,15 +18,18 @@ import re
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
 README = os.path.join(REPO, "README.md")
 
 SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
-TRAIN_COMMANDS = ("sample", "export", "eval")  # train_gpt2.build_parser(command) builds each one's parser
+# train_gpt2.build_parser(command=...) builds each one's parser
+TRAIN_COMMANDS = ("sample", "export", "eval")
 SHELL_INFOS = {"", "bash", "sh", "shell", "zsh", "console", "shell-session"}
-SHELL_STARTERS = {"python", "python3", "torchrun", "pip", "pip3", "uv", "conda", "cp", "mv", "rm", "mkdir", "cd", "ls",
-                  "cat", "export", "git", "bash", "sh", "env", "nohup", "srun", "sbatch", "wget", "curl", "tar",
-                  "ln", "head", "tail", "nvidia-smi", "jupyter", "source"}
+SHELL_STARTERS = {"python", "python3", "torchrun", "pip", "pip3", "uv", "conda", "cp", "mv", "rm",
+                  "mkdir", "cd", "ls", "cat", "export", "git", "bash", "sh", "env", "nohup", "srun",
+                  "sbatch", "wget", "curl", "tar", "ln", "head", "tail", "nvidia-smi", "jupyter",
+                  "source"}
 INLINE_STARTERS = {"python", "python3", "torchrun", "pip", "pip3"}
 MODULES = {script[:-3] for script in SCRIPTS}
 WRAPPERS = {"env", "nohup", "time", "exec", "sudo"}
@@ -75,7 +78,8 @@ def _substitution_end(s, i):
 
 
 def lex(cmd):
-    """A command line as shell words and operators (no expansion), and the line without its comment."""
+    """A command line as shell words and operators (no expansion), and the line without its
+    comment."""
     tokens, word, i, n = [], None, 0, len(cmd)
 
     def add(text, quoted):
@@ -160,7 +164,8 @@ def simple_commands(tokens):
 
 
 def command_lines(markdown):
-    """(line number, command line) of every shell command in the README, continuation lines joined."""
+    """(line number, command line) of every shell command in the README, continuation lines
+    joined."""
     lines = markdown.splitlines()
     found = []  # (lineno, text, kind): kind "fenced", "console" or "indented"
     inline = []  # (lineno, text) of inline code that starts like a command
@@ -170,7 +175,8 @@ def command_lines(markdown):
         text = "\n".join(line for _, line in paragraph)
         for m in re.finditer(r"(`+)(.+?)(?<!`)\1(?!`)", text, re.S):
             code = " ".join(m.group(2).split())
-            if code.split(" ")[0] in INLINE_STARTERS and " " in code:  # a command, not the name of a program
+            # a command, not the name of a program
+            if code.split(" ")[0] in INLINE_STARTERS and " " in code:
                 inline.append((paragraph[0][0] + text.count("\n", 0, m.start()), code))
         paragraph.clear()
 
@@ -211,7 +217,8 @@ def command_lines(markdown):
                 continue
             text = text.lstrip()[2:]
         start_kind = kind
-        while text.rstrip().endswith("\\") and i + 1 < len(found) and found[i + 1][0] == found[i][0] + 1:
+        while (text.rstrip().endswith("\\") and i + 1 < len(found)
+               and found[i + 1][0] == found[i][0] + 1):
             i += 1
             text = text.rstrip()[:-1] + " " + found[i][1].strip()
         i += 1
@@ -219,7 +226,8 @@ def command_lines(markdown):
             continue
         if start_kind == "indented":
             first = text.split()[0]
-            if first not in SHELL_STARTERS and not ASSIGNMENT.match(first) and not first.startswith("./"):
+            if (first not in SHELL_STARTERS and not ASSIGNMENT.match(first)
+                    and not first.startswith("./")):
                 continue
         commands.append((lineno, text.strip()))
     return sorted(commands + inline)
@@ -230,7 +238,10 @@ def script_call(words):
     while words and ASSIGNMENT.match(words[0]):
         words = words[1:]  # NAME=value prefixes
     while words and words[0] in WRAPPERS:
-        words = [w for w in words[1:] if not ASSIGNMENT.match(w)] if words[0] == "env" else words[1:]
+        if words[0] == "env":
+            words = [w for w in words[1:] if not ASSIGNMENT.match(w)]
+        else:
+            words = words[1:]
     if not words:
         return None
     prog = os.path.basename(words[0])
@@ -269,8 +280,8 @@ def torchrun_call(args):
 
 
 def parse(parser, args):
-    """parser.parse_args(args) with exact flag names (no abbreviations); the namespace, or argparse's
-    error message."""
+    """parser.parse_args(args) with exact flag names (no abbreviations); the namespace, or
+    argparse's error message."""
     parser.allow_abbrev = False
     out, err = io.StringIO(), io.StringIO()
     try:
@@ -280,7 +291,9 @@ def parse(parser, args):
         if e.code == 0:  # --help
             return argparse.Namespace()
         lines = err.getvalue().strip().splitlines()
-        return lines[-1].split("error: ", 1)[-1] if lines else f"exit status {e.code}"  # without "PROG: error: "
+        if not lines:
+            return f"exit status {e.code}"
+        return lines[-1].split("error: ", 1)[-1]  # without "PROG: error: "
 
 
 def missing_names(code):
@@ -298,7 +311,8 @@ def missing_names(code):
             problems += [f"{node.module}.{a.name} does not exist" for a in node.names
                          if a.name != "*" and not hasattr(module, a.name)]
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases):
             if not hasattr(importlib.import_module(aliases[node.value.id]), node.attr):
                 problems.append(f"{aliases[node.value.id]}.{node.attr} does not exist")
     return problems
@@ -307,7 +321,7 @@ def missing_names(code):
 def script_parser(script, command=None):
     if script == "train_gpt2.py":
         import train_gpt2
-        return train_gpt2.build_parser(command)
+        return train_gpt2.build_parser(command=command)
     if script == "fineweb.py":
         import fineweb
         return fineweb.build_parser()
@@ -323,7 +337,8 @@ def check_call(script, args):
     command = None
     if script == "train_gpt2.py" and args and not args[0].startswith("-"):
         if args[0] not in TRAIN_COMMANDS:
-            return f"train_gpt2.py has no subcommand {args[0]!r} (it has {', '.join(TRAIN_COMMANDS)})"
+            return (f"train_gpt2.py has no subcommand {args[0]!r} (it has "
+                    f"{', '.join(TRAIN_COMMANDS)})")
         command, args = args[0], args[1:]
     try:
         parser = script_parser(script, command)
@@ -334,8 +349,8 @@ def check_call(script, args):
 
 
 def check_command(text, assigned):
-    """Problems of one README command line; `assigned` collects the variables set so far in the README.
-    Returns (problems, calls, heredoc delimiter or None)."""
+    """Problems of one README command line; `assigned` collects the variables set so far in the
+    README. Returns (problems, calls, heredoc delimiter or None)."""
     try:
         tokens, code = lex(text)
     except ShellSyntaxError as e:
@@ -361,7 +376,8 @@ def check_command(text, assigned):
             if first in ("for", "read") and len(cmd) > 1:
                 assigned.add(cmd[1].text)
         argv = [w.text for w in cmd]
-        if re.fullmatch(r"python(3(\.\d+)?)?", os.path.basename(argv[0])) and len(argv) > 2 and argv[1] == "-c":
+        python = re.fullmatch(r"python(3(\.\d+)?)?", os.path.basename(argv[0]))
+        if python and len(argv) > 2 and argv[1] == "-c":
             problems += missing_names(argv[2])
         try:
             call = script_call(argv)
@@ -402,7 +418,8 @@ def test_readme_commands_run_as_written():
 
 
 def test_readme_shows_commands_the_checker_sees():
-    # a README whose commands sit where this test cannot read them would pass the test above unchecked
+    # a README whose commands sit where this test cannot read them would pass the test above
+    # unchecked
     with open(README, encoding="utf-8") as f:
         lines = command_lines(f.read())
     scripts = set()
@@ -428,7 +445,8 @@ def test_checker_accepts_good_commands():
     md = "\n".join([
         "Intro.", "",
         "```bash",
-        "python fineweb.py --input 'my corpus'/*.jsonl --data_root data --shard_size=1000000   # a comment: ...",
+        "python fineweb.py --input 'my corpus'/*.jsonl --data_root data --shard_size=1000000   "
+        "# a comment: ...",
         "python3 fineweb.py \\",
         "    --max_tokens 50000000 \\",
         "    --fineweb_name sample-10BT",
@@ -452,42 +470,58 @@ def test_checker_accepts_good_commands():
     ])
     problems, calls = check_readme(md)
     assert problems == []
-    assert [script for script, _ in calls] == ["fineweb.py"] * 4 + ["bench.py", "hellaswag.py", "fineweb.py", "fineweb.py"]
-    assert calls[0][1] == ["--input", "my corpus/*.jsonl", "--data_root", "data", "--shard_size=1000000"]
+    assert [script for script, _ in calls] == \
+        ["fineweb.py"] * 4 + ["bench.py", "hellaswag.py", "fineweb.py", "fineweb.py"]
+    assert calls[0][1] == ["--input", "my corpus/*.jsonl", "--data_root", "data",
+                           "--shard_size=1000000"]
     assert calls[1][1] == ["--max_tokens", "50000000", "--fineweb_name", "sample-10BT"]
 
 
 @pytest.mark.parametrize("line, problem", [
     ("python fineweb.py --no_such_flag 3", "fineweb.py: unrecognized arguments: --no_such_flag"),
     ("python fineweb.py --shard_size=many", "fineweb.py: argument --shard_size: invalid int value"),
-    ("python fineweb.py --max_tok 10", "fineweb.py: unrecognized arguments: --max_tok"),  # no abbreviations
-    ("python bench.py --no-json", "bench.py: unrecognized arguments: --no-json"),  # --json is store_true
-    ("python hellaswag.py -d cpu", "hellaswag.py: the following arguments are required: -m/--model"),
+    # no abbreviations
+    ("python fineweb.py --max_tok 10", "fineweb.py: unrecognized arguments: --max_tok"),
+    # --json is store_true
+    ("python bench.py --no-json", "bench.py: unrecognized arguments: --no-json"),
+    ("python hellaswag.py -d cpu",
+     "hellaswag.py: the following arguments are required: -m/--model"),
     ("torchrun --standalone ... fineweb.py", "'...' in a command"),
     ("torchrun --no_such_torchrun_flag fineweb.py", "torchrun: "),
     ("pip install torch==<version>+cpu", "placeholder <version>"),
     ("python fineweb.py --input <your files>", "placeholder <your files>"),
-    ('mkdir -p c && cp "$TIKTOKEN_CACHE_DIR"/* c/', '$TIKTOKEN_CACHE_DIR/* globs / when $TIKTOKEN_CACHE_DIR is unset'),
+    ('mkdir -p c && cp "$TIKTOKEN_CACHE_DIR"/* c/',
+     '$TIKTOKEN_CACHE_DIR/* globs / when $TIKTOKEN_CACHE_DIR is unset'),
     ("cp $CACHE/*.bpe c/", "globs / when $CACHE is unset"),
-    ("python train_gpt2.py evaluate --checkpoint x.pt", "train_gpt2.py has no subcommand 'evaluate'"),
+    ("python train_gpt2.py evaluate --checkpoint x.pt",
+     "train_gpt2.py has no subcommand 'evaluate'"),
+    ("python train_gpt2.py sample --max_steps 3", "train_gpt2.py: unrecognized arguments"),
     ("python fineweb.py --input 'unterminated", "unterminated ' quote"),
-    ('python -c "import fineweb as f; f.prepare; f.compare_with_naive([])"', "fineweb.compare_with_naive does not exist"),
-    ('python -c "from hellaswag import evaluate, no_such_name"', "hellaswag.no_such_name does not exist"),
+    ('python -c "import fineweb as f; f.prepare; f.compare_with_naive([])"',
+     "fineweb.compare_with_naive does not exist"),
+    ('python -c "from hellaswag import evaluate, no_such_name"',
+     "hellaswag.no_such_name does not exist"),
 ])
 def test_checker_finds_bad_commands(line, problem):
     problems = problems_of(f"Text.\n\n```sh\n{line}\n```\n")
-    assert len(problems) == 1 and problems[0].startswith(f"README.md:4: {line}: ") and problem in problems[0], problems
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"README.md:4: {line}: ") and problem in problems[0], problems
 
 
 def test_checker_reads_every_kind_of_block():
     bad = "python fineweb.py --bogus"
-    for md, line in [(f"```\n{bad}\n```\n", 2), (f"```bash\n{bad}\n```\n", 2), (f"~~~shell\n{bad}\n~~~\n", 2),
-                     (f"```console\n$ {bad}\n```\n", 2), (f"Text.\n\n    {bad}\n", 3),
-                     (f"```bash\npython fineweb.py \\\n  --bogus\n```\n", 2),
-                     ("```bash\nsrun -N 2 torchrun --nproc_per_node 8 fineweb.py --bogus\n```\n", 2),
-                     (f"Text.\n\nRun `{bad}` in prose.\n", 3), ("A paragraph\nwith `python fineweb.py\n--bogus` in it.\n", 2)]:
+    for md, line in [(f"```\n{bad}\n```\n", 2), (f"```bash\n{bad}\n```\n", 2),
+                     (f"~~~shell\n{bad}\n~~~\n", 2), (f"```console\n$ {bad}\n```\n", 2),
+                     (f"Text.\n\n    {bad}\n", 3),
+                     ("```bash\npython fineweb.py \\\n  --bogus\n```\n", 2),
+                     ("```bash\nsrun -N 2 torchrun --nproc_per_node 8 fineweb.py --bogus\n"
+                      "```\n", 2),
+                     (f"Text.\n\nRun `{bad}` in prose.\n", 3),
+                     ("A paragraph\nwith `python fineweb.py\n--bogus` in it.\n", 2)]:
         problems = problems_of(md)
-        assert len(problems) == 1 and problems[0].startswith(f"README.md:{line}: ") and "--bogus" in problems[0], md
-    for md in [f"```python\n{bad}\n```\n", f"```text\n{bad}\n```\n", f"Text\n    {bad}\n",  # not shell / not code
+        assert len(problems) == 1 and problems[0].startswith(f"README.md:{line}: "), md
+        assert "--bogus" in problems[0], md
+    for md in [f"```python\n{bad}\n```\n", f"```text\n{bad}\n```\n",  # not shell
+               f"Text\n    {bad}\n",  # not code
                "Use `python` or `torchrun`, and `fineweb.py --bogus`.\n"]:  # not commands
         assert problems_of(md) == [], md

@@ -19,7 +19,8 @@ import pytest
 import fineweb
 from fineweb import DataPrepError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
 SHARED_CACHE = os.path.join(os.path.dirname(REPO), "shared", "tiktoken_cache")
 EOT_TEXT = "<|endoftext|>"
 
@@ -46,20 +47,17 @@ TEXTS = [
 
 
 def fuzz_texts(n=300, seed=0):
-    """Short random strings over pieces where pre-tokenizers tend to disagree: whitespace runs before
-    letters, apostrophes, digits, punctuation, non-Latin letters, emoji and the end-of-text token."""
+    """Short random strings over pieces where pre-tokenizers tend to disagree: whitespace runs
+    before letters, apostrophes, digits, punctuation, non-Latin letters, emoji and the end-of-text
+    token."""
     rng = random.Random(seed)
-    pieces = ["a", "Z", "é", "ß", "日", "本", "🤗", "👍🏽", "1", "٣", "'", "'s", "'ll", "'T", ".", ",", "!?", "—",
-              " ", "  ", "\t", "\n", "\n\n", "\r\n", "\u00a0", "\u3000", EOT_TEXT, "x", "word", " the"]
+    pieces = ["a", "Z", "é", "ß", "日", "本", "🤗", "👍🏽", "1", "٣", "'", "'s", "'ll", "'T", ".",
+              ",", "!?", "—", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\u00a0", "\u3000", EOT_TEXT,
+              "x", "word", " the"]
     return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(n)]
 
 
 ALL_TEXTS = TEXTS + fuzz_texts()
-
-
-@pytest.fixture(scope="module")
-def enc():
-    return fineweb.get_encoding()
 
 
 def ours(enc, texts):
@@ -88,9 +86,11 @@ def test_ranks_are_encoder_json_ids(enc):
         encoder = json.load(f)
     assert len(encoder) == 50257 and encoder[EOT_TEXT] == 50256
     # GPT-2's published byte <-> character table, written out independently of fineweb's
-    byte_chars = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    byte_chars = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                  *range(ord("®"), ord("ÿ") + 1)]
     table = {chr(b): b for b in byte_chars}
-    table.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in byte_chars)})
+    others = [b for b in range(256) if b not in byte_chars]
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
     ranks = fineweb._gpt2_ranks()
     assert len(ranks) == 50256
     for token, i in encoder.items():
@@ -105,7 +105,8 @@ def test_known_ids(enc):
     assert enc.encode("Hello world") == [15496, 995]
     assert enc.encode(" Hello world") == [18435, 995]
     assert enc.encode(EOT_TEXT, allowed_special={EOT_TEXT}) == [50256]
-    with pytest.raises(ValueError):  # tiktoken's default: special text in a document is refused, not encoded
+    # tiktoken's default: special text in a document is refused, not encoded
+    with pytest.raises(ValueError):
         enc.encode(EOT_TEXT)
     for text in TEXTS:
         assert enc.decode(enc.encode(text, allowed_special={EOT_TEXT})) == text
@@ -119,8 +120,9 @@ def test_same_as_tiktokens_gpt2(enc):
         "import json, sys, tiktoken, fineweb\n"
         "texts = json.load(sys.stdin)\n"
         "ref, ours = tiktoken.get_encoding('gpt2'), fineweb.get_encoding()\n"
-        "tables = [ref.name == ours.name, ref.n_vocab == ours.n_vocab, ref._pat_str == ours._pat_str,\n"
-        "          ref._special_tokens == ours._special_tokens, ref._mergeable_ranks == ours._mergeable_ranks]\n"
+        "tables = [ref.name == ours.name, ref.n_vocab == ours.n_vocab,\n"
+        "          ref._pat_str == ours._pat_str, ref._special_tokens == ours._special_tokens,\n"
+        "          ref._mergeable_ranks == ours._mergeable_ranks]\n"
         "encode = lambda e: [e.encode(t, allowed_special={'<|endoftext|>'}) for t in texts]\n"
         "ordinary = lambda e: [e.encode_ordinary(t) for t in texts]\n"
         "json.dump({'tables': tables, 'ref': encode(ref), 'ours': encode(ours),\n"
@@ -156,7 +158,8 @@ def test_same_as_transformers_gpt2(enc, tmp_path):
 
 
 def test_fresh_process_offline_with_no_cache(tmp_path):
-    # no cache variable, an empty temp dir (tiktoken's default cache lives there) and every socket refused
+    # no cache variable, an empty temp dir (tiktoken's default cache lives there) and every socket
+    # refused
     code = (
         "import socket\n"
         "def refuse(*args, **kwargs):\n"
@@ -171,11 +174,14 @@ def test_fresh_process_offline_with_no_cache(tmp_path):
         "    print('tiktoken loaded gpt2')\n"
         "except Exception as e:\n"
         "    print('tiktoken could not load gpt2')\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
     env.update(TMPDIR=str(tmp_path), TEMP=str(tmp_path), TMP=str(tmp_path), HOME=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    # the second line shows the sandbox holds: tiktoken's own loader finds neither a cache nor the network
+    # the second line shows the sandbox holds: tiktoken's own loader finds neither a cache nor the
+    # network
     assert r.stdout.splitlines() == ["[15496, 995] [220, 50256]", "tiktoken could not load gpt2"]
     assert os.listdir(tmp_path) == []  # and nothing was cached anywhere
 
@@ -192,12 +198,15 @@ def test_damaged_bpe_file_is_a_one_line_error(tmp_path, monkeypatch, damage, mes
     if damage == "crlf":  # what a checkout with core.autocrlf would write without .gitattributes
         (tmp_path / "vocab.bpe").write_bytes(vocab.replace(b"\n", b"\r\n"))
     elif damage == "lfs":
-        (tmp_path / "vocab.bpe").write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:00\n")
+        pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:00\n"
+        (tmp_path / "vocab.bpe").write_bytes(pointer)
     monkeypatch.setattr(fineweb, "BPE_DIR", str(tmp_path))
     monkeypatch.setattr(fineweb, "_enc", None)
     with pytest.raises(DataPrepError, match=message) as e:
         fineweb.get_encoding()
-    assert "\n" not in str(e.value) and "vocab.bpe" in str(e.value) and "git checkout -- gpt2_bpe" in str(e.value)
+    message = str(e.value)
+    assert "\n" not in message and "vocab.bpe" in message
+    assert "git checkout -- gpt2_bpe" in message
 
 
 def test_bpe_folder_is_tracked_byte_exact():
@@ -208,5 +217,6 @@ def test_bpe_folder_is_tracked_byte_exact():
         ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
         assert ignored.returncode == 1, f"{path} is git-ignored"
     for name in ("encoder.json", "vocab.bpe"):
-        attr = subprocess.run(["git", "check-attr", "text", f"gpt2_bpe/{name}"], cwd=REPO, capture_output=True, text=True)
+        attr = subprocess.run(["git", "check-attr", "text", f"gpt2_bpe/{name}"], cwd=REPO,
+                              capture_output=True, text=True)
         assert attr.stdout.strip().endswith("text: unset"), attr.stdout  # no line-ending conversion

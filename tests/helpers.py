@@ -1,0 +1,524 @@
+"""What the test files share: data fixtures written on the spot, the tiny model and the tiny run,
+running train_gpt2.py (in this process, as a subprocess, with test hooks, under torchrun), the
+checks of a one-line error, and the GPU-path and HellaSwag checks that more than one file runs.
+
+pytest's fixtures are in conftest.py; this module holds none, so a child process (the
+older-transformers HellaSwag check, the simulated-CUDA harness) can import it too.
+"""
+import contextlib
+import copy
+import io
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+import train_gpt2 as tg  # noqa: E402
+
+
+# ===== Data written on the spot ==================================================================
+def write_shards(root, split, sizes, seed=0, vocab=50257, prefix="test"):
+    """uint16 shards `{prefix}_{split}_NNNNNN.npy` of random tokens, one per size; returns them."""
+    import fineweb
+
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    first = 0 if split == "val" else 1
+    arrays = []
+    for i, n in enumerate(sizes):
+        arr = rng.integers(0, vocab, size=n, dtype=np.int64).astype(np.uint16)
+        np.save(os.path.join(root, fineweb.shard_name(first + i, split, prefix=prefix)), arr)
+        arrays.append(arr)
+    return arrays
+
+
+def write_jsonl(path, rows):
+    """One JSON object per line; the folder is made if needed. Returns the path as a string."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def write_hellaswag(folder, n, seed=0):
+    """A hellaswag_val.jsonl of n short made-up examples in the original schema."""
+    rng = random.Random(seed)
+    words = ("the a man woman dog ball runs jumps into water slowly then picks up throws it over "
+             "fence").split()
+
+    def phrase(lo, hi):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+
+    rows = []
+    for i in range(n):
+        ctx_a = phrase(5, 12).capitalize() + "."
+        ctx_b = phrase(2, 5)
+        endings = [phrase(3, 9) + "." for _ in range(4)]
+        rows.append({"ind": i, "activity_label": "Fixture", "ctx_a": ctx_a, "ctx_b": ctx_b,
+                     "ctx": f"{ctx_a} {ctx_b}", "split": "val", "split_type": "indomain",
+                     "endings": endings, "label": rng.randrange(4), "source_id": f"fixture~{i}"})
+    return write_jsonl(os.path.join(folder, "hellaswag_val.jsonl"), rows)
+
+
+def write_corpus_jsonl(path, n_docs=200, seed=0):
+    """A small .jsonl corpus of made-up English-like documents (a `text` field each)."""
+    rng = random.Random(seed)
+    words = ("the of and to in is was for on that with as by at from his her an were are which "
+             "this be or river mountain city school teacher student science history water light "
+             "energy plant animal learned built grew studied measured found wrote taught").split()
+    docs = []
+    for _ in range(n_docs):
+        sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize()
+                     + "." for _ in range(rng.randint(3, 8))]
+        docs.append({"text": " ".join(sentences)})
+    return write_jsonl(path, docs)
+
+
+def dir_bytes(folder):
+    """{file name: bytes} of a folder, to show that something touched nothing."""
+    return {name: open(os.path.join(folder, name), "rb").read()
+            for name in sorted(os.listdir(folder))}
+
+
+def read_text(path):
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+# ===== The tiny model ============================================================================
+TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=64)
+
+
+def tiny_model(seed=0, device="cpu", **kw):
+    """A seeded GPT of TINY's shape, changed by kw."""
+    torch.manual_seed(seed)
+    return tg.GPT(tg.GPTConfig(**{**TINY, **kw})).to(device)
+
+
+def hf_gpt2(tmp_path, vocab=50257, seed=0, n_head=2, n_positions=64):
+    """A random transformers GPT2LMHeadModel (eval mode) and its save_pretrained folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=n_head, n_embd=64, n_positions=n_positions,
+                                    vocab_size=vocab))
+    path = str(tmp_path / "hf")
+    hf.save_pretrained(path)
+    return hf.eval(), path
+
+
+# ===== Running train_gpt2.py =====================================================================
+class CliResult:
+    """What a run of main() in this process gave: the exit status and its output. An exception
+    that left main() (a bug, which keeps its traceback) is in `exception`, its traceback at the end
+    of stderr and the status 1, as a subprocess would show it."""
+
+    def __init__(self, returncode, stdout, stderr, exception=None):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.exception = exception
+
+
+def run_cli(*args, subprocess_run=False):
+    """`python train_gpt2.py ARGS`: in this process by default (the same main(), without a new
+    interpreter and torch import each time), or as a real subprocess."""
+    if subprocess_run:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the numbers of this process's one thread
+        return subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    out, err, exception = io.StringIO(), io.StringIO(), None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = tg.main(list(args))
+        except SystemExit as e:  # argparse: --help, or a bad flag
+            code = e.code if isinstance(e.code, int) else 1
+        except Exception as e:
+            traceback.print_exc()
+            code, exception = 1, e
+    return CliResult(code, out.getvalue(), err.getvalue(), exception)
+
+
+# The tiny run: 8 steps of 64 tokens on a one-layer model of width 32, on the CPU in fp32 on any
+# machine (`auto` would pick CUDA, bf16 and compile on a GPU box; tests/test_cuda.py covers CUDA).
+# Checkpoints at steps 2, 4, 6 and the last, 7; val loss at 0, 3, 6 and of the final model (logged
+# at step 8); samples at 3, 6 and of the final model.
+RUN_FLAGS = {
+    "--preset": "tiny", "--n_layer": "1", "--n_head": "2", "--n_embd": "32", "--block_size": "32",
+    "-B": "2", "-T": "32", "--total_batch_size": "64", "--max_steps": "8", "--warmup_steps": "2",
+    "--eval_every": "3", "--val_tokens": "64", "--sample_every": "3", "--sample_tokens": "4",
+    "--num_samples": "1", "--save_every": "2", "--hellaswag_every": "0", "--device": "cpu",
+}
+SHAPE_FLAGS = ("--n_layer", "--n_head", "--n_embd", "--block_size")
+
+
+def run_args(data, log, *extra, drop=()):
+    """The tiny run's command line on the shards in `data`, writing to `log`. Flags in extra come
+    last and win; those in drop are left out."""
+    args = [w for flag, value in RUN_FLAGS.items() if flag not in drop for w in (flag, value)]
+    return args + ["--data_root", data, "--log_dir", log, *extra]
+
+
+def resume_args(log, *extra):
+    """A resumed run needs nothing but the log dir: the shape, data and schedule come from the
+    checkpoint (--device is this invocation's)."""
+    return ["--resume", "latest", "--log_dir", log, "--device", "cpu", *extra]
+
+
+# Eight steps of 256 tokens, val loss at 0, 4 and the end, nothing else: the run a distributed one
+# (2 ranks, 2 micro-steps each) is compared with
+DIST_FLAGS = ["--max_steps", "8", "--eval_every", "4", "--sample_every", "0", "--save_every", "0",
+              "--total_batch_size", "256", "--val_tokens", "1000"]
+
+
+def dist_reference(data, log, *flags):
+    """One process, DIST_FLAGS' eight steps straight: the run a distributed one is compared with."""
+    r = run_cli(*run_args(data, log, *DIST_FLAGS, *flags))
+    assert r.returncode == 0, r.stderr
+    return log
+
+
+def stop_then_resume(data, log, first, second, *first_flags):
+    """Steps 0-3 with `first` (a runner: run_cli, torchrun, ...), stopping with a checkpoint, then
+    the rest with `second` from that checkpoint. Returns the first run's result."""
+    r = first(*run_args(data, log, *DIST_FLAGS, "--stop_step", "4", *first_flags))
+    assert r.returncode == 0, r.stderr
+    resumed = second(*run_args(data, log, *DIST_FLAGS, "--resume", "latest"))
+    assert resumed.returncode == 0, resumed.stderr
+    return r
+
+
+def assert_same_log(a, b, tol):
+    """The log.txt of two runs: the same steps and kinds, the values within tol."""
+    la, lb = series(a), series(b)
+    assert set(la) == set(lb)
+    for kind in la:
+        assert la[kind][0] == lb[kind][0], kind
+        assert la[kind][1] == pytest.approx(lb[kind][1], abs=tol), kind
+
+
+def torchrun(*args, nproc=2, script=os.path.join(REPO, "train_gpt2.py"), env=None, wait=True):
+    """`torchrun --standalone --nproc_per_node=nproc script args`, env added to this process's:
+    its CompletedProcess, or (wait=False) the Popen, stdout and stderr piped as text."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", script, *args]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+
+
+def log_of(log_dir):
+    return read_text(os.path.join(log_dir, "log.txt"))
+
+
+def series(log_dir):
+    """log.txt read back: {kind: (steps, values)}."""
+    import rundir
+
+    return rundir.read_log(os.path.join(log_dir, "log.txt"))
+
+
+def newest_step(log):
+    import rundir
+
+    return torch.load(rundir.find_checkpoints(log)[-1], weights_only=False)["step"]
+
+
+def step_lines(stdout):
+    """{step: (loss, norm)} from the step lines a run printed."""
+    found = re.findall(r"^step +(\d+) \| loss ([\d.]+) \| lr \S+ \| norm ([\d.]+)", stdout, re.M)
+    return {int(s): (float(loss), float(norm)) for s, loss, norm in found}
+
+
+def assert_one_line_error(r, *parts):
+    """Exit 1 and exactly one stderr line, an 'error:' naming each of parts; returns the line."""
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
+# ===== train_gpt2.py in a process of its own, with test hooks ====================================
+# `python train_gpt2.py` (main() left through exit_process, as the script itself does) plus hooks
+# that make races and kill points deterministic: a start gate, and holds or pauses at a chosen
+# point. rundir's functions are hooked where rundir calls them (its own globals).
+HOOK = r'''
+import os, sys, time
+sys.path.insert(0, os.environ["HOOK_REPO"])
+import common, rundir
+import train_gpt2 as tg
+
+def wait_for(path):
+    while not os.path.exists(path):
+        time.sleep(0.01)
+
+def pause():  # tell the test where we are, then wait for its kill -9
+    open(os.environ["HOOK_MARKER"], "w").close()
+    while True:
+        time.sleep(1)
+
+mode, arg = os.environ.get("HOOK_MODE", ""), os.environ.get("HOOK_ARG", "")
+if mode in ("hold_after_log", "pause_after_log"):  # arg "5 train": once this log line is written,
+    real_append = rundir.append_log                # hold until HOOK_RELEASE exists, or pause
+    def append_log(path, step, kind, value):
+        real_append(path, step, kind, value)
+        if f"{step} {kind}" != arg:
+            return
+        if mode == "pause_after_log":
+            pause()
+        open(os.environ["HOOK_MARKER"], "w").write(str(os.getpid()))
+        wait_for(os.environ["HOOK_RELEASE"])
+    rundir.append_log = append_log
+elif mode == "pause_mid_save":  # arg: a checkpoint file name, paused once written under its temp
+    real_write = rundir.atomic_write  # name
+    def atomic_write(path, write, size=None):
+        def write_then_pause(f):
+            write(f)
+            f.flush()
+            if os.path.basename(path) == arg:
+                pause()
+        real_write(path, write_then_pause, size)
+    rundir.atomic_write = atomic_write
+elif mode == "hold_lock":  # arg: a file; the run waits for it after claiming the log dir
+    real_save_config = rundir.save_run_config
+    def save_run_config(*a):
+        wait_for(arg)
+        return real_save_config(*a)
+    rundir.save_run_config = save_run_config
+if os.environ.get("HOOK_GATE"):  # start line: both racers are past their imports
+    wait_for(os.environ["HOOK_GATE"])
+common.exit_process(tg.main())
+'''
+
+
+def start_hooked(tmp_path, name, args, **hook):
+    """Popen of `python train_gpt2.py args` with HOOK's hooks (hook={"mode": ...}: env HOOK_*)."""
+    script = tmp_path / "hook.py"
+    if not script.exists():
+        script.write_text(HOOK)
+    env = {**os.environ, "HOOK_REPO": REPO, "OMP_NUM_THREADS": "1",
+           **{f"HOOK_{k.upper()}": str(v) for k, v in hook.items()}}
+    out = open(tmp_path / f"{name}.out", "w+")
+    err = open(tmp_path / f"{name}.err", "w+")
+    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err, env=env,
+                            cwd=REPO)
+    proc.out, proc.err = out, err
+    return proc
+
+
+def wait_until(condition, procs, what):
+    """Poll until condition(); fail (not hang) if a process that should be held exits instead."""
+    deadline = time.time() + 300  # a safety net for a hung test only, never a claim about speed
+    while not condition():
+        for p in procs:
+            if p.poll() is not None:
+                p.err.seek(0)
+                pytest.fail(f"process exited ({p.returncode}) before {what}: "
+                            f"{p.err.read()[-2000:]}")
+        assert time.time() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def output(proc):
+    proc.out.seek(0)
+    proc.err.seek(0)
+    return proc.out.read(), proc.err.read()
+
+
+# ===== The GPU paths' checks: on the CPU in test_gpu_paths_cpu.py, on CUDA in test_cuda.py =======
+GPU_SHAPE = dict(block_size=128, n_head=4)  # heads of 16, room for the HellaSwag rows
+BF16_LOSS_TOL = 0.05  # bf16 keeps 8 mantissa bits (~0.4%): a loss near 10.8 moves by a few 1e-3
+
+
+def random_batch(device, B=2, T=64, vocab=50257, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, vocab, (B, T + 1), generator=g)
+    return buf[:, :-1].to(device), buf[:, 1:].to(device)
+
+
+def bf16_train_step(model, x, y):
+    """Forward and backward under bf16 autocast; checks the dtypes a mixed-precision step has."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        logits, loss = model(x, y)
+    loss.backward()
+    assert logits.dtype == torch.bfloat16  # the matmuls ran in bf16 ...
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)  # ... the softmax and loss in fp32
+    for name, p in model.named_parameters():  # fp32 master weights get fp32 gradients
+        assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name
+    return loss.item()
+
+
+def fused_vs_plain_adamw(device, steps):
+    """Two copies of one model stepped with the same gradients: configure_optimizers' fused AdamW
+    (what CUDA gets) and its non-fused one (what other devices get). Returns ((model, opt),
+    (model, opt))."""
+    model = tiny_model(device=device, **GPU_SHAPE)
+    ref = copy.deepcopy(model)
+    fused = model.configure_optimizers(0.1, 1e-3, "cuda", verbose=False)  # fused on any device
+    plain = ref.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    for step in range(steps):
+        x, y = random_batch(device, seed=step)
+        model(x, y)[1].backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        fused.step()
+        plain.step()
+        fused.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    return (model, fused), (ref, plain)
+
+
+def memorize(model, rows, starts=None, lr=1e-2, max_steps=300, until=0.1):
+    """Train on these token rows until the model knows them by heart: row i's tokens from index
+    starts[i] on (default 1: all of them) are the targets. Random weights give near-ties that bf16
+    rounding may break either way; a memorized model's choices win by wide margins, so two bf16
+    code paths must agree exactly."""
+    device = next(model.parameters()).device
+    starts = starts or [1] * len(rows)
+    T = max(len(r) for r in rows) - 1
+    x = torch.zeros(len(rows), T, dtype=torch.long)
+    y = torch.full((len(rows), T), -100, dtype=torch.long)  # padding and context: no target
+    for i, (r, s) in enumerate(zip(rows, starts)):
+        x[i, : len(r) - 1], y[i, s - 1: len(r) - 1] = torch.tensor(r[:-1]), torch.tensor(r[s:])
+    x, y = x.to(device), y.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(max_steps):
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        if loss.item() < until:
+            break
+    return loss.item()
+
+
+def kv_cache_vs_recompute_bf16(device):
+    """Greedy continuations of a memorized prompt under bf16, with and without the KV cache."""
+    # a small vocab keeps the training quick
+    model = tiny_model(device=device, vocab_size=512, real_vocab_size=500, **GPU_SHAPE)
+    g = torch.Generator().manual_seed(2)
+    # no token twice in a row: each token's successor is unique, a bigram table learnt quickly
+    seqs = torch.stack([torch.randperm(500, generator=g)[:48] for _ in range(2)])
+    memorize(model, seqs.tolist())
+    prompt = seqs[:, :8].to(device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        cached = model.generate(prompt, 40, top_k=1, use_cache=True)
+        recomputed = model.generate(prompt, 40, top_k=1, use_cache=False)
+    return cached.cpu(), recomputed.cpu(), seqs
+
+
+def hellaswag_batched_vs_one_per_forward_bf16(device, folder, n=6):
+    """HellaSwag results under bf16 of a model that memorized the fixture's right endings, batched
+    and one example per forward (batch_tokens=0)."""
+    import fineweb
+    import hellaswag
+
+    write_hellaswag(folder, n)
+    enc = fineweb.get_encoding()
+    with open(os.path.join(folder, "hellaswag_val.jsonl")) as f:
+        examples = [json.loads(line) for line in f]
+    ctxs = [enc.encode(ex["ctx"]) for ex in examples]
+    rights = [enc.encode(" " + ex["endings"][ex["label"]]) for ex in examples]
+    model = tiny_model(device=device, **GPU_SHAPE)
+    # only the right endings are targets: the made-up contexts are random words, slow to learn
+    memorize(model, [c + e for c, e in zip(ctxs, rights)], starts=[len(c) for c in ctxs],
+             until=0.5)
+    return [hellaswag.evaluate(model, device, data_dir=folder, batch_tokens=bt,
+                               autocast_dtype=torch.bfloat16) for bt in (8192, 0)]
+
+
+# ===== HellaSwag examples and the classic scoring loop (test_hellaswag.py and its child) ==========
+HS_WORDS = (
+    "the a man woman person he she they is are was then and while with on in at of to into "
+    "his her their camera kitchen bowl water ball field bike road wall paint brush table chair "
+    "knife onion pan oven dog rope shoe hair mirror car tire tool box paper glue guitar piano "
+    "stands walks runs jumps picks puts holds throws cuts mixes pours shows talks smiles turns "
+    "continues begins finishes starts uses grabs lifts moves slowly quickly carefully again "
+    "several small large red blue green white black front back top side next over under around"
+).split()
+HS_ACTIVITIES = ["Making a sandwich", "Painting fence", "Playing guitarra", "Washing dishes",
+                 "Bathing dog", "Changing car wheel", "Personal Care and Style", "Home and Garden"]
+SHORT = dict(ctx_words=(6, 16), ending_words=(3, 8))  # keeps the CPU tests fast
+
+
+def make_records(n, seed=0, ctx_words=(20, 60), ending_words=(10, 30), split="val"):
+    """n records in the original HellaSwag jsonl schema, with realistic lengths (context ~20-60
+    tokens, endings ~10-30 tokens)."""
+    rng = random.Random(seed)
+
+    def phrase(lo, hi):
+        return " ".join(rng.choice(HS_WORDS) for _ in range(rng.randint(lo, hi)))
+
+    recs = []
+    for i in range(n):
+        n_ctx = rng.randint(*ctx_words)
+        cut = rng.randint(1, max(n_ctx - 1, 1))
+        ctx_a = phrase(cut, cut).capitalize() + "."
+        ctx_b = phrase(max(n_ctx - cut, 1), max(n_ctx - cut, 1))
+        endings = [phrase(*ending_words) + "." for _ in range(4)]
+        rec = {
+            "ind": 10 * i + 4,
+            "activity_label": rng.choice(HS_ACTIVITIES),
+            "ctx_a": ctx_a,
+            "ctx_b": ctx_b,
+            "ctx": ctx_a + " " + ctx_b,
+            "split": split,
+            "split_type": rng.choice(["indomain", "zeroshot"]),
+            "label": rng.randrange(4),
+            "endings": endings,
+            "source_id": f"activitynet~v_{i:06d}",
+        }
+        if split == "test":
+            del rec["label"]
+        recs.append(rec)
+    return recs
+
+
+def tiny_hf_model(seed=0, n_positions=256):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
+                     initializer_range=0.2)  # large init: losses far from ties
+    model = GPT2LMHeadModel(cfg)
+    model.eval()
+    return model
+
+
+def classic_scores(model, recs):
+    """The classic loop, written here independently of hellaswag's scoring: one example per
+    forward, logits at every position, an explicit log-softmax. Returns (pred, pred_norm, summed
+    losses) per example."""
+    import hellaswag
+
+    out = []
+    for rec in recs:
+        _, tokens, mask, _ = hellaswag.render_example(rec)
+        with torch.no_grad():
+            o = model(tokens)
+        logits = o[0] if isinstance(o, tuple) else o.logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(2, tokens[:, 1:, None])[..., 0]
+        m = mask[:, 1:].float()
+        s = -(logp * m).sum(1)
+        out.append((int(s.argmin()), int((s / m.sum(1)).argmin()), s.tolist()))
+    return out
+
+
+def preds(results):
+    return [(r["pred"], r["pred_norm"]) for r in results]

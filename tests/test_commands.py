@@ -1,0 +1,169 @@
+"""The commands that use a checkpoint or OpenAI's GPT-2: `train_gpt2.py sample`, `export` (to a
+transformers GPT2LMHeadModel, checked logit for logit) and `eval` (HellaSwag, against
+hellaswag.evaluate); what they refuse, in one line."""
+import errno
+import os
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import common
+import hellaswag
+import rundir
+import train_gpt2 as tg
+from helpers import assert_one_line_error, hf_gpt2, run_cli, tiny_model, write_hellaswag
+
+
+def save_tiny_checkpoint(path, model):
+    """What sample, export and eval read of a checkpoint: the weights and the config."""
+    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, path)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------- sample
+
+def test_sample_command(tmp_path):
+    ckpt = save_tiny_checkpoint(tmp_path / "model.pt", tiny_model())
+    flags = ["--device", "cpu", "--checkpoint", ckpt, "--prompt", "The sky is",
+             "--num_samples", "2", "--max_new_tokens", "5", "--seed", "3"]
+    r = run_cli("sample", *flags)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("--- sample") == 2 and r.stdout.count("The sky is") == 2
+    again = run_cli("sample", *flags, "--no_kv_cache")
+    assert again.stdout == r.stdout  # same seed: the cache changes the speed, not the text
+    r = run_cli("sample", "--device", "cpu", "--checkpoint", ckpt, "--max_new_tokens", "100")
+    assert_one_line_error(r, "--max_new_tokens (100)", "block_size 64")
+    r = run_cli("sample", "--device", "cpu", "--checkpoint", str(tmp_path / "missing.pt"))
+    assert_one_line_error(r, "checkpoint not found")
+    r = run_cli("sample", "--device", "cpu")
+    assert_one_line_error(r, "give one of --checkpoint (a model_*.pt) or --init_from")
+
+
+def test_sample_from_pretrained_dir(tmp_path, enc):
+    hf, path = hf_gpt2(tmp_path)
+    r = run_cli("sample", "--device", "cpu", "--init_from", path, "--max_new_tokens", "4",
+                "--num_samples", "1", "--top_k", "1")
+    assert r.returncode == 0, r.stderr
+    prompt = torch.tensor([enc.encode("Hello, I'm a language model,")])
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=50256)
+    assert enc.decode(want[0].tolist()) in r.stdout
+    r = run_cli("sample", "--device", "cpu", "--init_from", str(tmp_path / "nowhere"))
+    assert_one_line_error(r, "could not load GPT-2 model")
+
+
+@pytest.mark.parametrize("flags, name", [
+    (["--temperature", "nan"], "--temperature"), (["--temperature", "-1"], "--temperature"),
+    (["--temperature", "inf"], "--temperature"), (["--top_k", "0"], "--top_k"),
+    (["--num_samples", "0"], "--num_samples"), (["--max_new_tokens", "-3"], "--max_new_tokens"),
+])
+def test_sample_flags_are_checked(reference, flags, name):
+    r = run_cli("sample", "--checkpoint", rundir.find_checkpoints(reference)[-1], *flags)
+    assert_one_line_error(r, name)
+
+
+def test_sample_greedy_and_clean(reference):
+    r = run_cli("sample", "--checkpoint", rundir.find_checkpoints(reference)[-1], "--device", "cpu",
+                "--temperature", "0", "--num_samples", "2", "--max_new_tokens", "8",
+                "--prompt", "The")
+    assert r.returncode == 0, r.stderr
+    samples = r.stdout.split("--- sample ")[1:]
+    # greedy: the two samples are equal
+    assert len(samples) == 2 and samples[0].split("\n", 1)[1] == samples[1].split("\n", 1)[1]
+    assert "<|endoftext|>" not in r.stdout and "\n\n" not in r.stdout
+
+
+# ------------------------------------------------------------------------------------------- export
+
+def test_export_roundtrip_logits(tmp_path):
+    from transformers import GPT2LMHeadModel
+    model = tiny_model(n_head=4).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)  # non-zero biases and LN shifts
+    ckpt = save_tiny_checkpoint(tmp_path / "model_00010.pt", model)
+    out = str(tmp_path / "hf_out")
+    r = run_cli("export", "--checkpoint", ckpt, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()
+    assert hf.config.vocab_size == 50257
+    idx = torch.randint(0, 50257, (2, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0][..., :50257], atol=1e-5,
+                                   rtol=1e-5)
+    # never over an existing directory
+    r = run_cli("export", "--checkpoint", ckpt, "--out", out)
+    assert_one_line_error(r, "not an empty directory")
+
+
+def test_a_failed_export_leaves_nothing_and_a_retry_works(reference, tmp_path, monkeypatch):
+    ckpt = rundir.find_checkpoints(reference)[-1]
+    out = tmp_path / "hf"
+    real_export = tg.export_hf
+
+    def export_hf(model, out_dir):
+        open(os.path.join(out_dir, "config.json"), "w").write("{")
+        path = os.path.join(out_dir, "model.safetensors")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    monkeypatch.setattr(tg, "export_hf", export_hf)
+    assert_one_line_error(run_cli("export", "--checkpoint", ckpt, "--out", str(out)),
+                          "no space left")
+    assert sorted(os.listdir(tmp_path)) == []  # no half-written folder, final name or temp one
+    monkeypatch.setattr(tg, "export_hf", real_export)
+    r = run_cli("export", "--checkpoint", ckpt, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o777 & ~common.umask())
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "missing_parent", "unwritable"])
+def test_export_to_a_bad_place_is_one_line(reference, tmp_path, where):
+    (tmp_path / "file").write_text("x")
+    out = {"under_a_file": tmp_path / "file" / "hf",
+           "missing_parent": tmp_path / "no" / "such" / "hf",
+           "unwritable": "/proc/hf_export"}[where]
+    r = run_cli("export", "--checkpoint", rundir.find_checkpoints(reference)[-1], "--out", str(out))
+    assert_one_line_error(r, "--out")
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+# --------------------------------------------------------------------------------------------- eval
+
+def test_eval_command_scores_a_checkpoint_like_hellaswag_evaluate(reference, tmp_path):
+    """`train_gpt2.py eval --checkpoint` reports what hellaswag.evaluate gives for the same model
+    and data."""
+    data = str(tmp_path / "hs")
+    write_hellaswag(data, 12)
+    ckpt = rundir.find_checkpoints(reference)[-1]
+    r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--hellaswag_dir", data,
+                "--batch_tokens", "256")
+    assert r.returncode == 0, r.stderr
+    want = hellaswag.evaluate(tg.model_from_checkpoint(ckpt), "cpu", data_dir=data,
+                              batch_tokens=0)
+    assert f"acc_norm {want['acc_norm']:.4f} ({want['correct_norm']}/12)" in r.stdout
+    assert f"acc {want['acc']:.4f} ({want['correct']}/12)" in r.stdout
+    assert "(fp32)" in r.stdout  # --dtype auto: fp32 off CUDA
+    # --data_dir: a hidden alias of --hellaswag_dir, as in hellaswag.py
+    old = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--data_dir", data,
+                  "--batch_tokens", "256")
+    assert old.returncode == 0 and f"acc_norm {want['acc_norm']:.4f}" in old.stdout, old.stderr
+    r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--hellaswag_dir",
+                str(tmp_path / "none"))
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr  # after its line saying what it tried
+    assert len(errors) == 1 and "Rowan/hellaswag" in errors[0], r.stderr
+
+
+def test_commands_refuse_a_nan_checkpoint(reference, tmp_path):
+    ckpt = torch.load(rundir.find_checkpoints(reference)[-1], weights_only=False)
+    ckpt["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    bad = str(tmp_path / "nan.pt")
+    torch.save(ckpt, bad)
+    for command in (["sample", "--checkpoint", bad, "--device", "cpu"],
+                    ["export", "--checkpoint", bad, "--out", str(tmp_path / "hf")],
+                    ["eval", "--checkpoint", bad, "--device", "cpu", "--hellaswag_dir",
+                     str(tmp_path)]):
+        assert_one_line_error(run_cli(*command), bad, "NaN or inf")
+    assert not (tmp_path / "hf").exists()

@@ -1,0 +1,259 @@
+"""The optimizers: GPT-2's AdamW groups, --optimizer muon against a hand-built torch.optim.Muon +
+AdamW, CombinedOptimizer's state dict, exact resume of Muon runs (from today's checkpoints and from
+the older layout that kept the two optimizers apart), 1 process == 2 processes (DDP and FSDP)."""
+import io
+import os
+import shutil
+
+import pytest
+import torch
+
+import rundir
+import train_gpt2 as tg
+from helpers import (DIST_FLAGS, assert_one_line_error, dist_reference, log_of, resume_args,
+                     run_args, run_cli, series, stop_then_resume, tiny_model, torchrun)
+
+MUON = ["--optimizer", "muon"]
+SMALL_VOCAB = dict(vocab_size=256, real_vocab_size=256)  # the blocks are what matters here
+
+
+def test_configure_optimizers_groups_and_decay(capsys):
+    model = tiny_model()
+    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, device_type="cpu")
+    out = capsys.readouterr().out
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    n_decay = sum(p.numel() for p in decay["params"])
+    assert f"decayed parameter tensors: {len(decay['params'])}, {n_decay:,} params" in out
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    assert not opt.defaults["fused"]
+    # with zero gradients AdamW only decays: matmul weights shrink by lr*wd, biases and LN stay
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        if p.dim() >= 2:
+            torch.testing.assert_close(p, before[n] * (1 - 1e-2 * 0.1))
+        else:
+            assert torch.equal(p, before[n]), n
+
+
+def reference_optimizers(model, wd, lr, muon_lr):
+    """Built by hand from parameter names: Muon on every 2-D weight inside the blocks, AdamW with
+    GPT-2's decay groups on everything else."""
+    named = list(model.named_parameters())
+    matrices = [p for n, p in named if n.startswith("transformer.h.") and p.dim() == 2]
+    rest = [p for n, p in named if not (n.startswith("transformer.h.") and p.dim() == 2)]
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": wd},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=wd, momentum=0.9,
+                            adjust_lr_fn="match_rms_adamw")
+    return adamw, muon, muon_lr / lr
+
+
+def test_muon_groups_match_hand_built_optimizers():
+    ours, ref = tiny_model(seed=3, **SMALL_VOCAB), tiny_model(seed=3, **SMALL_VOCAB)
+    opt = ours.configure_optimizers(0.1, 1e-3, "cpu", verbose=False,
+                                    muon=dict(lr=3e-3, momentum=0.9))
+    adamw, muon, ratio = reference_optimizers(ref, 0.1, 1e-3, 3e-3)
+    assert [type(o) for o in opt] == [torch.optim.AdamW, torch.optim.Muon]
+    assert len(opt.param_groups) == 3
+    x = torch.randint(0, 256, (2, 32))
+    for step in range(4):
+        lr = tg.get_lr(step, 1e-3, 1e-4, 2, 4)
+        for group in opt.param_groups:  # what train() does
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        for group in adamw.param_groups:
+            group["lr"] = lr
+        muon.param_groups[0]["lr"] = lr * ratio
+        for model, optimizers in ((ours, [opt]), (ref, [adamw, muon])):
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
+            model(x, x)[1].backward()
+            for o in optimizers:
+                o.step()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    moved = tiny_model(seed=3, **SMALL_VOCAB).transformer.h[0].mlp.c_fc.weight
+    assert not torch.equal(moved, ours.transformer.h[0].mlp.c_fc.weight)  # not vacuous
+
+
+def test_combined_optimizer_state_dict_round_trip_is_exact():
+    """state_dict() of AdamW + Muon, saved and loaded into a fresh CombinedOptimizer, gives the
+    uninterrupted optimizer's next steps bit for bit."""
+    x = torch.randint(0, 256, (2, 32))
+
+    def steps(model, opt, n):
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            model(x, x)[1].backward()
+            opt.step()
+
+    def fresh(weights):
+        model = tiny_model(seed=4, **SMALL_VOCAB)
+        model.load_state_dict(weights)
+        return model, model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False, muon={})
+
+    model = tiny_model(seed=3, **SMALL_VOCAB)
+    opt = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False, muon={})
+    assert isinstance(opt, tg.CombinedOptimizer) and len(opt.optimizers) == 2
+    steps(model, opt, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+    steps(model, opt, 3)  # the uninterrupted optimizer
+
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    resumed, resumed_opt = fresh(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    steps(resumed, resumed_opt, 3)
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    # not vacuous: the same weights with a fresh optimizer's state take other steps
+    other, other_opt = fresh(saved["model"])
+    steps(other, other_opt, 3)
+    assert not torch.equal(other.transformer.h[0].mlp.c_fc.weight,
+                           model.transformer.h[0].mlp.c_fc.weight)
+    assert not torch.equal(other.transformer.wte.weight, model.transformer.wte.weight)
+
+
+def test_adamw_stays_the_default_and_muon_flags_are_checked(data, tmp_path):
+    assert tg.parse_args([])[0].optimizer == "adamw"
+    assert isinstance(tiny_model().configure_optimizers(0.1, 1e-3, "cpu", verbose=False),
+                      torch.optim.AdamW)
+    r = run_cli(*run_args(data, str(tmp_path / "a"), *MUON, "--muon_momentum", "1.5"))
+    assert assert_one_line_error(r) == \
+        "error: argument --muon_momentum: must be in [0, 1), not 1.5 (see --help)"
+
+
+# ------------------------------------------------------------------------------- resuming Muon runs
+
+@pytest.fixture(scope="module")
+def muon_runs(data, tmp_path_factory):
+    """Six Muon steps straight, and the same run stopped after step 2: (straight, stopped)."""
+    root = tmp_path_factory.mktemp("muon")
+    flags = ["--max_steps", "6", "--save_every", "0", "--sample_every", "0", *MUON,
+             "--muon_lr", "4e-3"]
+    straight, stopped = str(root / "straight"), str(root / "stopped")
+    for log, extra in ((straight, []), (stopped, ["--stop_step", "3"])):
+        r = run_cli(*run_args(data, log, *flags, *extra))
+        assert r.returncode == 0, r.stderr
+    return straight, stopped
+
+
+def muon_names(ckpt):
+    """The parameters Muon trains: the 2-D weights inside the blocks."""
+    return {name for name, value in ckpt["model"].items()
+            if name.startswith("transformer.h.") and value.dim() == 2}
+
+
+def test_muon_resume_is_exact_and_checkpoints_hold_both_states(muon_runs, tmp_path):
+    straight, stopped = muon_runs
+    log = str(tmp_path / "log")
+    shutil.copytree(stopped, log)
+    ckpt = torch.load(rundir.find_checkpoints(log)[-1], weights_only=False)
+    assert ckpt["args"]["optimizer"] == "muon"
+    # one dict, keyed by parameter name, as torch.distributed.checkpoint keeps several optimizers
+    assert set(ckpt["optimizer"]) == {"state", "param_groups"}
+    state = ckpt["optimizer"]["state"]
+    muon = muon_names(ckpt)
+    assert muon and all(set(state[name]) == {"momentum_buffer"} for name in muon)
+    assert set(state["transformer.wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert [g["lr_scale"] for g in ckpt["optimizer"]["param_groups"] if "lr_scale" in g] == [2.0]
+    r = run_cli(*resume_args(log))
+    assert r.returncode == 0, r.stderr
+    assert log_of(straight) == log_of(log)
+    # the wrong kind is refused in one line, before any work
+    r = run_cli(*resume_args(log, "--optimizer", "adamw"))
+    assert_one_line_error(r, "holds muon optimizer state but --optimizer adamw was given")
+
+
+def old_muon_layout(ckpt):
+    """ckpt["optimizer"] as Muon checkpoints once held it: {"adamw": ..., "muon": ...}, each what
+    torch.distributed.checkpoint writes for one optimizer (state and param_groups by name)."""
+    muon, merged = muon_names(ckpt), ckpt["optimizer"]
+    parts = {kind: {"state": {}, "param_groups": []} for kind in ("adamw", "muon")}
+    for name, state in merged["state"].items():
+        parts["muon" if name in muon else "adamw"]["state"][name] = state
+    for group in merged["param_groups"]:
+        names = set(group["params"])
+        assert names <= muon or not names & muon  # a group is one optimizer's
+        parts["muon" if names <= muon else "adamw"]["param_groups"].append(group)
+    return parts
+
+
+def test_an_older_muon_checkpoint_resumes_exactly(muon_runs, tmp_path):
+    straight, stopped = muon_runs
+    log = str(tmp_path / "log")
+    shutil.copytree(stopped, log)
+    path = rundir.find_checkpoints(log)[-1]
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["optimizer"] = old_muon_layout(ckpt)
+    assert all(part["state"] and part["param_groups"] for part in ckpt["optimizer"].values())
+    torch.save(ckpt, path)
+    assert set(torch.load(path, weights_only=False)["optimizer"]) == {"adamw", "muon"}
+    r = run_cli(*resume_args(log))
+    assert r.returncode == 0, r.stderr
+    assert log_of(straight) == log_of(log)
+
+
+def test_checkpoint_without_optimizer_kind_is_adamw(reference, tmp_path):
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    path = rundir.find_checkpoints(log)[0]
+    ckpt = torch.load(path, weights_only=False)
+    assert isinstance(ckpt["optimizer"]["state"], dict)  # AdamW's state dict as it always was
+    del ckpt["args"]["optimizer"]  # as written before --optimizer existed
+    torch.save(ckpt, path)
+    r = run_cli("--resume", path, "--log_dir", log, "--device", "cpu", *MUON)
+    assert_one_line_error(r, "holds adamw optimizer state but --optimizer muon was given")
+    r = run_cli("--resume", path, "--log_dir", log, "--device", "cpu", "--stop_step", "4")
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------- Muon in two processes
+
+@pytest.fixture(scope="module")
+def muon_single(data, tmp_path_factory):
+    """One process, 8 Muon steps straight: the reference for the distributed runs."""
+    return dist_reference(data, str(tmp_path_factory.mktemp("muon_dist") / "single"), *MUON)
+
+
+def assert_close_runs(log, ref):
+    """Same losses and same final weights as the 1-process run, up to reduction order and Muon's
+    bf16 Newton-Schulz; the Muon matrices moved far more than that, so a wrong update would
+    show."""
+    a, b = series(log), series(ref)
+    for kind in ("train", "val"):
+        assert a[kind][0] == b[kind][0], kind
+        assert a[kind][1] == pytest.approx(b[kind][1], abs=2e-4), kind
+    w, w_ref = (torch.load(os.path.join(d, "model_00007.pt"), weights_only=False)
+                for d in (log, ref))
+    torch.manual_seed(1337)  # the run's init
+    init = tg.GPT(tg.GPTConfig(**w_ref["config"]))
+    name = "transformer.h.0.mlp.c_fc.weight"
+    diff = (w["model"][name] - w_ref["model"][name]).abs().max()
+    moved = (w_ref["model"][name] - init.state_dict()[name]).abs().max()
+    assert diff < moved / 10, (diff, moved)
+
+
+def test_muon_ddp_two_processes_then_resume_in_one(data, muon_single, tmp_path):
+    log = str(tmp_path / "ddp")
+    # Muon again when resumed: from the checkpoint
+    r = stop_then_resume(data, log, torchrun, run_cli, *MUON)
+    assert " world_size=2" in r.stdout
+    assert_close_runs(log, muon_single)
+
+
+def test_muon_fsdp_two_processes(data, muon_single, tmp_path):
+    # Muon's Newton-Schulz runs on FSDP's sharded DTensors, which gather what each matmul needs:
+    # the update of each whole matrix, as one process computes it
+    log = str(tmp_path / "fsdp")
+    r = torchrun(*run_args(data, log, *DIST_FLAGS, *MUON, "--fsdp"))
+    assert r.returncode == 0, r.stderr
+    assert_close_runs(log, muon_single)

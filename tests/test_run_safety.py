@@ -1,0 +1,619 @@
+"""What keeps a run safe, tested as a hostile user and a hostile machine would: two runs into one
+log dir, kill -9 mid-run and mid-save, signals, divergence, a full disk, a rollback, damaged
+checkpoints, logs and shards, and failures in the every-N blocks after training started. Each
+interrupted run, resumed, must give the uninterrupted reference run's log.txt to the last digit.
+
+Runs are the tiny run, in this process, except where a real second process is the point (the
+concurrent start, the kill -9s, the signals): those go through helpers.HOOK, which holds or pauses
+the run at a chosen point so that no timing is involved."""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import fineweb
+import rundir
+import train_gpt2 as tg
+from helpers import (HOOK, REPO, assert_one_line_error, dir_bytes, log_of, newest_step, output,
+                     read_text, resume_args, run_args, run_cli, series, start_hooked, torchrun,
+                     wait_until, write_corpus_jsonl, write_shards)
+
+
+def steps_saved(log):
+    return [rundir.checkpoint_step(p) for p in rundir.find_checkpoints(log)]
+
+
+def no_temp_files(log):
+    return not [name for name in os.listdir(log) if name.endswith(".tmp")]
+
+
+# ------------------------------------------------------------------------------- the log dir's lock
+
+def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
+    log, gate, release = str(tmp_path / "log"), tmp_path / "gate", tmp_path / "release"
+    args = run_args(data, log, "--sample_every", "0", "--max_steps", "3")
+    procs = [start_hooked(tmp_path, f"run{i}", args, gate=gate, mode="hold_lock", arg=release)
+             for i in range(2)]
+    gate.touch()  # both go for the lock at the same moment
+    # the run that claimed the dir waits (hold_lock) until the other has given up: no timing
+    wait_until(lambda: any(p.poll() is not None for p in procs), [], "one run gave up")
+    loser = next(p for p in procs if p.poll() is not None)
+    winner = next(p for p in procs if p is not loser)
+    release.touch()
+    assert winner.wait(timeout=300) == 0, output(winner)[1]
+    out, err = output(loser)
+    r = subprocess.CompletedProcess([], loser.returncode, out, err)
+    line = assert_one_line_error(r, "in use by a live run", f"pid {winner.pid} ")
+    assert "run config" in out  # it got as far as the claim, then touched nothing
+    assert series(log)["train"][0] == list(range(3)), line  # one run's lines, once
+
+
+def test_kill_9_mid_save_and_mid_run_then_resume_is_bit_exact(data, reference, tmp_path):
+    # two victims side by side (each pays for its own torch import): one paused inside a
+    # checkpoint save, its temp file written but not renamed; one paused mid-run, its log ahead of
+    # its newest checkpoint
+    save_log, run_log = str(tmp_path / "mid_save"), str(tmp_path / "mid_run")
+    mid_save = start_hooked(tmp_path, "mid_save", run_args(data, save_log), mode="pause_mid_save",
+                            arg="model_00004.pt", marker=tmp_path / "paused_mid_save")
+    mid_run = start_hooked(tmp_path, "mid_run", run_args(data, run_log), mode="pause_after_log",
+                           arg="5 train", marker=tmp_path / "paused_mid_run")
+    try:
+        wait_until(lambda: (tmp_path / "paused_mid_save").exists()
+                   and (tmp_path / "paused_mid_run").exists(), [mid_save, mid_run], "both pauses")
+        before = dir_bytes(save_log)
+        assert not no_temp_files(save_log)  # the half-saved checkpoint, under its temp name
+        # a second run into the live dir, as a user retrying too early would: refused, naming the
+        # live pid
+        for extra in (resume_args(save_log), run_args(data, save_log, "--overwrite")):
+            assert_one_line_error(run_cli(*extra), "in use by a live run", f"pid {mid_save.pid} ")
+        assert dir_bytes(save_log) == before  # byte for byte: not even the stale temp file
+    finally:
+        for proc in (mid_save, mid_run):
+            proc.kill()  # SIGKILL: no handler, no clean-up, as the OOM killer or a node failure
+            proc.wait()
+    assert mid_save.returncode == mid_run.returncode == -signal.SIGKILL
+    # the log ran ahead of the newest checkpoint: the resume must cut it
+    assert series(run_log)["train"][0][-1] > newest_step(run_log)
+
+    # the OS released the locks with the processes: resuming needs no manual clean-up
+    for log in (save_log, run_log):
+        r = run_cli(*resume_args(log))
+        assert r.returncode == 0, r.stderr
+        assert "resumed from" in r.stdout
+        assert no_temp_files(log)  # the crash's temp file is gone
+        assert log_of(log) == log_of(reference)
+        assert sorted(os.listdir(log)) == sorted(os.listdir(reference))
+
+
+@pytest.mark.parametrize("left_in_file", ["missing", "garbled", "killed"])
+def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_path, monkeypatch,
+                                                                          left_in_file):
+    import socket
+
+    import filelock
+    log, host = tmp_path / "log", socket.gethostname()
+    log.mkdir()
+    record = log / ".lock.holder"
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead = int(f.read()) + 1  # no process can have it
+
+    def write_record(pid):
+        record.write_text(json.dumps({"pid": pid, "host": host, "started": "2024-05-01 12:00:00",
+                                      "command": "python train_gpt2.py --log_dir log"}))
+    # the instant after a new holder took the lock and before it wrote its record over a killed
+    # run's one
+    holder = filelock.FileLock(str(log / ".lock"), thread_local=False, is_singleton=False)
+    holder.acquire(timeout=0)
+    if left_in_file == "killed":
+        write_record(dead)
+    elif left_in_file == "garbled":
+        record.write_text('{"pid": ')  # half a record, as an editor or a copy would leave it
+    before = sorted(os.listdir(log))
+
+    # common.dir_lock itself: no live record within the wait, so none is named (the dead pid
+    # least of all)
+    with pytest.raises(common.UsageError) as e:
+        with common.dir_lock(str(log), ".lock", "is busy ({holder}): try later",
+                             wait_for_holder=0.1):
+            pytest.fail("the lock is held")
+    assert str(e.value) == f"{log} is busy (pid not recorded): try later"
+    assert sorted(os.listdir(log)) == before  # a refused lock writes nothing
+
+    waits = []
+
+    def holder_writes_its_record(seconds):  # while the second run waits, the holder catches up
+        waits.append(seconds)
+        write_record(os.getpid())
+    monkeypatch.setattr(common.time, "sleep", holder_writes_its_record)
+    # a run's claim on its log dir: the log dir's wording, naming the live holder once its record
+    # is there
+    args = types.SimpleNamespace(log_dir=str(log), overwrite=False)
+    with pytest.raises(common.UsageError) as e:
+        rundir.claim_log_dir(args, None, {}, True, lambda ok: ok)
+    live = (f"pid {os.getpid()} on {host}, since 2024-05-01 12:00:00: python train_gpt2.py "
+            f"--log_dir log")
+    assert str(e.value) == (f"{log} is in use by a live run ({live}): wait for it to end, or "
+                            f"choose another --log_dir")
+    assert len(waits) == 1  # it waited for the record rather than naming what was there
+    holder.release()
+
+    # once free: the holder's record names this process while held, and goes with the lock
+    with rundir.claim_log_dir(args, None, {}, True, lambda ok: ok):
+        assert json.loads(record.read_text())["pid"] == os.getpid()
+    assert not record.exists()
+    free = filelock.FileLock(str(log / ".lock"), thread_local=False, is_singleton=False)
+    free.acquire(timeout=0)
+    free.release()
+
+
+# ------------------------------------------------------------------------------------------ signals
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_path, sig):
+    # held while logging step 4 (its update done), the run is signalled: every rank sees it at
+    # the next step's read-back, so the run stops after step 5 with a checkpoint of it
+    log = str(tmp_path / "log")
+    proc = start_hooked(tmp_path, "run", run_args(data, log), mode="hold_after_log", arg="4 train",
+                        marker=tmp_path / "held", release=tmp_path / "release")
+    wait_until(lambda: (tmp_path / "held").exists(), [proc], "the hold at step 4")
+    proc.send_signal(sig)  # as Slurm, a scheduler or Ctrl-C would: mid-step
+    (tmp_path / "release").touch()
+    assert proc.wait(timeout=300) == 128 + sig
+    out, err = output(proc)
+    assert "Traceback" not in err
+    name = signal.Signals(sig).name
+    assert (f"stopped by {name} after step 5: continue with python train_gpt2.py --resume latest "
+            f"--log_dir {log}") in out
+    assert newest_step(log) == 5 and no_temp_files(log)
+    r = run_cli(*resume_args(log))  # the lock went with the process
+    assert r.returncode == 0, r.stderr
+    assert log_of(log) == log_of(reference)
+
+
+def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
+    log = str(tmp_path / "log")
+    proc = start_hooked(tmp_path, "run", run_args(data, log), mode="hold_after_log", arg="4 train",
+                        marker=tmp_path / "held", release=tmp_path / "never")
+    try:
+        wait_until(lambda: (tmp_path / "held").exists(), [proc], "the hold at step 4")
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "SIGINT: finishing this step" in output(proc)[1], [proc],
+                   "the first Ctrl-C's line")
+        proc.send_signal(signal.SIGINT)  # the hold never ends: only the second Ctrl-C can end it
+        assert proc.wait(timeout=300) == 130
+    finally:
+        proc.kill()  # a test that failed leaves no process behind
+    out, err = output(proc)
+    assert "Traceback" not in err and "SIGINT again: leaving now" in err
+    # what was saved before stays (step 4 was not saved yet); nothing half-written
+    assert newest_step(log) == 2 and no_temp_files(log)
+
+
+def test_torchrun_ranks_agree_on_the_step_to_stop(data, tmp_path):
+    """SIGTERM to rank 0 only, mid-step: both ranks stop after the same step, save once, exit
+    143, no hang; resuming in two processes gives the uninterrupted two-process run's log."""
+    hook = tmp_path / "hook.py"
+    hook.write_text(HOOK)
+
+    def hooked_torchrun(log, hook_env, *extra):  # two ranks of B=1: one micro-step each
+        return torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0", *extra),
+                        script=str(hook), env={"HOOK_REPO": REPO, **hook_env}, wait=False)
+
+    ref = hooked_torchrun(str(tmp_path / "ref"), {})
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+    log = str(tmp_path / "log")
+    hold = {"HOOK_MODE": "hold_after_log", "HOOK_ARG": "3 train",
+            "HOOK_MARKER": str(tmp_path / "held"), "HOOK_RELEASE": str(tmp_path / "release")}
+    run = hooked_torchrun(log, hold)
+    wait_until(lambda: (tmp_path / "held").exists(), [], "rank 0's hold at step 3")
+    assert run.poll() is None
+    os.kill(int((tmp_path / "held").read_text()), signal.SIGTERM)  # rank 0 alone gets the signal
+    (tmp_path / "release").touch()
+    out, err = run.communicate(timeout=300)
+    assert run.returncode != 0 and 'train_gpt2.py", line' not in err, err  # torchrun's report only
+    assert "stopped by SIGTERM after step 4" in out  # seen at the next step's read-back, by all
+    assert "exitcode  : 143" in err or "143" in err
+    assert newest_step(log) == 4 and steps_saved(log).count(4) == 1
+    resumed = hooked_torchrun(log, {}, "--resume", "latest")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert log_of(log) == log_of(str(tmp_path / "ref"))
+
+
+# --------------------------------------------------------------------------------------- divergence
+
+def checkpoints_are_finite(log):
+    for path in rundir.find_checkpoints(log):
+        assert rundir.non_finite(torch.load(path, weights_only=False)["model"]) is None, path
+
+
+def test_divergence_keeps_the_last_finite_step_and_stops_before_the_update(data, tmp_path):
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--max_lr", "1e4", "--warmup_steps", "0", "--save_every", "0",
+                          "--max_steps", "40", "--eval_every", "0", "--sample_every", "0"))
+    line = assert_one_line_error(r, "the run diverged and stopped before this update",
+                                 "lower --max_lr or raise --warmup_steps")
+    m = re.match(r"error: step (\d+) failed \(the loss is (\S+) and the gradient norm (\S+):", line)
+    assert m, line
+    step = int(m.group(1))
+    assert "nan" in (m.group(2), m.group(3)) or "inf" in (m.group(2), m.group(3)), line
+    assert 0 < step < 39  # a huge LR: diverged within a few steps, not trained on to the end
+    # --save_every 0: the one checkpoint is the last finished step's, saved when the run stopped
+    assert steps_saved(log) == [step - 1]
+    checkpoints_are_finite(log)
+    path = rundir.checkpoint_path(log, step - 1)
+    assert line.endswith(f"; {path} holds step {step - 1}: continue with --resume latest")
+    assert series(log)["train"][0][-1] == step - 1  # nothing logged of the step that diverged
+
+
+def test_a_finite_spike_trains_on_and_an_infinite_loss_stops(data, tmp_path, monkeypatch):
+    real_forward = tg.GPT.forward
+    scale = {"value": 1.0}
+
+    def forward(self, idx, targets=None, **kw):
+        logits, loss = real_forward(self, idx, targets, **kw)
+        return logits, (loss * scale["value"] if loss is not None else None)
+    monkeypatch.setattr(tg.GPT, "forward", forward)
+    scale["value"] = 1e10  # a spike of ten orders of magnitude, still finite: not an error
+    r = run_cli(*run_args(data, str(tmp_path / "spike"), "--max_steps", "3", "--sample_every", "0"))
+    assert r.returncode == 0, r.stderr
+    scale["value"] = float("inf")
+    r = run_cli(*run_args(data, str(tmp_path / "inf"), "--max_steps", "3", "--sample_every", "0"))
+    line = assert_one_line_error(r, "error: step 0 failed (the loss is inf")
+    assert "holds step" not in line  # no step finished: nothing to continue from
+    assert rundir.find_checkpoints(str(tmp_path / "inf")) == []
+
+
+def test_a_nan_checkpoint_is_skipped_on_resume(reference, tmp_path):
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    newest = rundir.find_checkpoints(log)[-1]
+    ckpt = torch.load(newest, weights_only=False)
+    ckpt["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    ckpt["step"] += 1  # as if a diverged run had written it (ours never does)
+    bad = rundir.checkpoint_path(log, ckpt["step"])
+    torch.save(ckpt, bad)
+    r = run_cli(*resume_args(log, "--max_steps", "10"))
+    assert r.returncode == 0, r.stderr
+    skipped = [line for line in r.stdout.splitlines() if line.startswith("warning: skipping")]
+    assert len(skipped) == 1 and bad in skipped[0] and "NaN or inf" in skipped[0]
+    assert f"resumed from {newest}" in r.stdout
+    # the step it was resumed from is the newest again: the NaN file was set aside
+    assert os.path.exists(os.path.join(log, "after_step_00007", os.path.basename(bad)))
+    checkpoints_are_finite(log)
+
+
+# -------------------------------------------------------------------- failures after the first step
+
+def failing(monkeypatch, owner, name, error, fail_on_call):
+    """owner.name raising error on its fail_on_call-th call."""
+    calls = []
+    real = getattr(owner, name)
+
+    def fake(*a, **k):
+        calls.append(1)
+        if len(calls) == fail_on_call:
+            raise error
+        return real(*a, **k)
+    monkeypatch.setattr(owner, name, fake)
+    return []
+
+
+def failing_wandb(monkeypatch, fail_at_step):
+    """A W&B run whose log() fails at one step, or (None) whose finish() fails: its server went
+    away, say (ConnectionError is an OSError)."""
+    class Run:
+        def log(self, values, step):
+            if step == fail_at_step:
+                raise ConnectionError("W&B server exploded")
+
+        def finish(self):
+            if fail_at_step is None:
+                raise ConnectionError("W&B server exploded")
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: Run()))
+    return ["--wandb_project", "hostile"]
+
+
+def failing_hellaswag(monkeypatch, fail_on_call):
+    """HellaSwag every 3 steps, with data said to be there and an evaluate() that has a bug."""
+    import hellaswag
+    monkeypatch.setattr(hellaswag, "ready_on_every_rank", lambda *a, **k: True)
+    monkeypatch.setattr(hellaswag, "evaluate",
+                        lambda *a, **k: {"n": 4, "correct_norm": 1, "acc_norm": 0.25})
+    failing(monkeypatch, hellaswag, "evaluate", TypeError("hellaswag exploded"), fail_on_call)
+    return ["--hellaswag_every", "3"]
+
+
+# (what breaks, the step that fails, the last finished step, its exception or None for one line).
+# Samples run at steps 3 and 6 and on the final model (step 8); checkpoints are written at 2, 4, 6
+# and 7: a failure at step 6 must first save step 5.
+BREAKS = {
+    "samples-bug": (lambda m: failing(m, tg, "sample_texts", RuntimeError("sampler exploded"), 2),
+                    6, 5, RuntimeError),
+    "final-samples-bug": (lambda m: failing(m, tg.GPT, "generate",
+                                            RuntimeError("sampler exploded"), 3), 8, 7,
+                          RuntimeError),
+    "hellaswag-bug": (lambda m: failing_hellaswag(m, 3), 6, 5, TypeError),
+    "samples-oserror": (lambda m: failing(m, tg, "sample_texts",
+                                          OSError(errno.EIO, "sampler exploded"), 2), 6, 5, None),
+    "wandb-log": (lambda m: failing_wandb(m, 5), 5, 5, None),
+    "wandb-finish": (lambda m: failing_wandb(m, None), 8, 7, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BREAKS))
+def test_a_failure_after_training_started_keeps_the_last_step(data, reference, tmp_path,
+                                                               monkeypatch, case):
+    """A failure in an every-N block, in logging or in W&B: the last finished step is saved
+    first. An error of the environment (an OSError) is one line naming that checkpoint; a bug
+    keeps its traceback after a line naming it. Resumed, the run gives the reference's log."""
+    break_it, step, kept, bug = BREAKS[case]
+    log = str(tmp_path / "log")
+    with monkeypatch.context() as m:
+        r = run_cli(*run_args(data, log, *break_it(m)))
+    path = rundir.checkpoint_path(log, kept)
+    saved = f"{path} holds step {kept}: continue with --resume latest"
+    if bug is None:
+        line = assert_one_line_error(r, f"error: step {step} failed (", "exploded")
+        assert line.endswith(f"); {saved}"), line
+    else:
+        assert r.returncode == 1 and isinstance(r.exception, bug), r.stderr
+        assert "exploded" in str(r.exception)
+        assert f"\nerror at step {step}; {saved}\nTraceback" in "\n" + r.stderr, r.stderr
+    assert newest_step(log) == kept == series(log)["train"][0][-1]  # nothing trained was lost
+    checkpoints_are_finite(log)
+    if case.startswith("hellaswag"):
+        return  # its log has HellaSwag lines the reference has not
+    r = run_cli(*resume_args(log))
+    assert r.returncode == 0, r.stderr
+    # the resumed run does what the failed one did not: for the final evaluation, all that is left
+    assert log_of(log) == log_of(reference)
+
+
+# -------------------------------------------------------------------------------------- a full disk
+
+def no_space(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def test_a_full_disk_at_a_checkpoint_keeps_the_earlier_ones_and_resumes(data, reference, tmp_path,
+                                                                        monkeypatch):
+    log = str(tmp_path / "log")
+    real_write = rundir.atomic_write
+
+    def atomic_write(path, write, size=None):
+        if os.path.basename(path) == "model_00004.pt":
+            raise no_space(path)
+        real_write(path, write, size)
+    monkeypatch.setattr(rundir, "atomic_write", atomic_write)
+    r = run_cli(*run_args(data, log))
+    line = assert_one_line_error(r, "model_00004.pt", "no space left")
+    assert steps_saved(log) == [2]
+    monkeypatch.setattr(rundir, "atomic_write", real_write)  # space freed
+    r = run_cli(*resume_args(log))
+    assert r.returncode == 0, r.stderr + line
+    assert log_of(log) == log_of(reference)
+
+
+def test_a_failed_checkpoint_write_names_the_checkpoint_to_continue_from(data, tmp_path,
+                                                                         monkeypatch):
+    log = str(tmp_path / "log")
+    real_write = rundir.atomic_write
+
+    def atomic_write(path, write, size=None):
+        if os.path.basename(path) == "model_00004.pt":
+            raise no_space(path)
+        real_write(path, write, size)
+    monkeypatch.setattr(rundir, "atomic_write", atomic_write)
+    line = assert_one_line_error(run_cli(*run_args(data, log)), "model_00004.pt", "no space left")
+    assert line.startswith("error: step 4 failed (")
+    assert line.endswith(f"{rundir.checkpoint_path(log, 2)} holds step 2: continue with --resume "
+                         f"latest")
+
+
+def test_a_full_disk_under_log_txt_and_the_lock_is_one_line(data, tmp_path, monkeypatch):
+    real_append = rundir.append_log
+
+    def append_log(path, step, kind, value):
+        if step == 3:
+            raise no_space(path)
+        real_append(path, step, kind, value)
+    monkeypatch.setattr(rundir, "append_log", append_log)
+    log = str(tmp_path / "log")
+    line = assert_one_line_error(run_cli(*run_args(data, log)), "error: step 3 failed (",
+                                 "log.txt", "no space left")
+    # the last step taken (2) was saved already, by --save_every 2
+    assert line.endswith(f"{rundir.checkpoint_path(log, 2)} holds step 2: continue with "
+                         f"--resume latest")
+    assert steps_saved(log) == [2]
+    monkeypatch.undo()
+
+    def lock_write(path, write, size=None):  # the lock's holder record, the first file a run writes
+        raise no_space(path)
+    monkeypatch.setattr(common, "atomic_write", lock_write)
+    log2 = str(tmp_path / "log2")
+    assert_one_line_error(run_cli(*run_args(data, log2)), f"--log_dir {log2}: cannot write there",
+                          "no space")
+    assert os.listdir(log2) == [".lock"]  # no record of a holder that never held it
+
+
+def test_files_follow_the_umask(data, tmp_path):
+    old = os.umask(0o002)
+    try:
+        log = str(tmp_path / "log")
+        r = run_cli(*run_args(data, log, "--max_steps", "2", "--sample_every", "0"))
+        assert r.returncode == 0, r.stderr
+    finally:
+        os.umask(old)
+    for name in ("log.txt", "model_00001.pt", "run_config.json"):
+        assert os.stat(os.path.join(log, name)).st_mode & 0o777 == 0o664, name
+
+
+# ------------------------------------------------------------------------------ rollback, keep_last
+
+def test_keep_last_never_deletes_the_checkpoint_it_just_saved(reference, tmp_path):
+    # roll back to an earlier checkpoint (say, before a loss spike) in a dir that has later ones
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    back = rundir.find_checkpoints(log)[0]
+    step = rundir.checkpoint_step(back)
+    r = run_cli("--resume", back, "--log_dir", log, "--device", "cpu", "--keep_last", "1",
+                "--stop_step", str(step + 2))
+    assert r.returncode == 0, r.stderr
+    saved = [line.split()[-1] for line in r.stdout.splitlines() if line.startswith("saved ")]
+    assert saved and os.path.exists(saved[-1])
+    assert rundir.read_checkpoint(saved[-1])  # and readable
+
+
+def test_rollback_sets_later_checkpoints_aside(reference, tmp_path):
+    # the steps after a rolled-back-to checkpoint are kept, byte for byte, out of the new run's way
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    found, old_log = rundir.find_checkpoints(log), log_of(log)
+    later = {os.path.basename(p): open(p, "rb").read() for p in found[1:]}
+    back, step = found[0], rundir.checkpoint_step(found[0])
+    r = run_cli("--resume", back, "--log_dir", log, "--device", "cpu", "--stop_step", str(step + 2))
+    assert r.returncode == 0, r.stderr
+    aside = os.path.join(log, f"after_step_{step:05d}")
+    assert f"{len(later)} later checkpoint(s) and a copy of log.txt moved to {aside}" in r.stdout
+    assert {name: open(os.path.join(aside, name), "rb").read() for name in later} == later
+    assert read_text(os.path.join(aside, "log.txt")) == old_log
+    assert steps_saved(log) == [step, step + 1]
+    # --resume latest continues the new line of steps; a second rollback gets a folder of its own
+    assert rundir.find_resume_checkpoint("latest", log, print)[1]["step"] == step + 1
+    r = run_cli("--resume", back, "--log_dir", log, "--device", "cpu", "--stop_step", str(step + 2))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(aside + "_2")) == \
+        ["log.txt", os.path.basename(rundir.checkpoint_path(log, step + 1))]
+
+
+# --------------------------------------------------------------------- damaged checkpoints and logs
+
+def test_resume_from_a_broken_checkpoint_is_one_line(data, tmp_path):
+    bad = tmp_path / "model_00003.pt"
+    bad.write_bytes(b"not a checkpoint")
+    r = run_cli(*run_args(data, str(tmp_path), "--resume", str(bad)))
+    assert_one_line_error(r, str(bad), "not a readable checkpoint")
+
+
+def test_resume_skips_a_truncated_checkpoint_and_a_damaged_log_line(data, reference, tmp_path):
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--stop_step", "6"))  # checkpoints 2, 4 and 5 (the stop)
+    assert r.returncode == 0, r.stderr
+    newest = rundir.find_checkpoints(log)[-1]
+    with open(newest, "r+b") as f:  # a copy cut short: not something atomic_write can prevent
+        f.truncate(os.path.getsize(newest) // 2)
+    with open(os.path.join(log, "log.txt"), "ab") as f:  # what a crash on some filesystems leaves
+        f.write(b"\0" * 300 + b"5 val 4.2\n" + b"2 tr\0\0\0\n")
+    r = run_cli(*resume_args(log))
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stdout.splitlines() if line.startswith("warning:")]
+    assert any(newest in line for line in warnings), r.stdout
+    assert any("damaged line" in line for line in warnings), r.stdout
+    assert log_of(log) == log_of(reference)
+
+
+def test_old_and_foreign_checkpoints(reference, tmp_path):
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    newest = rundir.find_checkpoints(log)[-1]
+    ckpt = torch.load(newest, weights_only=False)
+    del ckpt["tokens_seen"]  # written before the batch ramp: every step a full batch
+    torch.save(ckpt, newest)
+    assert rundir.read_checkpoint(newest)["tokens_seen"] == 8 * 64
+    r = run_cli(*resume_args(log, "--max_steps", "10"))
+    assert r.returncode == 0, r.stderr
+    del ckpt["args"]
+    torch.save(ckpt, newest)
+    assert_one_line_error(run_cli("--resume", newest, "--log_dir", log, "--device", "cpu"),
+                          newest, "no args")
+
+
+# ------------------------------------------------------------------------------------- damaged data
+
+def damage_truncated(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+
+
+def damage_not_npy(path):
+    with open(path, "wb") as f:
+        f.write(b"<html>404 Not Found</html>\n" * 20)
+
+
+def damage_token_id(path):
+    tokens = np.load(path)
+    tokens[17] = fineweb.GPT2_VOCAB_SIZE  # one past the last real GPT-2 token
+    np.save(path, tokens)
+
+
+def damage_dtype(path):
+    np.save(path, np.load(path).astype(np.int32))  # ids all below the vocab, but 4 bytes each
+
+
+@pytest.mark.parametrize("damage, split", [(damage_truncated, "train"), (damage_not_npy, "train"),
+                                           (damage_token_id, "train"), (damage_dtype, "train"),
+                                           (damage_truncated, "val")])
+def test_damaged_shard_is_one_line_naming_the_file(tmp_path, damage, split):
+    root = str(tmp_path / "data")
+    write_shards(root, "val", [3000], seed=1)
+    write_shards(root, "train", [2000, 1500], seed=2)
+    bad = fineweb.list_shards(root, split)[-1]
+    damage(bad)
+    r = run_cli(*run_args(root, str(tmp_path / "log")))
+    assert_one_line_error(r, bad)
+
+
+def interrupted_prep(tmp_path, monkeypatch):
+    """A data dir whose prep died (as from kill -9) after 3 shards, from a local corpus: (dir,
+    corpus, kwargs)."""
+    corpus, root = str(tmp_path / "corpus.jsonl"), str(tmp_path / "data")
+    write_corpus_jsonl(corpus, n_docs=60)
+    kwargs = dict(inputs=[corpus], shard_size=600, val_tokens=300, num_proc=1, progress=False)
+    real_write = fineweb.atomic_write
+
+    def crash_on_shard_3(path, write, size=None):
+        if path.endswith("_000003.npy"):
+            raise KeyboardInterrupt
+        real_write(path, write, size)
+    with monkeypatch.context() as m:
+        m.setattr(fineweb, "atomic_write", crash_on_shard_3)
+        with pytest.raises(KeyboardInterrupt):
+            fineweb.prepare(root, **kwargs)
+    assert not fineweb.prep_status(root).complete
+    return root, corpus, kwargs
+
+
+def test_unfinished_prep_is_finished_from_its_source(tmp_path, monkeypatch):
+    root, corpus, kwargs = interrupted_prep(tmp_path, monkeypatch)
+    # no --input now: the manifest names the source
+    r = run_cli(*run_args(root, str(tmp_path / "log"), "--max_steps", "1", "--eval_every", "0",
+                          "--sample_every", "0"))
+    assert r.returncode == 0, r.stderr
+    assert fineweb.prep_status(root).complete
+    whole = str(tmp_path / "whole")  # the same prep, never interrupted
+    fineweb.prepare(whole, **kwargs)
+    shards = {name for name in dir_bytes(whole) if name != fineweb.MANIFEST}
+    assert {name for name in dir_bytes(root) if name != fineweb.MANIFEST} == shards
+    for name, content in dir_bytes(whole).items():
+        if name.endswith(".npy"):
+            assert dir_bytes(root)[name] == content, name
+
+
+def test_unfinished_prep_without_its_source_is_refused_with_the_command(tmp_path, monkeypatch):
+    root, corpus, _ = interrupted_prep(tmp_path, monkeypatch)
+    os.remove(corpus)
+    before = dir_bytes(root)
+    r = run_cli(*run_args(root, str(tmp_path / "log")))
+    assert_one_line_error(r, fineweb.prep_status(root).resume_command)
+    assert dir_bytes(root) == before
