@@ -229,14 +229,14 @@ def report_failure(e, step, log_dir, last_saved):
     signal's exit status is returned; an error of the environment or the input (UsageError,
     OSError) is raised as one line; a bug keeps its traceback. Under torchrun the failing rank
     leaves a note in log_dir, and a rank whose collective broke because of it names that rank."""
-    saved = ""
+    held = ""
     if last_saved >= 0:
-        path = checkpoint_path(log_dir, last_saved)
-        saved = f"; {path} holds step {last_saved}: continue with --resume latest"
+        held = f"; {checkpoint_path(log_dir, last_saved)} holds step {last_saved}"
+    saved = f"{held}: continue with --resume latest" if held else ""
     line = None
     if isinstance(e, Stopped):
-        line = (f"stopped by {e} at step {step}{saved}; that is python train_gpt2.py --resume "
-                f"latest --log_dir {log_dir}")
+        line = (f"stopped by {e} at step {step}{held}: continue with python train_gpt2.py "
+                f"--resume latest --log_dir {log_dir}")
     elif isinstance(e, UsageError):
         line = f"step {step} failed ({e}){saved}"
     elif isinstance(e, OSError):
