@@ -197,7 +197,7 @@ def open_checkpoint(path):
         made = ", ".join(f"{k} {v}" for k, v in made.items())
     step = ckpt.get("step", "?")
     print(f"{path}: step {step}, written by {made or 'a run that recorded no provenance'}",
-          file=sys.stderr, flush=True)
+          flush=True)
     return ckpt
 
 
@@ -736,10 +736,12 @@ class StopSignals:
                         f"now)\n".encode())
 
     def allow_interrupts(self, allowed):
-        """Whether a signal interrupts what runs now (not a training step's update); a signal that
-        came while it could not is raised now."""
+        """Whether a signal interrupts what runs now (not a training step's update). One that came
+        while it could not is raised now in a single process; with several, where it may have come
+        to one rank alone, the next step's read-back stops every rank after the same step."""
         self.interruptible = allowed
-        if allowed and self.signum is not None and not self.raised:
+        alone = int(os.environ.get("WORLD_SIZE", 1)) == 1
+        if allowed and alone and self.signum is not None and not self.raised:
             self.raised = True
             raise Stopped(self.signum)
 

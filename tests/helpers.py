@@ -301,6 +301,21 @@ elif mode == "hold_lock":  # arg: a file; the run waits for it after claiming th
         wait_for(arg)
         return real_save_config(*a)
     rundir.save_run_config = save_run_config
+elif mode == "slow_samples":  # a sample block that would run for minutes, its start marked
+    def sample_texts(*a, **k):
+        open(os.environ["HOOK_MARKER"], "w").write(str(os.getpid()))
+        time.sleep(300)
+    tg.sample_texts = sample_texts
+elif mode == "fail_batch":  # arg "RANK CALL": that rank's CALL-th train batch is an OSError
+    fail_rank, fail_call = (int(v) for v in arg.split())
+    real_next_batch, calls = tg.DataLoaderLite.next_batch, [0]
+    def next_batch(self):
+        if self.split == "train" and common.rank() == fail_rank:
+            calls[0] += 1
+            if calls[0] == fail_call:
+                raise OSError(5, "Input/output error (a test's)", self.shards[0])
+        return real_next_batch(self)
+    tg.DataLoaderLite.next_batch = next_batch
 if os.environ.get("HOOK_GATE"):  # start line: both racers are past their imports
     wait_for(os.environ["HOOK_GATE"])
 common.exit_process(tg.main())

@@ -2,7 +2,12 @@
 transformers GPT2LMHeadModel, checked logit for logit) and `eval` (HellaSwag, against
 hellaswag.evaluate); what they refuse, in one line."""
 import errno
+import hashlib
+import json
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -12,7 +17,7 @@ import common
 import hellaswag
 import rundir
 import train_gpt2 as tg
-from helpers import assert_one_line_error, hf_gpt2, run_cli, tiny_model, write_hellaswag
+from helpers import REPO, assert_one_line_error, hf_gpt2, run_cli, tiny_model, write_hellaswag
 
 
 def save_tiny_checkpoint(path, model):
@@ -140,8 +145,8 @@ def test_eval_command_scores_a_checkpoint_like_hellaswag_evaluate(reference, tmp
     r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--hellaswag_dir", data,
                 "--batch_tokens", "256")
     assert r.returncode == 0, r.stderr
-    want = hellaswag.evaluate(tg.model_from_checkpoint(ckpt), "cpu", data_dir=data,
-                              batch_tokens=0)
+    model = tg.model_from_checkpoint(rundir.read_checkpoint(ckpt), ckpt)
+    want = hellaswag.evaluate(model, "cpu", data_dir=data, batch_tokens=0)
     assert f"acc_norm {want['acc_norm']:.4f} ({want['correct_norm']}/12)" in r.stdout
     assert f"acc {want['acc']:.4f} ({want['correct']}/12)" in r.stdout
     assert "(fp32)" in r.stdout  # --dtype auto: fp32 off CUDA
@@ -167,3 +172,60 @@ def test_commands_refuse_a_nan_checkpoint(reference, tmp_path):
                      str(tmp_path)]):
         assert_one_line_error(run_cli(*command), bad, "NaN or inf")
     assert not (tmp_path / "hf").exists()
+
+
+# ----------------------------------------------------------- what a checkpoint must be to be used
+
+def rewritten(reference, tmp_path, name, change):
+    ckpt = torch.load(rundir.find_checkpoints(reference)[-1], weights_only=True)
+    change(ckpt)
+    path = str(tmp_path / name)
+    torch.save(ckpt, path)
+    return path
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("shape.pt", lambda c: c["config"].update(n_layer=3), "its config and weights disagree"),
+    ("key.pt", lambda c: c["config"].update(flux=1), "its config and weights disagree"),
+    ("args.pt", lambda c: c.update(args=[1, 2]), "its 'args' is a list, not a dict"),
+])
+def test_a_checkpoint_that_does_not_hold_together_is_one_line(reference, tmp_path, name, change,
+                                                              message):
+    path = rewritten(reference, tmp_path, name, change)
+    for args in (["sample", "--checkpoint", path, "--device", "cpu"],
+                 ["--resume", path, "--log_dir", str(tmp_path), "--device", "cpu"]):
+        assert_one_line_error(run_cli(*args), path, message)
+
+
+def test_what_is_not_a_checkpoint_or_a_place_is_said_so(reference, tmp_path):
+    newest = rundir.find_checkpoints(reference)[-1]
+    assert_one_line_error(run_cli("sample", "--checkpoint", "/dev/null"),
+                          "/dev/null is not a checkpoint file")
+    assert_one_line_error(run_cli("sample", "--checkpoint", newest, "--seed", "-1"), "--seed")
+    assert_one_line_error(run_cli("export", "--checkpoint", newest, "--out", ""),
+                          "--out is empty")
+
+
+def test_provenance_is_recorded_and_told(reference, tmp_path):
+    newest = rundir.find_checkpoints(reference)[-1]
+    with open(os.path.join(reference, "run_config.json")) as f:
+        recorded = json.load(f)["provenance"]
+    assert torch.load(newest, weights_only=True)["provenance"] == recorded
+    assert set(recorded) == {"code", "torch", "python", "device"}
+    assert recorded["torch"] == str(torch.__version__) and recorded["device"].startswith("cpu")
+    assert recorded["code"].startswith("git ")  # the tests run in a git checkout
+    r = run_cli("sample", "--checkpoint", newest, "--device", "cpu", "--num_samples", "1",
+                "--max_new_tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{newest}: step 7, written by code {recorded['code']}, torch ")
+
+
+def test_provenance_outside_a_git_checkout_is_a_hash_of_train_gpt2(tmp_path):
+    for name in ("train_gpt2.py", "rundir.py", "common.py"):
+        shutil.copy(os.path.join(REPO, name), tmp_path / name)
+    env = {**os.environ, "GIT_DIR": "/nonexistent"}  # no repository, wherever tmp_path is
+    r = subprocess.run([sys.executable, "-c", "import rundir; print(rundir.provenance('cpu'))"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    digest = hashlib.sha256((tmp_path / "train_gpt2.py").read_bytes()).hexdigest()
+    assert f"'code': 'train_gpt2.py sha256 {digest}'" in r.stdout

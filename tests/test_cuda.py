@@ -157,7 +157,8 @@ def test_cli_end_to_end_on_cuda(data, tmp_path, monkeypatch):
     logged = series(log)
     assert logged["val"][0] == [0, 3, 6, 8] and logged["hella"][0] == [0, 5, 8]
     # written on CUDA, loads on the CPU
-    model = tg.model_from_checkpoint(os.path.join(log, "model_00007.pt"))
+    path = os.path.join(log, "model_00007.pt")
+    model = tg.model_from_checkpoint(rundir.read_checkpoint(path), path)
     assert next(model.parameters()).device.type == "cpu"
 
 

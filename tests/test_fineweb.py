@@ -607,7 +607,7 @@ def test_unreachable_hub_fails_fast_with_input_hint(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     calls = []
 
-    def refuse(address, timeout=None):
+    def refuse(address, *args, **kwargs):
         calls.append(address)
         raise OSError("network is unreachable")
 

@@ -113,6 +113,11 @@ def test_bad_flag_value_exits_nonzero_without_traceback():
     (["--resume", "latest", "--init_from", "gpt2"], (), ["--resume", "--init_from"]),
     (["--init_from", "gpt2"], (), ["--init_from", "--n_layer"]),  # the weights give the shape
     (["--init_from", "gpt2", "--n_kv_head", "1"], SHAPE_FLAGS, ["--init_from", "--n_kv_head"]),
+    (["--seed", "-1"], (), ["--seed", "numpy's seed range"]),
+    (["--seed", "99999999999999999999"], (), ["--seed", "numpy's seed range"]),
+    (["--max_lr", "1e39"], (), ["--max_lr", "3.4e38"]),  # inf in the optimizer's float32
+    (["--optimizer", "muon", "--muon_lr", "1e39"], (), ["--muon_lr", "3.4e38"]),
+    (["--data_root", ""], (), ["--data_root is empty"]),
 ])
 def test_bad_flags_are_one_line_before_any_work(data, tmp_path, extra, drop, names):
     log = str(tmp_path / "log")
@@ -335,3 +340,12 @@ def test_autocast_and_tf32():
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_shards_without_a_manifest_train_after_a_warning(data, tmp_path):
+    # the test shards are written by hand, as another tool would: nothing vouches for them
+    r = run_cli(*run_args(data, str(tmp_path / "log"), "--max_steps", "1", "--sample_every", "0"))
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stdout.splitlines() if "has no manifest.json" in line]
+    assert warned == [f"warning: {data} has no manifest.json: its shards were not written by "
+                      f"fineweb.py (or lost their record), so they are not checked against a prep"]

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+import common
 import hellaswag
 from helpers import (REPO, SHORT, assert_one_line_error, classic_scores, make_records, preds,
                      tiny_hf_model, write_jsonl)
@@ -283,7 +284,7 @@ def test_wrong_logits_shape_is_an_error(data_dir):
             return torch.zeros(idx.shape[0], 1, 50257), None
 
     recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:2]
-    with pytest.raises(RuntimeError, match="logits of shape"):
+    with pytest.raises(common.UsageError, match="logits of shape"):
         hellaswag.score_examples(Broken(), recs, "cpu")
 
 

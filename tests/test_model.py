@@ -1,13 +1,19 @@
 """The GPT model against transformers' GPT2LMHeadModel with the same weights: presets, init,
 attention, the KV cache and generation, GQA/MQA, dropout and bias, from_pretrained, export_hf."""
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 
 import rundir
 import train_gpt2 as tg
-from helpers import hf_gpt2, tiny_model
+from helpers import REPO, assert_one_line_error, hf_gpt2, run_cli, tiny_model
 
 
 # ---------------------------------------------------------------------------------- shapes and init
@@ -332,3 +338,45 @@ def test_export_refuses_non_gpt2_architectures(tmp_path, kw, message):
     with pytest.raises(common.UsageError, match=message):
         tg.export_hf(tiny_model(**kw), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------- --init_from what is not GPT-2, offline
+
+def test_init_from_a_folder_that_is_not_gpt2_is_one_line(tmp_path):
+    foreign = tmp_path / "bert"
+    foreign.mkdir()
+    (foreign / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
+    _, path = hf_gpt2(tmp_path)
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(b"not the weights")  # config.json fine, the weights unloadable
+    for folder in (str(foreign), path):
+        r = run_cli("sample", "--device", "cpu", "--init_from", folder)
+        assert_one_line_error(r, "could not load GPT-2 model", folder, "save_pretrained")
+
+
+def test_init_from_the_hub_offline_asks_it_once_and_says_what_to_do(tmp_path):
+    """A hub that accepts connections and never answers: transformers alone would retry for
+    minutes; one probe, then one complete line on what to pass instead."""
+    hub = socket.socket()
+    hub.bind(("127.0.0.1", 0))
+    hub.listen(16)
+    accepted = []
+
+    def silent():
+        while True:
+            try:
+                accepted.append(hub.accept()[0])
+            except OSError:
+                return
+    threading.Thread(target=silent, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{hub.getsockname()[1]}",
+               HF_HOME=str(tmp_path / "hf"))
+    r = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "sample",
+                        "--init_from", "gpt2", "--device", "cpu"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    hub.close()
+    line = assert_one_line_error(r, "could not load GPT-2 model 'gpt2'", "unreachable",
+                                 "not in the local cache")
+    assert line.endswith("pass a local directory written by GPT2LMHeadModel.save_pretrained")
+    assert len(accepted) == 1  # the probe; nothing waited on the hub's answer after it

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import types
 
 import numpy as np
@@ -160,8 +161,8 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
 def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_path, sig):
-    # held while logging step 4 (its update done), the run is signalled: every rank sees it at
-    # the next step's read-back, so the run stops after step 5 with a checkpoint of it
+    # held while logging step 4 (its update done, its checkpoint next), the run is signalled: one
+    # process stops before step 5 does anything, step 4 saved
     log = str(tmp_path / "log")
     proc = start_hooked(tmp_path, "run", run_args(data, log), mode="hold_after_log", arg="4 train",
                         marker=tmp_path / "held", release=tmp_path / "release")
@@ -172,9 +173,9 @@ def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_pa
     out, err = output(proc)
     assert "Traceback" not in err
     name = signal.Signals(sig).name
-    assert (f"stopped by {name} after step 5: continue with python train_gpt2.py --resume latest "
-            f"--log_dir {log}") in out
-    assert newest_step(log) == 5 and no_temp_files(log)
+    assert (f"stopped by {name} at step 5; {rundir.checkpoint_path(log, 4)} holds step 4: "
+            f"continue with python train_gpt2.py --resume latest --log_dir {log}") in out
+    assert newest_step(log) == 4 and no_temp_files(log)
     r = run_cli(*resume_args(log))  # the lock went with the process
     assert r.returncode == 0, r.stderr
     assert log_of(log) == log_of(reference)
@@ -617,3 +618,184 @@ def test_unfinished_prep_without_its_source_is_refused_with_the_command(tmp_path
     r = run_cli(*run_args(root, str(tmp_path / "log")))
     assert_one_line_error(r, fineweb.prep_status(root).resume_command)
     assert dir_bytes(root) == before
+
+
+# ---------------------------------------------------- checkpoints hold data: no code runs from one
+
+def with_code_inside(src, dest, marker):
+    """A copy of checkpoint src whose pickle, loaded trustingly, would create `marker`."""
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    ckpt = torch.load(src, weights_only=True)
+    ckpt["val_loss"] = Planted()
+    torch.save(ckpt, dest)
+    return dest
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_by_every_command(reference, tmp_path):
+    marker = tmp_path / "ran"
+    planted = with_code_inside(rundir.checkpoint_path(reference, 7), tmp_path / "model_00007.pt",
+                               marker)
+    commands = [["sample", "--checkpoint", str(planted), "--device", "cpu"],
+                ["export", "--checkpoint", str(planted), "--out", str(tmp_path / "out")],
+                ["eval", "--checkpoint", str(planted), "--device", "cpu"],
+                ["--resume", str(planted), "--log_dir", str(tmp_path), "--device", "cpu"]]
+    for args in commands:
+        assert_one_line_error(run_cli(*args), str(planted), "not a safe checkpoint",
+                              "posix.system", "nothing from it ran")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_resume_latest_skips_a_checkpoint_that_would_run_code(data, reference, tmp_path):
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    for step in (6, 7):  # the newest two: --resume latest must fall back to step 4
+        os.remove(rundir.checkpoint_path(log, step))
+    with_code_inside(rundir.checkpoint_path(log, 4), rundir.checkpoint_path(log, 5),
+                     tmp_path / "ran")
+    r = run_cli(*resume_args(log))
+    assert r.returncode == 0, r.stderr
+    assert "warning: skipping" in r.stdout and "model_00005.pt is not a safe checkpoint" in r.stdout
+    assert not (tmp_path / "ran").exists()
+    assert log_of(log) == log_of(reference)
+
+
+def test_a_checkpoint_with_numpy_arrays_inside_still_resumes(reference, tmp_path):
+    # the layout before every value was a tensor, list or number: numpy's RNG state as an array
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    path = rundir.checkpoint_path(log, 4)
+    ckpt = torch.load(path, weights_only=True)
+    name, keys, pos, has_gauss, cached = ckpt["rng"]["numpy"]
+    ckpt["rng"]["numpy"] = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+    torch.save(ckpt, path)
+    r = run_cli("--resume", path, "--log_dir", log, "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert log_of(log) == log_of(reference)
+
+
+# --------------------------------------------------- a stop signal outside a step: at once, saved
+
+def test_a_stop_signal_in_a_sample_block_stops_at_once(data, reference, tmp_path, monkeypatch):
+    # the samples of step 6 would take 5 minutes: the signal ends them, step 5 is saved
+    log = str(tmp_path / "log")
+
+    def slow_samples(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption would, mid-block
+        for _ in range(3000):
+            time.sleep(0.1)
+        raise AssertionError("the sample block was not interrupted")
+    monkeypatch.setattr(tg, "sample_texts", slow_samples)
+    r = run_cli(*run_args(data, log, "--sample_every", "6"))
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert (f"stopped by SIGTERM at step 6; {rundir.checkpoint_path(log, 5)} holds step 5: "
+            f"continue with python train_gpt2.py --resume latest --log_dir {log}") in r.stdout
+    assert steps_saved(log) == [2, 4, 5] and no_temp_files(log)
+    monkeypatch.undo()
+    assert run_cli(*resume_args(log)).returncode == 0
+    assert log_of(log) == log_of(reference)
+
+
+def test_sigterm_to_torchrun_during_a_long_sample_block_saves_at_once(data, tmp_path):
+    """Two ranks (gloo); the sample block of step 6 would run for minutes on both: SIGTERM to the
+    launcher, which forwards it to the workers, ends the run in seconds with step 5 saved, and
+    --resume latest gives the uninterrupted two-rank run's log."""
+    hook = tmp_path / "hook.py"
+    hook.write_text(HOOK)
+    flags = ["-B", "1", "--sample_every", "6"]
+    ref = torchrun(*run_args(data, str(tmp_path / "ref"), *flags, "--sample_every", "0"))
+    assert ref.returncode == 0, ref.stderr
+    log = str(tmp_path / "log")
+    run = torchrun(*run_args(data, log, *flags), script=str(hook), wait=False,
+                   env={"HOOK_REPO": REPO, "HOOK_MODE": "slow_samples",
+                        "HOOK_MARKER": str(tmp_path / "sampling")})
+    try:
+        wait_until(lambda: (tmp_path / "sampling").exists(), [], "the sample block of step 6")
+        run.send_signal(signal.SIGTERM)  # the blocks sleep 300 s: only an interrupt ends them
+        out, err = run.communicate(timeout=240)
+    finally:
+        run.kill()
+    assert "stopped by SIGTERM at step 6" in out, out + err
+    assert steps_saved(log)[-1] == 5
+    resumed = torchrun(*run_args(data, log, *flags, "--sample_every", "0", "--resume", "latest"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert log_of(log) == log_of(str(tmp_path / "ref"))
+
+
+def child_pids(pid):
+    r = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in r.stdout.split()]
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split(") ")[1].startswith("Z")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a worker learns of its launcher's death "
+                                                     "from Linux's parent-death signal")
+def test_a_launcher_killed_by_sigusr1_leaves_no_worker_behind(data, tmp_path):
+    """torchrun does not handle SIGUSR1 by default and dies of it: its workers stop after their
+    step, save it together and exit, instead of training on as orphans."""
+    log = str(tmp_path / "log")
+    run = torchrun(*run_args(data, log, "-B", "1", "--max_steps", "400", "--eval_every", "0",
+                             "--sample_every", "0", "--save_every", "0"), wait=False)
+    try:
+        wait_until(lambda: os.path.exists(os.path.join(log, "log.txt"))
+                   and "4 train" in log_of(log), [], "step 4")
+        workers = child_pids(run.pid)
+        assert len(workers) == 2
+        run.send_signal(signal.SIGUSR1)
+        run.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in workers):
+            assert time.monotonic() < deadline, "workers left running without their launcher"
+            time.sleep(0.1)
+    finally:
+        run.kill()
+        for p in child_pids(run.pid):
+            os.kill(p, signal.SIGKILL)
+    saved = steps_saved(log)
+    assert saved and 4 <= saved[-1] < 399 and no_temp_files(log)
+    assert f"{saved[-1]} train" in log_of(log)
+
+
+def test_a_rank_local_failure_is_named_by_every_rank(data, tmp_path):
+    """Rank 1's fourth train batch (step 3) cannot be read: rank 1 says why, rank 0 names rank 1
+    instead of a broken connection, the last finished step is kept, and torchrun's failure
+    summary shows the cause."""
+    hook = tmp_path / "hook.py"
+    hook.write_text(HOOK)
+    log = str(tmp_path / "log")
+    run = torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0"), script=str(hook),
+                   env={"HOOK_REPO": REPO, "HOOK_MODE": "fail_batch", "HOOK_ARG": "1 4"})
+    assert run.returncode == 1
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    own = "error: step 3 failed (OSError: [Errno 5] Input/output error (a test's): "
+    assert any(line.startswith(own) for line in errors), run.stderr
+    assert any(line.startswith("error: rank 1: step 3 failed (OSError") and
+               line.endswith("(rank 0 stopped with it)") for line in errors), run.stderr
+    assert "Traceback" not in "\n".join(errors)
+    assert "traceback : error: step 3 failed (OSError" in run.stderr  # torchrun's summary
+    assert steps_saved(log) == [2]
+
+
+# ------------------------------------------------------- nothing written through a symbolic link
+
+@pytest.mark.parametrize("name", ["log.txt", ".lock", ".lock.holder"])
+def test_nothing_is_written_through_a_symlink_in_the_log_dir(data, tmp_path, name):
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me\n")
+    log = tmp_path / "log"
+    log.mkdir()
+    os.symlink(outside, log / name)
+    for extra in ([], ["--overwrite"]):
+        r = run_cli(*run_args(data, str(log), *extra))
+        assert_one_line_error(r, str(log / name), "symbolic link")
+    assert outside.read_text() == "keep me\n"

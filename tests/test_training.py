@@ -169,12 +169,13 @@ def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
         rundir.find_checkpoints(ref)
     ckpt = torch.load(os.path.join(ref, "model_00007.pt"), weights_only=False)
     assert set(ckpt) == {"model", "config", "optimizer", "step", "loader", "rng", "val_loss",
-                         "args", "tokens_seen"}
+                         "args", "tokens_seen", "provenance"}
     assert ckpt["step"] == 7 and ckpt["tokens_seen"] == 8 * 64
     assert ckpt["val_loss"] == pytest.approx(logged["val"][1][2], abs=1e-4)  # step 6's
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     assert ckpt["config"]["n_layer"] == 1 and ckpt["args"]["max_steps"] == 8
-    assert tg.model_from_checkpoint(os.path.join(ref, "model_00007.pt")).config.n_embd == 32
+    path = os.path.join(ref, "model_00007.pt")
+    assert tg.model_from_checkpoint(rundir.read_checkpoint(path), path).config.n_embd == 32
 
     # a second run into the same log_dir is refused; --overwrite replaces it
     log = str(tmp_path / "log")
@@ -206,7 +207,7 @@ def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
             groups[title] = ""
         groups[title] += " " + line.strip()
     titles = [t.split(" (")[0] for t in tg.RUN_SETTINGS]
-    assert list(groups) == titles + ["this run", "GPTConfig"]
+    assert list(groups) == titles + ["this run", "GPTConfig", "provenance"]
     for title, entries in zip(titles, tg.RUN_SETTINGS.values()):
         names = {common.flag_dest(e[0]) for e in entries}
         keys = re.findall(r" (\w+)=", groups[title])
