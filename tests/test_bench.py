@@ -28,6 +28,7 @@ def test_bench_json_has_every_row():
     assert out["hellaswag"]["same_predictions"] and out["hellaswag"]["examples"] == 4
     assert out["generate"]["kv_cache"] > 0 and out["generate"]["new_tokens"] == 4
     assert out["loader"]["us_per_batch"] > 0 and out["fineweb"]["tokens"] > 100_000
+    assert out["save"]["seconds"] > 0 and 0.05 < out["save"]["gib"] < 0.2  # tiny: ~83 MiB
 
 
 def test_bench_bad_device_is_one_line():

@@ -159,7 +159,8 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
 
 # ------------------------------------------------------------------------------------------ signals
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+# SIGTERM: in test_a_stop_signal_in_a_sample_block_stops_at_once and the torchrun tests below
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR1])
 def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_path, sig):
     # held while logging step 4 (its update done, its checkpoint next), the run is signalled: one
     # process stops before step 5 does anything, step 4 saved
@@ -200,7 +201,17 @@ def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
     assert newest_step(log) == 2 and no_temp_files(log)
 
 
-def test_torchrun_ranks_agree_on_the_step_to_stop(data, tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_reference(data, tmp_path_factory):
+    """The tiny run in two ranks of B=1 (one micro-step each) without samples, uninterrupted: the
+    log dir two-rank runs that are stopped and resumed must reproduce."""
+    log = str(tmp_path_factory.mktemp("two_ranks") / "log")
+    r = torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0"))
+    assert r.returncode == 0, r.stderr
+    return log
+
+
+def test_torchrun_ranks_agree_on_the_step_to_stop(data, two_rank_reference, tmp_path):
     """SIGTERM to rank 0 only, mid-step: both ranks stop after the same step, save once, exit
     143, no hang; resuming in two processes gives the uninterrupted two-process run's log."""
     hook = tmp_path / "hook.py"
@@ -210,8 +221,6 @@ def test_torchrun_ranks_agree_on_the_step_to_stop(data, tmp_path):
         return torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0", *extra),
                         script=str(hook), env={"HOOK_REPO": REPO, **hook_env}, wait=False)
 
-    ref = hooked_torchrun(str(tmp_path / "ref"), {})
-    assert ref.wait(timeout=300) == 0, ref.stderr.read()
     log = str(tmp_path / "log")
     hold = {"HOOK_MODE": "hold_after_log", "HOOK_ARG": "3 train",
             "HOOK_MARKER": str(tmp_path / "held"), "HOOK_RELEASE": str(tmp_path / "release")}
@@ -228,7 +237,7 @@ def test_torchrun_ranks_agree_on_the_step_to_stop(data, tmp_path):
     resumed = hooked_torchrun(log, {}, "--resume", "latest")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert log_of(log) == log_of(str(tmp_path / "ref"))
+    assert log_of(log) == log_of(two_rank_reference)
 
 
 # --------------------------------------------------------------------------------------- divergence
@@ -687,15 +696,14 @@ def test_a_stop_signal_in_a_sample_block_stops_at_once(data, reference, tmp_path
     assert log_of(log) == log_of(reference)
 
 
-def test_sigterm_to_torchrun_during_a_long_sample_block_saves_at_once(data, tmp_path):
+def test_sigterm_to_torchrun_during_a_long_sample_block_saves_at_once(data, two_rank_reference,
+                                                                      tmp_path):
     """Two ranks (gloo); the sample block of step 6 would run for minutes on both: SIGTERM to the
     launcher, which forwards it to the workers, ends the run in seconds with step 5 saved, and
     --resume latest gives the uninterrupted two-rank run's log."""
     hook = tmp_path / "hook.py"
     hook.write_text(HOOK)
     flags = ["-B", "1", "--sample_every", "6"]
-    ref = torchrun(*run_args(data, str(tmp_path / "ref"), *flags, "--sample_every", "0"))
-    assert ref.returncode == 0, ref.stderr
     log = str(tmp_path / "log")
     run = torchrun(*run_args(data, log, *flags), script=str(hook), wait=False,
                    env={"HOOK_REPO": REPO, "HOOK_MODE": "slow_samples",
@@ -710,7 +718,7 @@ def test_sigterm_to_torchrun_during_a_long_sample_block_saves_at_once(data, tmp_
     assert steps_saved(log)[-1] == 5
     resumed = torchrun(*run_args(data, log, *flags, "--sample_every", "0", "--resume", "latest"))
     assert resumed.returncode == 0, resumed.stderr
-    assert log_of(log) == log_of(str(tmp_path / "ref"))
+    assert log_of(log) == log_of(two_rank_reference)
 
 
 def child_pids(pid):
