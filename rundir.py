@@ -1,12 +1,14 @@
 """A training run's directory (--log_dir) and what keeps the run in it safe and readable.
 
-- checkpoints: model_{step:05d}.pt, written atomically, the newest --keep_last kept, found and
-  checked for --resume (train_gpt2.py decides what a checkpoint holds; this file only stores it);
+- checkpoints: model_{step:05d}.pt, written atomically, the newest --keep_last kept, loaded as data
+  only (a pickle that would run code is refused), found and checked for --resume, and what wrote
+  them (provenance); train_gpt2.py decides what a checkpoint holds, this file only stores it;
 - the claim on the log dir: one run at a time (a lock), an earlier run never overwritten by
-  accident, a rollback's later checkpoints set aside, run_config.json;
+  accident, nothing written through a symlink, a rollback's later checkpoints set aside;
 - log.txt: one `step kind value` line per number, written and parsed only here;
 - flag checks that need the resumed checkpoint or several flags at once;
-- the step line, W&B, the profiler and the stop signals.
+- the step line, W&B, the profiler; the stop signals, and the one line that says how a run ended
+  (under torchrun, from the rank that failed and naming it on the others).
 
 train_gpt2.py imports it; it imports nothing of train_gpt2.py.
 """
