@@ -430,7 +430,7 @@ SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_
                   "batch_ramp_tokens", "batch_ramp_start", "seed")
 
 
-def check_data(args, status, train_tokens, val_tokens_held, val_tokens):
+def usable_val_tokens(args, status, train_tokens, val_tokens_held, val_tokens):
     """The val size the val shards can give (a warning when less than asked); also warns of shards
     no manifest vouches for and notes a run that reads its train data more than once."""
     if not status.has_manifest:

@@ -730,7 +730,7 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, 
         "loader": train_loader.state_dict(),  # where the next batch starts
         "rng": rundir.rng_state(),  # python, numpy, torch (and CUDA) generators
         "args": state.args,
-        "provenance": rundir.provenance(proc.device),  # the code and machine that wrote it
+        "provenance": rundir.provenance(proc.device),  # the code and machine
     }
     return rundir.write_checkpoint(path, checkpoint, keep_last, proc.master,
                                    proc.agree if collective else None)
@@ -798,8 +798,8 @@ def train(args, ckpt=None):
                                       args.seed, config.real_vocab_size)
         val_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "val", args.data_root,
                                     args.seed, config.real_vocab_size)
-        val_tokens = rundir.check_data(args, status, train_loader.epoch_tokens,
-                                       val_loader.epoch_tokens, val_tokens)
+        val_tokens = rundir.usable_val_tokens(args, status, train_loader.epoch_tokens,
+                                              val_loader.epoch_tokens, val_tokens)
 
         # ---- the model (raw: unwrapped, uncompiled, for saving, HellaSwag and samples)
         torch.manual_seed(args.seed)
