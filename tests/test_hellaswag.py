@@ -229,7 +229,7 @@ class Recorder(torch.nn.Module):
 
 
 def test_few_unneeded_positions_projected(hf_model):
-    recs = make_records(24, seed=7)  # realistic lengths: contexts 20-60 words, endings 10-30
+    recs = make_records(16, seed=7)  # realistic lengths: contexts 20-60 words, endings 10-30
     model = Recorder(hf_model)
     with torch.no_grad():
         batched = hellaswag.score_examples(model, recs, "cpu", batch_tokens=8192)

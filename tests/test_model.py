@@ -4,8 +4,6 @@ import json
 import math
 import os
 import socket
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -13,7 +11,7 @@ import torch
 
 import rundir
 import train_gpt2 as tg
-from helpers import REPO, assert_one_line_error, hf_gpt2, run_cli, tiny_model
+from helpers import assert_one_line_error, hf_gpt2, run_cli, tiny_model
 
 
 # ---------------------------------------------------------------------------------- shapes and init
@@ -354,9 +352,11 @@ def test_init_from_a_folder_that_is_not_gpt2_is_one_line(tmp_path):
         assert_one_line_error(r, "could not load GPT-2 model", folder, "save_pretrained")
 
 
-def test_init_from_the_hub_offline_asks_it_once_and_says_what_to_do(tmp_path):
+def test_init_from_the_hub_offline_asks_it_once_and_says_what_to_do(tmp_path, monkeypatch):
     """A hub that accepts connections and never answers: transformers alone would retry for
     minutes; one probe, then one complete line on what to pass instead."""
+    from huggingface_hub import constants
+
     hub = socket.socket()
     hub.bind(("127.0.0.1", 0))
     hub.listen(16)
@@ -369,12 +369,11 @@ def test_init_from_the_hub_offline_asks_it_once_and_says_what_to_do(tmp_path):
             except OSError:
                 return
     threading.Thread(target=silent, daemon=True).start()
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
-    env.update(HF_ENDPOINT=f"http://127.0.0.1:{hub.getsockname()[1]}",
-               HF_HOME=str(tmp_path / "hf"))
-    r = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "sample",
-                        "--init_from", "gpt2", "--device", "cpu"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{hub.getsockname()[1]}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    r = run_cli("sample", "--init_from", "gpt2", "--device", "cpu")
     hub.close()
     line = assert_one_line_error(r, "could not load GPT-2 model 'gpt2'", "unreachable",
                                  "not in the local cache")

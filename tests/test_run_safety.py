@@ -159,8 +159,9 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
 
 # ------------------------------------------------------------------------------------------ signals
 
-# SIGTERM: in test_a_stop_signal_in_a_sample_block_stops_at_once and the torchrun tests below
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR1])
+# SIGTERM: in test_a_stop_signal_in_a_sample_block_stops_at_once and the torchrun tests below;
+# SIGINT: in test_a_second_ctrl_c_leaves_at_once
+@pytest.mark.parametrize("sig", [signal.SIGUSR1])
 def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_path, sig):
     # held while logging step 4 (its update done, its checkpoint next), the run is signalled: one
     # process stops before step 5 does anything, step 4 saved
