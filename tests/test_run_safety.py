@@ -716,6 +716,7 @@ def test_sigterm_to_torchrun_during_a_long_sample_block_saves_at_once(data, two_
     finally:
         run.kill()
     assert "stopped by SIGTERM at step 6" in out, out + err
+    assert run.returncode == 1  # torchrun's own status after a SIGTERM, as the README says
     assert steps_saved(log)[-1] == 5
     resumed = torchrun(*run_args(data, log, *flags, "--sample_every", "0", "--resume", "latest"))
     assert resumed.returncode == 0, resumed.stderr
