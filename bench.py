@@ -182,7 +182,7 @@ def bench_hellaswag(args, config, device, autocast_ctx):
     model."""
     torch.manual_seed(0)
     model = tg.GPT(config).to(device).eval()
-    dtype = None if isinstance(autocast_ctx, contextlib.nullcontext) else torch.bfloat16
+    dtype = common.torch_dtype(args.dtype_name)
     examples = synthetic_hellaswag(args.hellaswag_examples)
     modes = {"one_per_forward": dict(batch_tokens=0, full_logits=True),
              "batched": dict(batch_tokens=args.hellaswag_batch_tokens)}
@@ -503,7 +503,7 @@ def run_gpu_estimate(args):
         print(f"error: the estimate failed: {why[-1]}", file=sys.stderr)
         return 1
     est = found[-1]["result"]
-    setting = {"preset": args.preset, "T": T, "dtype": "bf16" if est["bf16"] else "fp32",
+    setting = {"preset": args.preset, "T": T, "dtype": est["dtype"],
                "compile": False, "gpu": simcuda.H100, "peak_flops": est["peak_flops"],
                "bytes_per_s": est["bytes_per_s"],
                "non_embedding_params": est["non_embedding_params"], "torch": torch.__version__,
@@ -784,8 +784,8 @@ def build_parser():
                    help="tokens per sequence (default: the preset's block size)")
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="bf16 on CUDA for auto")
+    p.add_argument("--dtype", default="auto", choices=common.DTYPES,
+                   help="autocast dtype; auto: as training's --dtype auto")
     p.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
                    help="torch.compile (default: on for CUDA)")
     p.add_argument("--compile_mode", default=None,
@@ -881,7 +881,7 @@ def main(argv=None):
         return run_gpu_estimate(args)
     try:
         device = common.resolve_device(args.device)
-        autocast_ctx, use_bf16 = common.autocast_for(args.dtype, device.split(":")[0])
+        autocast_ctx, args.dtype_name = common.autocast_for(args.dtype, device.split(":")[0])
     except common.UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -903,7 +903,7 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name(device) if device_type == "cuda" else None
     results = {"setting": {"preset": args.preset, "B": args.micro_batch_size,
                            "T": args.sequence_length, "grad_accum": args.grad_accum,
-                           "device": device, "dtype": "bf16" if use_bf16 else "fp32",
+                           "device": device, "dtype": args.dtype_name,
                            "compile": args.compile, "compile_mode": args.compile_mode,
                            "torch": torch.__version__, "gpu": gpu,
                            "threads": torch.get_num_threads()}}

@@ -4,7 +4,7 @@
 - files written safely: atomic_write (never a truncated file), umask, dir_lock (one process
   per folder);
 - command lines: OneLineParser, HelpFormatter, the bounded argparse types, print0 and exit_process;
-- device, dtype and TF32: resolve_device, autocast_for, enable_tf32.
+- device, dtype and TF32: resolve_device, resolve_dtype, autocast_for, enable_tf32.
 
 Nothing here trains, downloads or starts anything at import; torch is imported only where needed.
 """
@@ -485,15 +485,43 @@ def autocast(device_type, dtype):
     return ctx
 
 
-def autocast_for(dtype, device_type):
-    """(autocast context, uses bf16) for a --dtype of auto|fp32|bf16, auto being bf16 on CUDA and
-    fp32 elsewhere; a dtype the device cannot honour is a UsageError."""
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # the choices of every command's --dtype
+
+
+def resolve_dtype(dtype, device_type):
+    """What a --dtype of auto|fp32|bf16|fp16 means on device_type: auto is bf16 on a GPU that
+    computes in it (CUDA from Ampere on, Apple's MPS), fp16 on an older CUDA GPU (T4, V100: bf16
+    there is emulated, several times slower), and fp32 on the CPU."""
+    if dtype != "auto":
+        return dtype
     import torch
 
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device_type_of(device_type) == "cuda")
+    kind = device_type_of(device_type)
+    if kind == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16"
+        return "fp16"
+    if kind == "mps":
+        return "bf16"
+    return "fp32"
+
+
+def torch_dtype(name):
+    """torch's dtype for "bf16" or "fp16"; None for "fp32" (no autocast)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+
+
+def autocast_for(dtype, device_type):
+    """(autocast context, dtype name) for a --dtype (resolve_dtype); a dtype the device cannot
+    honour is a UsageError, except auto on an MPS without bf16 (macOS before 14), which is fp32."""
+    name = resolve_dtype(dtype, device_type)
     try:
-        return autocast(device_type, torch.bfloat16 if use_bf16 else None), use_bf16
+        return autocast(device_type, torch_dtype(name)), name
     except ValueError as e:  # torch would have run fp32 in silence
+        if dtype == "auto" and device_type_of(device_type) == "mps":
+            return contextlib.nullcontext(), "fp32"
         raise UsageError(f"--dtype {dtype}: {e}; use --dtype fp32") from None
 
 

@@ -27,9 +27,9 @@ import sys
 import time
 
 import fineweb
-from common import (NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write, autocast,
-                    autocast_for, device_type_of, enable_tf32, hub_unreachable, one_line,
-                    resolve_device, run_cli)
+from common import (DTYPES, NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write,
+                    autocast, autocast_for, device_type_of, enable_tf32, hub_unreachable, one_line,
+                    resolve_device, run_cli, torch_dtype)
 
 # ---------------------------------------------------------------------------
 # data
@@ -706,8 +706,9 @@ def build_parser():
                    help="folder of hellaswag_*.jsonl (default $HELLASWAG_DIR or ./hellaswag next "
                         "to this script)")
     p.add_argument("--data_dir", dest="hellaswag_dir", help=argparse.SUPPRESS)  # its old name
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="autocast dtype; auto is bf16 on CUDA, fp32 elsewhere")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="autocast dtype; auto: bf16 on GPUs that have it, fp16 on older ones, "
+                        "fp32 on the CPU")
     return p
 
 
@@ -728,17 +729,14 @@ def score(args):
     # fail early on missing or bad data, before importing torch or loading a model
     for _ in itertools.islice(iterate_examples(args.split, args.hellaswag_dir), args.limit):
         pass
-    import torch
-
     device = resolve_device(args.device)
     enable_tf32(device)
-    _, use_bf16 = autocast_for(args.dtype, device)  # a UsageError where bf16 is not honoured
+    _, dtype = autocast_for(args.dtype, device)  # a UsageError where the dtype is not honoured
     model = load_hf_model(args.model).to(device)
     t0 = time.perf_counter()
     res = evaluate(model, device, split=args.split, limit=args.limit,
                    batch_tokens=args.batch_tokens, data_dir=args.hellaswag_dir, progress=True,
-                   autocast_dtype=torch.bfloat16 if use_bf16 else None)
-    dtype = "bf16" if use_bf16 else "fp32"
+                   autocast_dtype=torch_dtype(dtype))
     print(summary(args.model, device, dtype, args.split, res, time.perf_counter() - t0))
     return 0
 

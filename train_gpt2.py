@@ -32,10 +32,10 @@ import torch.nn.functional as F
 import fineweb
 import hellaswag
 import rundir
-from common import (LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, OneLineParser,
-                    UsageError, add_flags, autocast_for, bounded, device_type_of, enable_tf32,
-                    exit_process, flag_dest, one_line, print0, rank, resolve_device,
-                    run_cli, write_new_dir)
+from common import (DTYPES, LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED,
+                    OneLineParser, UsageError, add_flags, autocast_for, bounded, device_type_of,
+                    enable_tf32, exit_process, flag_dest, one_line, print0, rank, resolve_device,
+                    run_cli, torch_dtype, write_new_dir)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 
 # ===== Run settings =====
@@ -45,7 +45,7 @@ FRACTION = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
 SHARED = [  # the flags that the sample and eval commands take too
     ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
     ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
-    ("--dtype", "auto", ["auto", "fp32", "bf16"], "autocast dtype; auto: bf16 on CUDA"),
+    ("--dtype", "auto", list(DTYPES), "auto: bf16, or fp16 on GPUs without it, fp32 on a CPU"),
 ]
 THIS_INVOCATION = "this invocation (never taken from a resumed checkpoint)"
 RUN_SETTINGS = {
@@ -636,14 +636,14 @@ def setup_distributed(args):
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     return Proc(distributed, rank(), local_rank, world_size, device)
 
-def shard_model(raw_model, use_bf16):
+def shard_model(raw_model, dtype):
     """FSDP2 on every block, then on the root (embeddings, tied lm_head, ln_f); in place."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch 2.5 kept FSDP2 under _composable
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy()
-    if use_bf16:  # bf16 compute and all-gathers, fp32 gradient reduction and master weights
+    if dtype == "bf16":  # bf16 compute and all-gathers, fp32 gradient reduction and master weights
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in raw_model.transformer.h:
         fully_shard(block, mp_policy=mp)
@@ -769,7 +769,7 @@ def train(args, ckpt=None):
     unit = B * T * proc.world_size  # tokens of a micro-step on all ranks
     val_tokens = args.val_tokens if args.val_steps is None else args.val_steps * unit
     end = rundir.end_step(args)  # the run stops before this step (--stop_step)
-    autocast_ctx, use_bf16 = autocast_for(args.dtype, proc.device_type)
+    autocast_ctx, dtype = autocast_for(args.dtype, proc.device_type)
     use_compile = proc.device_type == "cuda" if args.compile is None else args.compile
     enable_tf32(proc.device_type)  # TF32 for fp32 matmuls
     enc = fineweb.get_encoding()
@@ -778,7 +778,8 @@ def train(args, ckpt=None):
                                  config.block_size, ("--sample_prompt", "--sample_tokens"),
                                  ": shorten them, or turn samples off with --sample_every 0")
     run_config = {**vars(args), "device": proc.device, "world_size": proc.world_size,
-                  "grad_accum_steps": grad_accum_steps, "bf16": use_bf16, "compile": use_compile,
+                  "grad_accum_steps": grad_accum_steps, "autocast_dtype": dtype,
+                  "compile": use_compile,
                   "val_tokens": val_tokens, "model": asdict(config),
                   "provenance": rundir.provenance(proc.device)}
     print0(rundir.format_run_config(run_config, RUN_SETTINGS))
@@ -808,7 +809,7 @@ def train(args, ckpt=None):
         raw_model = (GPT(config) if pretrained is None else pretrained).to(proc.device)
         print0(f"model: {raw_model.get_num_params():,} parameters")
         if args.fsdp:
-            shard_model(raw_model, use_bf16)
+            shard_model(raw_model, dtype)
         muon = None
         if args.optimizer == "muon":
             muon = dict(lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.muon_ns_steps,
@@ -850,7 +851,7 @@ def train(args, ckpt=None):
                     res = hellaswag.evaluate(raw_model, proc.device, limit=args.hellaswag_limit,
                                              rank=proc.rank, world_size=proc.world_size,
                                              device_type=proc.device_type,
-                                             autocast_dtype=torch.bfloat16 if use_bf16 else None)
+                                             autocast_dtype=torch_dtype(dtype))
                 except hellaswag.HellaSwagUnavailable as e:  # the data went away: off from now
                     print0(f"warning: HellaSwag evaluation turned off: {e}")
                     hellaswag_on = False
@@ -1038,7 +1039,7 @@ def model_from_checkpoint(ckpt, path, device="cpu"):
     return model
 
 def model_for_command(args):
-    """(GPT in eval mode, device, autocast, bf16?) of --checkpoint or --init_from."""
+    """(GPT in eval mode, device, autocast, dtype name) of --checkpoint or --init_from."""
     if (args.checkpoint is None) == (args.init_from is None):
         raise UsageError("give one of --checkpoint (a model_*.pt) or --init_from (OpenAI's GPT-2)")
     device = resolve_device(args.device)
@@ -1046,8 +1047,8 @@ def model_for_command(args):
         model = model_from_checkpoint(rundir.open_checkpoint(args.checkpoint), args.checkpoint)
     else:
         model = GPT.from_pretrained(args.init_from)
-    ctx, use_bf16 = autocast_for(args.dtype, device)
-    return model.to(device).eval(), device, ctx, use_bf16
+    ctx, dtype = autocast_for(args.dtype, device)
+    return model.to(device).eval(), device, ctx, dtype
 
 def sample_main(args):
     model, device, ctx, _ = model_for_command(args)
@@ -1069,14 +1070,13 @@ def export_main(args):
     return 0
 
 def eval_main(args):
-    model, device, _, use_bf16 = model_for_command(args)  # a bad checkpoint fails before a download
+    model, device, _, dtype = model_for_command(args)  # a bad checkpoint fails before a download
     hellaswag.download("val", args.hellaswag_dir)
     t0 = time.perf_counter()
     res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
                              data_dir=args.hellaswag_dir, progress=True,
-                             autocast_dtype=torch.bfloat16 if use_bf16 else None)
+                             autocast_dtype=torch_dtype(dtype))
     seconds = time.perf_counter() - t0
-    dtype = "bf16" if use_bf16 else "fp32"
     print(hellaswag.summary(args.checkpoint or args.init_from, device, dtype, "val", res, seconds))
     return 0
 

@@ -141,7 +141,7 @@ def test_cli_on_cuda_prints_the_bf16_config_and_the_mfu_and_memory_columns(train
     out = train["stdout"]
     config = run_config(out)
     assert "device=cuda" in config["this invocation"], config
-    assert {"bf16=True", "world_size=1"} <= config["this run"], config
+    assert {"autocast_dtype=bf16", "world_size=1"} <= config["this run"], config
     assert not configured(out, "compile=True"), config
     steps = step_lines(out)
     assert len(steps) == 3 and all("| mfu " in s and "| mem " in s for s in steps), steps
@@ -351,9 +351,9 @@ def test_an_autocast_torch_turns_off_is_refused_in_one_line():
     with pytest.raises(ValueError, match="float64 on cpu"):
         common.autocast("cpu", torch.float64)
     with pytest.raises(common.UsageError) as e:
-        common.autocast_for("auto", "cuda")
+        common.autocast_for("bf16", "cuda")
     assert "\n" not in str(e.value)
-    assert str(e.value).startswith("--dtype auto: autocast to bfloat16 on cuda")
+    assert str(e.value).startswith("--dtype bf16: autocast to bfloat16 on cuda")
     with common.autocast("cpu", torch.bfloat16):  # an honoured one still works
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 

@@ -326,10 +326,9 @@ def test_autocast_and_tf32():
         assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
     with common.autocast("cpu", torch.bfloat16):
         assert (x @ x).dtype == torch.bfloat16
-    ctx, use_bf16 = common.autocast_for("auto", "cpu")
-    assert not use_bf16  # auto: bf16 on CUDA only
-    ctx, use_bf16 = common.autocast_for("bf16", "cpu")
-    assert use_bf16
+    assert common.autocast_for("auto", "cpu")[1] == "fp32"  # auto: a GPU's dtype, fp32 on a CPU
+    assert common.autocast_for("bf16", "cpu")[1] == "bf16"
+    assert common.autocast_for("fp16", "cpu")[1] == "fp16"
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")

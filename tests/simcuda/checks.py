@@ -347,7 +347,7 @@ def check_inference():
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA() as sim:
         config = tg.GPTConfig(**TINY)
         model = tg.GPT(config).to("cuda")
-        ctx, out["bf16"] = common.autocast_for("auto", "cuda")
+        ctx, out["dtype"] = common.autocast_for("auto", "cuda")
         prompt = torch.randint(0, config.real_vocab_size, (2, 8), device="cuda")
         for use_cache in (True, False):
             with Watch() as watch, ctx:
@@ -500,7 +500,7 @@ def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
     with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA():
         model = tg.GPT(config).to("cuda")
         optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
-        autocast_ctx, use_bf16 = common.autocast_for("auto", "cuda")
+        autocast_ctx, dtype = common.autocast_for("auto", "cuda")
         # AdamW makes its state on its first step: a step over zero gradients
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -514,7 +514,7 @@ def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
         r["six_n"] = 6 * n_params * B * T
         r["formula"] = rundir.flops_per_token(config, n_params, T) * B * T
         r["matmul_flops"] = sum(v for k, v in r["flops_by_op"].items() if k in matmul)
-    return {"preset": preset, "T": T, "bf16": use_bf16, "non_embedding_params": n_params,
+    return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
             "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
 
 
