@@ -340,8 +340,8 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
             shutil.copy2(log_file, os.path.join(dest, "log.txt"))
         for path in later:
             os.replace(path, os.path.join(dest, os.path.basename(path)))
-        warnings.append(f"resuming at step {resume_step}: {len(later)} later checkpoint(s) and a "
-                        f"copy of log.txt moved to {dest}")
+        warnings.append(f"resuming at step {resume_step + 1}: {len(later)} later checkpoint(s) "
+                        f"and a copy of log.txt moved to {dest}")
     if damaged := truncate_log(log_file, resume_step):
         warnings.append(f"dropped {damaged} damaged line(s) from {log_file}")
     return warnings
@@ -619,7 +619,7 @@ class Metrics:
             extra = {f"{kind}/{k}": v for k, v in extra.items()}
             self.wandb_run.log({kind: value, **extra}, step=step)
 
-    def report_step(self, step, loss, lr, norm, dt, batch_size):
+    def report_step(self, step, loss, lr, norm, dt, batch_size, skipped=False):
         tokens_per_sec = batch_size / dt
         if step > self.first_step:  # the first step compiles and warms up: not in the ETA
             if self.dt_avg is None:

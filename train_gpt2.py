@@ -713,7 +713,7 @@ class TrainState:
     val_loss: float | None = None  # the latest val loss
     args: dict | None = None  # the run's flags: a resume takes those not given again
 
-def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, proc,
+def save_checkpoint(path, raw_model, optimizer, scaler, state, train_loader, keep_last, proc,
                     collective=True):
     """model_{step}.pt, all an exact resume needs. Every rank calls it (FSDP gathers), rank 0
     writes. collective=False, after a failure that may be this rank's alone: False if not saved."""
@@ -723,6 +723,7 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, 
     checkpoint = {
         "model": dcp.get_model_state_dict(raw_model, options=options),
         "optimizer": dcp.get_optimizer_state_dict(raw_model, optimizer, options=options),
+        "scaler": scaler.state_dict(),  # fp16's loss scale ({} in bf16 and fp32)
         "config": asdict(raw_model.config),
         "step": state.step,
         "tokens_seen": state.tokens_seen,
@@ -735,9 +736,9 @@ def save_checkpoint(path, raw_model, optimizer, state, train_loader, keep_last, 
     return rundir.write_checkpoint(path, checkpoint, keep_last, proc.master,
                                    proc.agree if collective else None)
 
-def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
-    """Load a checkpoint into the model (FSDP: each rank its shard), optimizer, loader and random
-    generators; returns its TrainState."""
+def restore_checkpoint(ckpt, raw_model, optimizer, scaler, train_loader):
+    """Load a checkpoint into the model (FSDP: each rank its shard), optimizer, loss scaler, loader
+    and random generators; returns its TrainState."""
     from torch.distributed.checkpoint import state_dict as dcp
     options = dcp.StateDictOptions(full_state_dict=True)
     dcp.set_model_state_dict(raw_model, ckpt["model"], options=options)
@@ -747,6 +748,8 @@ def restore_checkpoint(ckpt, raw_model, optimizer, train_loader):
     dcp.set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
     for group, values in zip(optimizer.param_groups, kept):
         group.update(values)
+    if ckpt.get("scaler"):  # saved in fp16 (a resume in fp16 from bf16 starts a new scale)
+        scaler.load_state_dict(ckpt["scaler"])
     train_loader.load_state_dict(ckpt["loader"])
     rundir.set_rng_state(ckpt["rng"])
     return TrainState(ckpt["step"], ckpt["tokens_seen"], ckpt["val_loss"], ckpt["args"])
@@ -770,6 +773,8 @@ def train(args, ckpt=None):
     val_tokens = args.val_tokens if args.val_steps is None else args.val_steps * unit
     end = rundir.end_step(args)  # the run stops before this step (--stop_step)
     autocast_ctx, dtype = autocast_for(args.dtype, proc.device_type)
+    if args.fsdp and dtype == "fp16":
+        raise UsageError("--fsdp does not train in fp16 here: use --dtype bf16 or fp32")
     use_compile = proc.device_type == "cuda" if args.compile is None else args.compile
     enable_tf32(proc.device_type)  # TF32 for fp32 matmuls
     enc = fineweb.get_encoding()
@@ -816,8 +821,10 @@ def train(args, ckpt=None):
                         adjust_lr_fn=args.muon_adjust_lr)
         optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr,
                                                    proc.device_type, proc.master, muon)
+        # fp16 gradients underflow: the loss is scaled up, and the gradients down before the step
+        scaler = torch.amp.GradScaler(proc.device_type, enabled=dtype == "fp16")
         if ckpt is not None:
-            state = restore_checkpoint(ckpt, raw_model, optimizer, train_loader)
+            state = restore_checkpoint(ckpt, raw_model, optimizer, scaler, train_loader)
             state.args, last_saved, ckpt = vars(args), state.step, None  # free its tensors
             print0(f"resumed from {args.resume} at step {state.step + 1}")
         model = torch.compile(raw_model) if use_compile else raw_model
@@ -887,7 +894,8 @@ def train(args, ckpt=None):
                     _, loss = model(x, y)
                 loss = loss / micro_steps  # a mean over B*T tokens each: their sum is the step's
                 loss_accum += loss.detach()
-                loss.backward()
+                scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                   args.grad_clip or float("inf"))
             if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
@@ -899,26 +907,30 @@ def train(args, ckpt=None):
                 loss_accum /= proc.world_size
                 dist.all_reduce(go_on, op=dist.ReduceOp.MIN)
             loss_value, norm_value, go_on = torch.stack([loss_accum, norm.float(), go_on]).tolist()
-            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            # fp16: inf or nan gradients skip the update, halve the loss scale (below 1: diverged)
+            overflow = scaler.is_enabled() and not math.isfinite(norm_value)
+            skipped = overflow and scaler.get_scale() >= 1
+            if not (math.isfinite(loss_value) and (math.isfinite(norm_value) or skipped)):
                 raise UsageError(rundir.divergence(loss_value, norm_value))
             lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps,
                         args.max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's: --muon_lr / --max_lr
-            optimizer.step()
+            scaler.step(optimizer)  # optimizer.step(), unless skipped
+            scaler.update()
             if proc.device_type == "cuda":
                 torch.cuda.synchronize()  # so dt measures the GPU's work, not just the launches
             dt = time.time() - t0
             state.step, state.tokens_seen = step, state.tokens_seen + batch_size
-            metrics.report_step(step, loss_value, lr, norm_value, dt, batch_size)
+            metrics.report_step(step, loss_value, lr, norm_value, dt, batch_size, skipped=skipped)
             if profiler.step():
                 break  # --profile exit
 
             # a checkpoint every --save_every steps, at the end, and when a signal says stop
             if step == end - 1 or not go_on or (step > 0 and due(args.save_every, step)):
                 path = rundir.checkpoint_path(args.log_dir, step)
-                save_checkpoint(path, raw_model, optimizer, state, train_loader, args.keep_last,
-                                proc)
+                save_checkpoint(path, raw_model, optimizer, scaler, state, train_loader,
+                                args.keep_last, proc)
                 last_saved = step
                 print0(f"saved {path}")
             if not go_on:
@@ -938,7 +950,8 @@ def train(args, ckpt=None):
         # (FSDP must gather its shards to save: the last checkpoint written stays the newest)
         if state.step > last_saved and not (args.fsdp and proc.world_size > 1):
             if save_checkpoint(rundir.checkpoint_path(args.log_dir, state.step), raw_model,
-                               optimizer, state, train_loader, args.keep_last, proc, False):
+                               optimizer, scaler, state, train_loader, args.keep_last, proc,
+                               False):
                 last_saved = state.step
         return rundir.report_failure(e, step, args.log_dir, last_saved)  # or raised
     finally:

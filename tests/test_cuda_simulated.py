@@ -51,7 +51,7 @@ def children(lib, tmp_path_factory):
               for folder, _, _ in seeds[what]]
     runs = Children(str(tmp_path_factory.mktemp("children")))
     runs.start_checks(lib, ["train", "inference", *seeded])
-    runs.start_checks(lib, ["compile", "distributed:fsdp", "distributed:ddp"])
+    runs.start_checks(lib, ["compile", "distributed:fsdp", "distributed:ddp", "fp16"])
     runs.start([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
                 "--estimate_batch_sizes", "16,64", "--sim_lib", lib, "--json"], ["estimate"])
     runs.seeds = seeds
@@ -132,6 +132,25 @@ def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train)
     assert train["steps"][0]["reads_since_last_update"] is None
     assert train["steps"][1]["reads_since_last_update"] == 0, train["steps"][1]
     assert all(c["norm_device"] == "cuda:0" for c in train["clips"])
+
+
+def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children):
+    """--dtype auto on a GPU without bf16 (a simulated T4): fp16 logits, fp32 loss; per step the
+    scaler's calls in order: the scaled loss's backward per micro-step, unscale_ before clipping,
+    then the scaler's step and update; its state in the checkpoint; --fsdp refuses fp16 in one
+    line."""
+    r = passed(children, "fp16")
+    assert configured(r["stdout"], "autocast_dtype=fp16"), r["stdout"]
+    training = [f for f in r["forwards"] if f["training"] and f["grad"]]
+    assert training and all((f["logits"], f["loss"]) == ("torch.float16", "torch.float32")
+                            for f in training), training
+    per_step = " ".join(r["events"]).split(" update")
+    assert per_step[-1] == "" and len(per_step) == 4, r["events"]  # three steps
+    for events in per_step[:-1]:
+        assert events.split() == ["scale", "backward"] * 2 + ["unscale_", "clip_grad_norm_",
+                                                              "step"], r["events"]
+    assert all("scaler" in c["keys"] for c in r["saved"]) and r["saved"], r["saved"]
+    assert r["fsdp"] is not None and "--fsdp does not train in fp16" in r["fsdp"], r["fsdp"]
 
 
 def test_cli_on_cuda_prints_the_bf16_config_and_the_mfu_and_memory_columns(train):

@@ -318,6 +318,46 @@ def check_train():
             "resume": {"stdout": out2, "stderr": err2, "steps": resumed.steps}}
 
 
+def check_fp16():
+    """main() on a simulated GPU without bf16 (a T4), --dtype auto: fp16 autocast and the gradient
+    scaler, its calls in order each step (scale and backward per micro-step, unscale_, clip, step,
+    update); --fsdp with fp16 refused in one line."""
+    data, log = scratch()
+    events = []
+
+    def recorded(owner, name):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            events.append(name)
+            return original(*args, **kwargs)
+
+        return original, wrapper
+
+    patches = [(torch.amp.GradScaler, n) for n in ("scale", "unscale_", "step", "update")]
+    patches += [(torch.nn.utils, "clip_grad_norm_"), (torch.autograd, "backward")]
+    t4 = dict(device_name="Tesla T4", total_memory=15 * 2**30, bf16=False)
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA(**t4), \
+            CheckpointsInMemory() as ckpts, contextlib.ExitStack() as undo:
+        for owner, name in patches:
+            original, wrapper = recorded(owner, name)
+            setattr(owner, name, wrapper)
+            undo.callback(setattr, owner, name, original)
+        with Watch() as watch:
+            out, err = run_main(tiny_args(data, log, "--no-compile", "--eval_every", "0",
+                                          "--sample_every", "0", "--hellaswag_every", "0"))
+        saved = [ckpts.describe(obj) for obj in ckpts.saved.values()]
+    with simcuda.SimulatedCUDA(**t4), simcuda.FakeProcessGroup(0, 8):
+        try:
+            run_main(tiny_args(data, log + "_fsdp", "--no-compile", "--fsdp",
+                               "--total_batch_size", "1024"))
+            fsdp = None
+        except MainFailed as e:
+            fsdp = str(e)
+    return {"stdout": out, "stderr": err, "events": events, "forwards": watch.forwards,
+            "steps": watch.steps, "saved": saved, "fsdp": fsdp}
+
+
 def check_compile():
     """main() with torch.compile on cuda (fullgraph, aot_eager): val evaluations and train steps
     alternate, eval -> train -> eval -> ... -> train -> final eval."""

@@ -171,8 +171,8 @@ class SimulatedCUDA:
     made them.
     """
 
-    def __init__(self, device_name=H100, total_memory=80 * 2**30):
-        self.device_name, self.total_memory = device_name, total_memory
+    def __init__(self, device_name=H100, total_memory=80 * 2**30, bf16=True):
+        self.device_name, self.total_memory, self.bf16 = device_name, total_memory, bf16
         self.cuda_calls = collections.defaultdict(collections.Counter)
         self.reads = collections.Counter()  # "file:caller" -> reads back from the device there
         self.patched = []  # (what, why)
@@ -210,7 +210,7 @@ class SimulatedCUDA:
                                 "the MFU column looks up the GPU's peak"),
             "get_device_properties": (lambda *a, **k: props, "capability and memory queries"),
             "get_device_capability": (lambda *a, **k: (9, 0), "an H100 is sm_90"),
-            "is_bf16_supported": (lambda *a, **k: True,
+            "is_bf16_supported": (lambda *a, **k: self.bf16,
                                   "torch.autocast('cuda', bfloat16) asks it"),
             "max_memory_allocated": (lambda *a, **k: 0, f"{no_allocator} (tensor memory: "
                                                         f"MemTracker, estimates)"),
