@@ -28,7 +28,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -347,25 +346,83 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
     return warnings
 
 
+# The parts of a run that can be off: (what turns it off, whether it is off given the run's
+# settings, the settings that matter only while it is on). The printed run config leaves those out
+# while their part is off; check_flags warns of any given on the command line then.
+OFF_PARTS = [
+    ("--eval_every 0", lambda c: c["eval_every"] <= 0, ("val_tokens", "val_steps")),
+    ("--sample_every 0", lambda c: c["sample_every"] <= 0,
+     ("sample_prompt", "num_samples", "sample_tokens")),
+    ("--hellaswag_every 0", lambda c: c["hellaswag_every"] <= 0, ("hellaswag_limit",)),
+    ("no --batch_ramp_tokens", lambda c: c["batch_ramp_tokens"] <= 0, ("batch_ramp_start",)),
+    ("no --profile", lambda c: not c["profile"], ("profile_schedule",)),
+    ("no --wandb_project", lambda c: not c["wandb_project"], ("wandb_run_name",)),
+    ("no --optimizer muon", lambda c: c["optimizer"] != "muon",
+     ("muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr")),
+]
+CONFIG_WIDTH = 100
+CONFIG_INDENT = "    "  # a group's lines after its first
+
+
 def format_run_config(run_config, settings):
-    """The run config in short, wrapped at 100 columns: the set values of each group of flags in
-    settings ({title: [(flags, ...)]}), then what the run worked out, then each dict in it (the
-    model's config, the provenance) on its own."""
-    groups = {title: [flag_dest(e[0]) for e in entries] for title, entries in settings.items()}
+    """The run config in short, in lines of at most CONFIG_WIDTH columns: each group of flags in
+    settings ({title: [(flags, ...)]}) with the values this run uses (not None or False, nor the
+    settings of a part that is off: OFF_PARTS), then what the run worked out, then each dict in it
+    (the model's config, the provenance). save_run_config keeps all of it."""
+    groups = {title.split(" (")[0]: [flag_dest(e[0]) for e in entries]
+              for title, entries in settings.items()}
     shown = {k for names in groups.values() for k in names}
     groups["this run"] = [k for k, v in run_config.items()
                           if k not in shown and not isinstance(v, dict)]
+    unused = set()
+    for _, is_off, keys in OFF_PARTS:
+        if is_off(run_config):
+            unused.update(keys)
+
     lines = ["run config:"]
     for title, names in groups.items():
-        values = [f"{k}={run_config[k]}" for k in names
-                  if run_config[k] is not None and run_config[k] is not False]
-        lines.append(f"  {title.split(' (')[0]}: " + " ".join(values))
+        items = [f"{k}={run_config[k]}" for k in names if k not in unused
+                 and run_config[k] is not None and run_config[k] is not False]
+        if items:  # a group with nothing set is left out
+            lines += wrap_items(f"  {title}:", items)
     for key, value in run_config.items():
         if isinstance(value, dict):
             title = "GPTConfig" if key == "model" else key
-            lines.append(f"  {title}: " + " ".join(f"{k}={v}" for k, v in value.items()))
-    return "\n".join(textwrap.fill(line, 100, subsequent_indent="    ", break_long_words=False,
-                                   break_on_hyphens=False) for line in lines)
+            lines += wrap_items(f"  {title}:", [f"{k}={v}" for k, v in value.items()])
+    return "\n".join(lines)
+
+
+def wrap_items(head, items):
+    """head, then the items space-separated, in lines of CONFIG_WIDTH at most: an item that does
+    not fit moves whole to a line of its own, one longer than that is broken (break_text). The
+    head's line keeps at least the first piece of its first item (a reader finds "title: k=v")."""
+    lines, line = [], head
+    for item in items:
+        if len(line) + 1 + len(item) > CONFIG_WIDTH and line != head:
+            lines.append(line)
+            line = ""
+        start = line + " " if line else CONFIG_INDENT
+        pieces = break_text(item, CONFIG_WIDTH - len(start), CONFIG_WIDTH - len(CONFIG_INDENT))
+        for piece in pieces[:-1]:
+            lines.append(start + piece)
+            start = CONFIG_INDENT
+        line = start + pieces[-1]
+    lines.append(line)
+    return lines
+
+
+def break_text(text, first, width):
+    """text in pieces, the first of at most `first` characters and the others of `width`, each
+    broken after the last space, '/' or ',' in its second half (a long path stays readable), or
+    else at the limit."""
+    pieces, limit = [], first
+    while len(text) > limit:
+        cut = max(text.rfind(c, 0, limit) for c in " /,") + 1
+        if cut <= limit // 2:
+            cut = limit
+        pieces.append(text[:cut].rstrip(" "))
+        text, limit = text[cut:].lstrip(" "), width
+    return pieces + [text]
 
 
 def save_run_config(log_dir, run_config):
@@ -375,7 +432,12 @@ def save_run_config(log_dir, run_config):
 
 
 # ===== log.txt: one `step kind value` line per number ============================================
-LOG_FORMATS = {"train": "{:.6f}", "val": "{:.4f}", "hella": "{:.4f}"}
+# each step: its train loss, LR, gradient norm, time (ms) and tokens/s, and on a step the fp16
+# scaler skipped, the run's count of skipped steps so far; each evaluation: val loss, HellaSwag
+LOG_FORMATS = {"train": "{:.6f}", "lr": "{:.4e}", "norm": "{:.4f}", "dt": "{:.2f}",
+               "tok_s": "{:.0f}", "skipped": "{:d}", "val": "{:.4f}", "hella": "{:.4f}"}
+# the kinds that measure the clock: two runs of the same steps differ in these alone
+TIMING_KINDS = ("dt", "tok_s")
 
 
 def append_log(path, step, kind, value):
@@ -398,8 +460,8 @@ def parse_log_line(line):
 
 
 def read_log(path):
-    """{kind: (steps, values)} for the kinds in a log.txt ('train', 'val', 'hella'); bad lines
-    skipped."""
+    """{kind: (steps, values)} for the kinds in a log.txt (LOG_FORMATS; an older log has fewer);
+    bad lines skipped."""
     series = {}
     with open(path, errors="replace") as f:
         for line in f:
@@ -489,18 +551,9 @@ def check_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
                         f"another --data_root to prepare one from it)")
 
     # flags given for a part of the run that is off: stated, not dropped in silence
-    muon_flags = [k for k in given if k.startswith("muon_")]
-    off = [(args.eval_every <= 0, "--eval_every 0", ["val_tokens", "val_steps"]),
-           (args.sample_every <= 0, "--sample_every 0",
-            ["sample_prompt", "num_samples", "sample_tokens"]),
-           (args.hellaswag_every <= 0, "--hellaswag_every 0", ["hellaswag_limit"]),
-           (args.batch_ramp_tokens <= 0, "no --batch_ramp_tokens", ["batch_ramp_start"]),
-           (not args.profile, "no --profile", ["profile_schedule"]),
-           (not args.wandb_project, "no --wandb_project", ["wandb_run_name"]),
-           (args.optimizer != "muon", "no --optimizer muon", muon_flags)]
-    for is_off, why, keys in off:
+    for why, is_off, keys in OFF_PARTS:
         unused = sorted(f"--{k}" for k in keys if k in given)
-        if is_off and unused:
+        if unused and is_off(vars(args)):
             verb = "has" if len(unused) == 1 else "have"
             warnings.append(f"{', '.join(unused)} {verb} no effect with {why}")
 
@@ -590,7 +643,7 @@ def flops_per_token(config, n_params, seq_len):
 
 class Metrics:
     """Where a run's numbers go: the step line (loss, lr, norm, speed, MFU, memory, ETA) on stdout,
-    log.txt on rank 0, and W&B with --wandb_project."""
+    log.txt on rank 0, and W&B with --wandb_project; at the end, the run's summary."""
 
     def __init__(self, args, device, world_size, first_step, end, config, n_params, run_config):
         self.log_file, self.device = os.path.join(args.log_dir, "log.txt"), device
@@ -598,9 +651,24 @@ class Metrics:
         self.flops_per_token = flops_per_token(config, n_params, args.sequence_length)
         self.first_step, self.end, self.show_batch = first_step, end, args.batch_ramp_tokens > 0
         self.on_cuda, self.master = str(device).startswith("cuda"), rank() == 0
+        # a full-size run on a CPU takes days: said once, from the first steps' time
+        self.warn_slow = str(device) == "cpu" and args.preset != "tiny"
         self.peak = args.peak_flops
         if self.peak is None and self.on_cuda:
             self.peak = peak_flops(torch.cuda.get_device_name(device))
+
+        # for the summary: this session's clock, steps and tokens; the whole run's evaluations and
+        # skipped steps, a resumed run's earlier ones from its log.txt (already cut to its step)
+        self.start, self.steps, self.tokens, self.last_step = time.time(), 0, 0, None
+        self.evals, self.skipped = {"val": [], "hella": []}, 0
+        if self.master and first_step > 0 and os.path.exists(self.log_file):
+            earlier = read_log(self.log_file)
+            for kind in self.evals:
+                steps, values = earlier.get(kind, ([], []))
+                self.evals[kind] = [(s, v) for s, v in zip(steps, values) if s < first_step]
+            if "skipped" in earlier:
+                self.skipped = int(earlier["skipped"][1][-1])
+
         self.wandb_run, self.dt_avg = None, None
         if args.wandb_project and self.master:
             try:
@@ -612,23 +680,37 @@ class Metrics:
                                         config=run_config)
 
     def log(self, step, kind, value, **extra):
-        """kind is a log.txt series (train/val/hella); extra numbers (lr, norm, ...) go to W&B."""
+        """kind (train/val/hella) to log.txt on rank 0, with the extra numbers that are log.txt
+        kinds too (lr, norm, dt, ...); all to W&B, the extra ones as kind/name."""
+        if kind in self.evals:
+            self.evals[kind].append((step, value))
         if self.master:
             append_log(self.log_file, step, kind, value)
+            for name, number in extra.items():
+                if name in LOG_FORMATS:
+                    append_log(self.log_file, step, name, number)
         if self.wandb_run is not None:
             extra = {f"{kind}/{k}": v for k, v in extra.items()}
             self.wandb_run.log({kind: value, **extra}, step=step)
 
     def report_step(self, step, loss, lr, norm, dt, batch_size, skipped=False):
+        """The step line and the step's numbers (dt in seconds, batch_size in tokens). skipped: the
+        fp16 scaler found inf/nan gradients (norm) and did not apply this update."""
         tokens_per_sec = batch_size / dt
+        self.steps, self.tokens, self.last_step = self.steps + 1, self.tokens + batch_size, step
+        first_timed = False
         if step > self.first_step:  # the first step compiles and warms up: not in the ETA
             if self.dt_avg is None:
-                self.dt_avg = dt
+                self.dt_avg, first_timed = dt, True
             else:
                 self.dt_avg = 0.9 * self.dt_avg + 0.1 * dt
-        extra = {"lr": lr, "norm": norm, "tok_per_sec": tokens_per_sec}
-        line = (f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
-                f"dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}")
+        extra = {"lr": lr, "norm": norm, "dt": 1000 * dt, "tok_s": tokens_per_sec}
+        line = f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f}"
+        if skipped:
+            self.skipped += 1
+            extra["skipped"] = self.skipped
+            line += " | skipped (fp16 overflow)"
+        line += f" | dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}"
         if self.show_batch:
             line += f" | batch {batch_size}"
         if self.peak:
@@ -637,11 +719,42 @@ class Metrics:
         if self.on_cuda:
             extra["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             line += f" | mem {extra['mem_gib']:.1f}GiB"
+        eta = None
         if self.dt_avg is not None:
-            line += f" | eta {format_eta((self.end - step - 1) * self.dt_avg)}"
+            eta = (self.end - step - 1) * self.dt_avg
+            line += f" | eta {format_eta(eta)}"
         if self.master:
             print(line, flush=True)
+            if first_timed and self.warn_slow and eta > 3600:
+                print(f"warning: on the CPU this run takes about {format_eta(eta)} (from the "
+                      f"first steps); for a run of minutes use --preset tiny", flush=True)
         self.log(step, "train", loss, **extra)
+
+    def summary(self, last_checkpoint):
+        """The run in a few lines, for its end: this session's wall time (from this object's
+        making), steps and tokens; the final and best val loss and the last HellaSwag accuracy
+        (a resumed run's earlier ones included); last_checkpoint (a path, or None); the skipped
+        steps, if any."""
+        trained = "no step trained"
+        if self.steps:
+            trained = (f"steps {self.first_step}-{self.last_step} ({self.steps:,} steps, "
+                       f"{self.tokens:,} tokens)")
+        lines = [f"run summary: {trained} in {format_eta(time.time() - self.start)}"]
+        if self.evals["val"]:
+            step, value = self.evals["val"][-1]
+            line = f"  val loss: {value:.4f} at step {step}"
+            finite = [(v, s) for s, v in self.evals["val"] if math.isfinite(v)]
+            if finite:
+                best, best_step = min(finite)
+                line += f", best {best:.4f} at step {best_step}"
+            lines.append(line)
+        if self.evals["hella"]:
+            step, value = self.evals["hella"][-1]
+            lines.append(f"  HellaSwag acc_norm: {value:.4f} at step {step}")
+        lines.append(f"  last checkpoint: {last_checkpoint or 'none'}")
+        if self.skipped:
+            lines.append(f"  skipped steps (fp16 overflow): {self.skipped}")
+        return "\n".join(lines)
 
     def finish(self):
         if self.wandb_run is not None:

@@ -940,6 +940,8 @@ def train(args, ckpt=None):
                 break
 
         metrics.finish()  # W&B uploads: can fail after all
+        last = rundir.checkpoint_path(args.log_dir, last_saved) if last_saved >= 0 else None
+        print0(metrics.summary(last))
         if args.fsdp:
             raw_model.reshard()  # FSDP keeps the root's parameters gathered after an eval forward
         proc.agree(True)  # all ranks done with collectives before the process group goes

@@ -201,12 +201,14 @@ def stop_then_resume(data, log, first, second, *first_flags):
 
 
 def assert_same_log(a, b, tol):
-    """The log.txt of two runs: the same steps and kinds, the values within tol."""
+    """The log.txt of two runs: the same steps of each kind, the losses and evaluations within tol
+    (of the step's LR, norm and timings, the steps only)."""
     la, lb = series(a), series(b)
     assert set(la) == set(lb)
     for kind in la:
         assert la[kind][0] == lb[kind][0], kind
-        assert la[kind][1] == pytest.approx(lb[kind][1], abs=tol), kind
+        if kind in ("train", "val", "hella"):
+            assert la[kind][1] == pytest.approx(lb[kind][1], abs=tol), kind
 
 
 def torchrun(*args, nproc=2, script=os.path.join(REPO, "train_gpt2.py"), env=None, wait=True):
@@ -222,7 +224,15 @@ def torchrun(*args, nproc=2, script=os.path.join(REPO, "train_gpt2.py"), env=Non
 
 
 def log_of(log_dir):
-    return read_text(os.path.join(log_dir, "log.txt"))
+    """log.txt as two runs of the same steps must both write it: the timing lines left out."""
+    import rundir
+
+    kept = []
+    for line in read_text(os.path.join(log_dir, "log.txt")).splitlines(keepends=True):
+        parsed = rundir.parse_log_line(line)
+        if parsed is None or parsed[1] not in rundir.TIMING_KINDS:
+            kept.append(line)
+    return "".join(kept)
 
 
 def series(log_dir):

@@ -62,18 +62,25 @@ def check_png(path):
     assert float(np.std(image)) > 0  # not a blank canvas
 
 
-def write_train(log_path, steps, rng):
-    """A decreasing noisy loss curve, as a short run writes it."""
+def write_train(log_path, steps, rng, step_numbers=False):
+    """A decreasing noisy loss curve, as a short run writes it; step_numbers: with each step's LR,
+    norm, time and tokens/s, as today's runs write them (older logs have the loss alone)."""
     for step in range(steps):
         loss = 3.4 + 7.6 * math.exp(-step / 60) + rng.normal(0, 0.08)
         rundir.append_log(str(log_path), step, "train", loss)
+        if step_numbers:
+            dt = 250 + rng.normal(0, 5) + (4000 if step == 0 else 0)  # ms; step 0 compiles
+            rundir.append_log(str(log_path), step, "lr", 6e-4 * min(1, (step + 1) / 30))
+            rundir.append_log(str(log_path), step, "norm", 1 + rng.random())
+            rundir.append_log(str(log_path), step, "dt", dt)
+            rundir.append_log(str(log_path), step, "tok_s", 65536 / (dt / 1000))
 
 
 def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
     rng = np.random.default_rng(0)
     log_path = tmp_path / "run" / "log.txt"
     log_path.parent.mkdir()
-    write_train(log_path, 300, rng)
+    write_train(log_path, 300, rng, step_numbers=True)
     for step in range(0, 300, 25):
         val = 3.5 + 7.5 * math.exp(-step / 60) + rng.normal(0, 0.03)
         rundir.append_log(str(log_path), step, "val", val)
@@ -92,12 +99,15 @@ def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
     assert math.isnan(val_values[-2]) and val_values[-1] == -math.inf
     assert math.isnan(hella_values[-1])
     i, j = int(np.argmin(val_values[:-2])), int(np.argmax(hella_values[:-1]))
+    throughput = sorted(series["tok_s"][1])[149:151]  # the median of 300: the two middle ones
 
     _, printed = execute_notebook(kernel_dir, log_path)
     assert f"min val loss: {val_values[i]:.4f} at step {val_steps[i]}" in printed
     assert "2 non-finite val losses left out" in printed
     assert f"max HellaSwag acc_norm: {hella_values[j]:.4f} at step {hella_steps[j]}" in printed
     assert "1 non-finite values left out" in printed
+    assert f"median throughput: {sum(throughput) / 2:,.0f} tok/s over 300 steps" in printed
+    assert "panels: loss, HellaSwag acc_norm, throughput, learning rate" in printed
     assert "model size (auto): 124M" in printed  # no checkpoint beside the log
     assert "missing" not in printed
     png = tmp_path / "run" / "plot.png"
@@ -106,8 +116,8 @@ def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
 
 
 def test_notebook_tolerates_missing_series(kernel_dir, tmp_path):
-    """Only train lines, and a gpt2-medium checkpoint beside them: plots the loss, picks the 350M
-    baselines."""
+    """Only train lines (an older log: no LR, no throughput), and a gpt2-medium checkpoint beside
+    them: plots the loss, picks the 350M baselines."""
     log_path = tmp_path / "log.txt"
     write_train(log_path, 120, np.random.default_rng(1))
     config = asdict(train_gpt2.GPTConfig(**train_gpt2.MODEL_PRESETS["gpt2-medium"]))
@@ -115,8 +125,11 @@ def test_notebook_tolerates_missing_series(kernel_dir, tmp_path):
     torch.save({"config": config, "step": 119}, str(tmp_path / "model_00119.pt"))
 
     _, printed = execute_notebook(kernel_dir, log_path)
-    assert "missing (not plotted): val loss, HellaSwag acc_norm" in printed
+    assert ("missing (not plotted): val loss, HellaSwag acc_norm, throughput (tok/s), "
+            "learning rate\n") in printed
+    assert "panels: loss\n" in printed
     assert "min val loss" not in printed and "max HellaSwag" not in printed
+    assert "throughput:" not in printed
     assert "model size (auto): 350M" in printed
     check_png(str(tmp_path / "plot.png"))
 

@@ -478,7 +478,7 @@ def test_rollback_sets_later_checkpoints_aside(reference, tmp_path):
     # the steps after a rolled-back-to checkpoint are kept, byte for byte, out of the new run's way
     log = str(tmp_path / "log")
     shutil.copytree(reference, log)
-    found, old_log = rundir.find_checkpoints(log), log_of(log)
+    found, old_log = rundir.find_checkpoints(log), read_text(os.path.join(log, "log.txt"))
     later = {os.path.basename(p): open(p, "rb").read() for p in found[1:]}
     back, step = found[0], rundir.checkpoint_step(found[0])
     r = run_cli("--resume", back, "--log_dir", log, "--device", "cpu", "--stop_step", str(step + 2))
