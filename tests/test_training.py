@@ -169,7 +169,7 @@ def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
         rundir.find_checkpoints(ref)
     ckpt = torch.load(os.path.join(ref, "model_00007.pt"), weights_only=False)
     assert set(ckpt) == {"model", "config", "optimizer", "step", "loader", "rng", "val_loss",
-                         "args", "tokens_seen", "provenance"}
+                         "args", "tokens_seen", "provenance", "scaler"}
     assert ckpt["step"] == 7 and ckpt["tokens_seen"] == 8 * 64
     assert ckpt["val_loss"] == pytest.approx(logged["val"][1][2], abs=1e-4)  # step 6's
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
@@ -215,7 +215,7 @@ def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
     assert " n_layer=1 " in groups["model"] and " max_steps=8 " in groups["optimisation"]
     assert " sample_prompt=Hello, I'm a language model, " in groups[titles[2]]
     assert " seed=1337 " in groups["data"] and " device=cpu " in groups["this invocation"]
-    assert groups["this run"] == " world_size=1 grad_accum_steps=1"  # False and None left out
+    assert groups["this run"] == " world_size=1 grad_accum_steps=1 autocast_dtype=fp32"  # no False
     assert " n_embd=32 " in groups["GPTConfig"] and " vocab_size=50304 " in groups["GPTConfig"]
 
 
@@ -279,8 +279,8 @@ def test_compile_on_with_val_hellaswag_and_samples(data, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr
     assert " compile=True" in r.stdout and r.stdout.count("sample 0:") == 2
     a, b = series(eager), series(compiled)
-    assert set(a) == set(b) == {"train", "val", "hella"}
-    for kind in a:
+    assert set(a) == set(b) == {"train", "val", "hella", "lr", "norm", "dt", "tok_s"}
+    for kind in ("train", "val", "hella", "lr", "norm"):
         assert a[kind][0] == b[kind][0] and a[kind][1] == pytest.approx(b[kind][1], abs=1e-4)
 
 
