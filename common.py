@@ -333,6 +333,18 @@ def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None
     return parse
 
 
+def auto_or(kind):
+    """An argparse type: the word "auto", or a value of kind."""
+    def parse(text):
+        if text == "auto":
+            return text
+        try:
+            return kind(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+    return parse
+
+
 POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
 POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
 SEED = bounded(int, 0, 2**32 - 1, what="in 0..4294967295, numpy's seed range")

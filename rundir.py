@@ -614,11 +614,150 @@ def check_resumed_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
 
 
 
+# ===== The micro-batch that fits: -B auto, and the plan command's memory figure ==================
+# Tensor memory is what the estimate counts; the CUDA context, cuBLAS's workspaces and the
+# allocator's slack come on top: a fifth of a GPU is left for them. On a CPU (or Apple's unified
+# memory) half of the machine's memory is left to the system, the data and Python.
+USABLE_GPU_MEMORY, USABLE_HOST_MEMORY = 0.8, 0.5
+
+
+def memory_budget(device):
+    """(bytes a training step may use on device, what that is of) or a UsageError if unknown."""
+    if str(device).startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        return USABLE_GPU_MEMORY * props.total_memory, f"{props.name}'s {gib(props.total_memory)}"
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return USABLE_HOST_MEMORY * total, f"this machine's {gib(total)}"
+    raise UsageError("-B auto: this system does not say how much memory it has: give -B N")
+
+
+def gib(n):
+    return f"{n / 2**30:.1f} GiB"
+
+
+def step_memory(make_model, make_optimizer, T, vocab, device, autocast_ctx):
+    """A function B -> the peak tensor memory of one training step of B sequences of T tokens (the
+    forward under autocast, backward, clipping, an optimizer step whose state exists already), as
+    torch's MemTracker counts it on fake tensors: nothing is allocated, and one model serves every
+    B asked."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mode = FakeTensorMode()
+    with mode, torch.device(device):
+        model = make_model()
+        optimizer = make_optimizer(model)
+        for p in model.parameters():  # AdamW makes its state on its first step
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    known = {}
+
+    def peak(B):
+        if B in known:
+            return known[B]
+        with mode, torch.device(device):
+            x = torch.randint(0, vocab, (B, T))
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+            with tracker:
+                optimizer.zero_grad(set_to_none=True)
+                with autocast_ctx:
+                    _, loss = model(x, x)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+        snapshot = tracker.get_tracker_snapshot("peak")
+        kind = torch.device(device).type
+        known[B] = max(v["Total"] for d, v in snapshot.items() if d.type == kind)
+        return known[B]
+
+    return peak
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def largest_fitting(peak, candidates, budget):
+    """(B, its estimate): the largest of candidates (ascending) whose step fits in budget bytes,
+    by bisection (memory grows with B); (None, the smallest's estimate) if none does."""
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if peak(candidates[mid]) <= budget:
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        return None, peak(candidates[0])
+    return best, peak(best)
+
+
+def confirm_micro_batch(model, candidates, B, T, vocab, device, autocast_ctx, agree):
+    """B, or the next smaller candidate until one real forward and backward of B x T tokens fits
+    on every rank (the estimate leaves out fragmentation and the kernels' workspaces); the model
+    is left without gradients. Random generators are left as they were."""
+    dev = torch.device(device)
+    forked = [] if dev.type == "cpu" else [dev.index or 0]  # the CPU generator is always forked
+    while True:
+        fits = True
+        with torch.random.fork_rng(devices=forked, device_type=dev.type):
+            try:
+                x = torch.zeros(B, T, dtype=torch.long, device=device)
+                with autocast_ctx:
+                    _, loss = model(x, x)
+                loss.backward()
+            except torch.OutOfMemoryError:
+                fits = False
+        x = loss = None
+        model.zero_grad(set_to_none=True)
+        if str(device).startswith("cuda"):
+            torch.cuda.empty_cache()
+        if agree(fits):
+            return B
+        smaller = [c for c in candidates if c <= B // 2]
+        if not smaller:
+            raise UsageError(f"-B auto: even -B {B} runs out of memory here: a smaller model or -T")
+        B = smaller[-1]
+
+
+def auto_micro_batch(make_model, make_optimizer, args, device, world_size, autocast_ctx, vocab,
+                     agree):
+    """-B auto: the largest micro-batch that divides the step's sequences per rank and whose
+    estimated step fits this device's memory, confirmed on CUDA by a real step; returns it and the
+    run config's record of the choice."""
+    T = args.sequence_length
+    if args.fsdp:
+        raise UsageError("-B auto estimates a whole model per GPU, not FSDP's shards: give -B N")
+    if args.total_batch_size % (T * world_size):
+        raise UsageError(f"--total_batch_size {args.total_batch_size} is not a multiple of "
+                         f"T*world_size = {T}*{world_size}: -B auto needs one")
+    candidates = divisors(args.total_batch_size // (T * world_size))
+    budget, of_what = memory_budget(device)
+    peak = step_memory(make_model, make_optimizer, T, vocab, device, autocast_ctx)
+    B, estimate = largest_fitting(peak, candidates, budget)
+    if B is None:
+        raise UsageError(f"-B auto: even -B 1 needs about {gib(estimate)}, more than the "
+                         f"{gib(budget)} usable of {of_what}: a smaller model or -T")
+    if str(device).startswith("cuda"):
+        confirmed = confirm_micro_batch(make_model().to(device), candidates, B, T, vocab, device,
+                                        autocast_ctx, agree)
+        if confirmed != B:
+            B, estimate = confirmed, peak(confirmed)
+    print0(f"-B auto: {B} (a step's estimated peak {gib(estimate)} of the {gib(budget)} usable "
+           f"of {of_what}); micro-steps a step: {args.total_batch_size // (B * T * world_size)}")
+    return B, {"micro_batch_estimate_gib": round(estimate / 2**30, 2),
+               "memory_budget_gib": round(budget / 2**30, 2)}
+
+
 # ===== The step line, log.txt and W&B ============================================================
-# Peak dense bf16 FLOP/s (half NVIDIA's with-sparsity figures), matched in order as substrings of
-# the device name: SXM parts have no form factor in theirs, so NVL and PCIe come first.
+# Peak dense bf16 FLOP/s (half NVIDIA's with-sparsity figures), fp16 for GPUs without bf16 (T4,
+# V100: their datasheets' tensor-core figures), matched in order as substrings of the device name:
+# SXM parts have no form factor in theirs, so NVL and PCIe come first.
 PEAK_BF16_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
-                   ("H200 NVL", 835e12), ("H200", 989e12), ("A100", 312e12)]
+                   ("H200 NVL", 835e12), ("H200", 989e12), ("A100", 312e12),
+                   ("V100S", 130e12), ("V100-PCIE", 112e12), ("V100", 125e12), ("T4", 65e12)]
 
 
 def peak_flops(device_name):

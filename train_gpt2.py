@@ -33,7 +33,8 @@ import fineweb
 import hellaswag
 import rundir
 from common import (DTYPES, LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED,
-                    OneLineParser, UsageError, add_flags, autocast_for, bounded, device_type_of,
+                    OneLineParser, UsageError, add_flags, auto_or, autocast_for, bounded,
+                    device_type_of,
                     enable_tf32, exit_process, flag_dest, one_line, print0, rank, resolve_device,
                     run_cli, torch_dtype, write_new_dir)
 from fineweb import EOT, GPT2_VOCAB_SIZE
@@ -76,7 +77,8 @@ RUN_SETTINGS = {
         ("--total_batch_size", 524288, POSITIVE_INT, "tokens per step, a multiple of B*T*ranks"),
         ("--batch_ramp_tokens", 0, NONNEG_INT, "GPT-3's batch ramp over the first N tokens"),
         ("--batch_ramp_start", 32768, POSITIVE_INT, "first batch of the ramp, in tokens"),
-        ("-B --micro_batch_size", 64, POSITIVE_INT, "sequences per forward pass, per process"),
+        ("-B --micro_batch_size", 64, auto_or(POSITIVE_INT),
+         "sequences per forward pass, per process; auto: the most that fit in memory"),
         ("-T --sequence_length", 1024, POSITIVE_INT, "tokens per sequence"),
     ],
     "evaluation, sampling, checkpoints (every 0: off)": [
@@ -559,6 +561,14 @@ class CombinedOptimizer:
         for opt, state in zip(self.optimizers, state_dict["optimizers"], strict=True):
             opt.load_state_dict(state)
 
+def make_optimizer(model, args, device_type, verbose=False):
+    """The run's optimizer: AdamW, or with --optimizer muon Muon for the blocks' matrices."""
+    muon = None
+    if args.optimizer == "muon":
+        muon = dict(lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.muon_ns_steps,
+                    adjust_lr_fn=args.muon_adjust_lr)
+    return model.configure_optimizers(args.weight_decay, args.max_lr, device_type, verbose, muon)
+
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     """Linear warmup to max_lr, cosine decay to min_lr at max_steps, then constant."""
     if step < warmup_steps:
@@ -766,15 +776,21 @@ def train(args, ckpt=None):
     if ckpt is not None:
         config = GPTConfig(**ckpt["config"])
 
+    autocast_ctx, dtype = autocast_for(args.dtype, proc.device_type)
+    if args.fsdp and dtype == "fp16":
+        raise UsageError("--fsdp does not train in fp16 here: use --dtype bf16 or fp32")
+    fit = {}
+    if args.micro_batch_size == "auto":  # the largest B whose step fits this device's memory
+        args.micro_batch_size, fit = rundir.auto_micro_batch(
+            lambda: GPT(config), lambda m: make_optimizer(m, args, proc.device_type), args,
+            proc.device, proc.world_size, autocast_ctx, config.vocab_size, proc.agree)
+
     # each rank runs micro-steps of B*T tokens, accumulated into steps of total_batch_size
     B, T = args.micro_batch_size, args.sequence_length
     grad_accum_steps = accumulation_steps(args, proc.world_size, config.block_size)
     unit = B * T * proc.world_size  # tokens of a micro-step on all ranks
     val_tokens = args.val_tokens if args.val_steps is None else args.val_steps * unit
     end = rundir.end_step(args)  # the run stops before this step (--stop_step)
-    autocast_ctx, dtype = autocast_for(args.dtype, proc.device_type)
-    if args.fsdp and dtype == "fp16":
-        raise UsageError("--fsdp does not train in fp16 here: use --dtype bf16 or fp32")
     use_compile = proc.device_type == "cuda" if args.compile is None else args.compile
     enable_tf32(proc.device_type)  # TF32 for fp32 matmuls
     enc = fineweb.get_encoding()
@@ -785,7 +801,7 @@ def train(args, ckpt=None):
     run_config = {**vars(args), "device": proc.device, "world_size": proc.world_size,
                   "grad_accum_steps": grad_accum_steps, "autocast_dtype": dtype,
                   "compile": use_compile,
-                  "val_tokens": val_tokens, "model": asdict(config),
+                  "val_tokens": val_tokens, **fit, "model": asdict(config),
                   "provenance": rundir.provenance(proc.device)}
     print0(rundir.format_run_config(run_config, RUN_SETTINGS))
 
@@ -815,12 +831,7 @@ def train(args, ckpt=None):
         print0(f"model: {raw_model.get_num_params():,} parameters")
         if args.fsdp:
             shard_model(raw_model, dtype)
-        muon = None
-        if args.optimizer == "muon":
-            muon = dict(lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.muon_ns_steps,
-                        adjust_lr_fn=args.muon_adjust_lr)
-        optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr,
-                                                   proc.device_type, proc.master, muon)
+        optimizer = make_optimizer(raw_model, args, proc.device_type, verbose=proc.master)
         # fp16 gradients underflow: the loss is scaled up, and the gradients down before the step
         scaler = torch.amp.GradScaler(proc.device_type, enabled=dtype == "fp16")
         if ckpt is not None:

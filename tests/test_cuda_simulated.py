@@ -51,7 +51,8 @@ def children(lib, tmp_path_factory):
               for folder, _, _ in seeds[what]]
     runs = Children(str(tmp_path_factory.mktemp("children")))
     runs.start_checks(lib, ["train", "inference", *seeded])
-    runs.start_checks(lib, ["compile", "distributed:fsdp", "distributed:ddp", "fp16"])
+    runs.start_checks(lib, ["compile", "distributed:fsdp", "distributed:ddp", "fp16",
+                            "auto_batch"])
     runs.start([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
                 "--estimate_batch_sizes", "16,64", "--sim_lib", lib, "--json"], ["estimate"])
     runs.seeds = seeds
@@ -151,6 +152,20 @@ def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children):
                                                               "step"], r["events"]
     assert all("scaler" in c["keys"] for c in r["saved"]) and r["saved"], r["saved"]
     assert r["fsdp"] is not None and "--fsdp does not train in fp16" in r["fsdp"], r["fsdp"]
+
+
+def test_auto_micro_batch_grows_with_the_gpu_and_each_choice_fits(children):
+    """-B auto for GPT-2 124M (T=1024, bf16, 524,288-token steps) on 16, 24, 40 and 80 GiB GPUs:
+    the largest divisor of the step's 512 sequences whose estimated step fits in 80% of the GPU
+    (the next larger one does not); a tiny run records its choice and estimate."""
+    r = passed(children, "auto_batch")
+    chosen = {int(gib): c for gib, c in r["gpt2"].items()}
+    assert [chosen[g]["B"] for g in (16, 24, 40, 80)] == [8, 16, 32, 64], chosen
+    for gib, c in chosen.items():
+        assert c["estimate"] <= c["budget"] == 0.8 * gib * 2**30 < c["larger"], (gib, c)
+        assert c["micro_batch_estimate_gib"] == round(c["estimate"] / 2**30, 2)
+    assert configured(r["stdout"], "micro_batch_size=4"), r["stdout"]  # 128 tokens / T=32
+    assert "-B auto: 4 (a step's estimated peak" in r["stdout"]
 
 
 def test_cli_on_cuda_prints_the_bf16_config_and_the_mfu_and_memory_columns(train):

@@ -14,6 +14,7 @@ hellaswag.evaluate, ...) and watches it from outside, through torch: global modu
 hooks, and stand-ins for torch functions (torch.cuda.*, torch.save/load, torch.compile, the process
 group).
 """
+import argparse
 import collections
 import contextlib
 import importlib.util
@@ -356,6 +357,48 @@ def check_fp16():
             fsdp = str(e)
     return {"stdout": out, "stderr": err, "events": events, "forwards": watch.forwards,
             "steps": watch.steps, "saved": saved, "fsdp": fsdp}
+
+
+def check_auto_batch():
+    """-B auto: GPT-2 124M at T=1024 with the 524,288-token batch, bf16, on simulated GPUs of 16,
+    24, 40 and 80 GiB (one estimate per B, shared by the four: it does not depend on the GPU);
+    then a tiny run with -B auto on the 16 GiB one. Fake tensors never run out of memory: the
+    real step that confirms the choice is left out of the first part (tested on the CPU)."""
+    estimates = {}
+    step_memory, confirm = rundir.step_memory, rundir.confirm_micro_batch
+
+    def shared(*args):  # the same model, T and dtype on every GPU
+        if "peak" not in estimates:
+            estimates["peak"] = step_memory(*args)
+        return estimates["peak"]
+
+    rundir.step_memory = shared
+    rundir.confirm_micro_batch = lambda model, candidates, B, *args: B
+    config = tg.GPTConfig(**tg.MODEL_PRESETS["gpt2"])
+    args = argparse.Namespace(sequence_length=1024, total_batch_size=524288, fsdp=False,
+                              optimizer="adamw", weight_decay=0.1, max_lr=6e-4)
+    chosen = {}
+    try:
+        for gib in (16, 24, 40, 80):
+            with simcuda.flash_attention_as_on_h100(), \
+                    simcuda.SimulatedCUDA(total_memory=gib * 2**30):
+                ctx, _ = common.autocast_for("bf16", "cuda")
+                B, fit = rundir.auto_micro_batch(
+                    lambda: tg.GPT(config), lambda m: tg.make_optimizer(m, args, "cuda"), args,
+                    "cuda", 1, ctx, config.vocab_size, lambda ok: ok)
+                larger = [d for d in rundir.divisors(512) if d > B]
+                chosen[gib] = {"B": B, "estimate": estimates["peak"](B),
+                               "larger": estimates["peak"](larger[0]) if larger else None,
+                               "budget": rundir.USABLE_GPU_MEMORY * gib * 2**30, **fit}
+    finally:
+        rundir.step_memory, rundir.confirm_micro_batch = step_memory, confirm
+    data, log = scratch()
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA(total_memory=16 * 2**30), \
+            CheckpointsInMemory():
+        out, err = run_main(tiny_args(data, log, "--no-compile", "-B", "auto", "--max_steps", "1",
+                                      "--eval_every", "0", "--sample_every", "0",
+                                      "--hellaswag_every", "0"))
+    return {"gpt2": chosen, "stdout": out, "stderr": err}
 
 
 def check_compile():
