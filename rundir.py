@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -749,6 +750,84 @@ def auto_micro_batch(make_model, make_optimizer, args, device, world_size, autoc
            f"of {of_what}); micro-steps a step: {args.total_batch_size // (B * T * world_size)}")
     return B, {"micro_batch_estimate_gib": round(estimate / 2**30, 2),
                "memory_budget_gib": round(budget / 2**30, 2)}
+
+
+def measure_micro_step(make_model, make_optimizer, B, T, vocab, device, autocast_ctx, repeats=3):
+    """(fastest, slowest) seconds of a few real micro-steps (forward, backward, optimizer step) of
+    B x T tokens on device, after one to warm up; random generators are left as they were."""
+    model = make_model().to(device)
+    optimizer = make_optimizer(model)
+    x = torch.zeros(B, T, dtype=torch.long, device=device)
+    dev = torch.device(device)
+    seconds = []
+    with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0],
+                               device_type=dev.type):
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            with autocast_ctx:
+                _, loss = model(x, x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss.item()  # waits for the device
+            seconds.append(time.perf_counter() - t0)
+    return min(seconds[1:]), max(seconds[1:])
+
+
+def plan(args, settings, config, make_model, make_optimizer, device, world_size, autocast_ctx,
+         dtype):
+    """The plan command's report of the run these flags make: its config, size, batch, memory,
+    compute and time, worked out before anything is written (and, on a GPU, allocated)."""
+    T, total = args.sequence_length, args.total_batch_size
+    if total % (T * world_size):
+        raise UsageError(f"--total_batch_size {total} is not a multiple of T*world_size = "
+                         f"{T}*{world_size}")
+    peak = step_memory(make_model, make_optimizer, T, config.vocab_size, device, autocast_ctx)
+    budget, of_what = memory_budget(device)
+    candidates = divisors(total // (T * world_size))
+    B = args.micro_batch_size
+    if B == "auto":
+        B, estimate = largest_fitting(peak, candidates, budget)
+        if B is None:
+            raise UsageError(f"-B auto: even -B 1 needs about {gib(estimate)}, more than the "
+                             f"{gib(budget)} usable of {of_what}")
+    if B not in candidates:
+        raise UsageError(f"--total_batch_size {total} is not divisible by B*T*world_size = "
+                         f"{B}*{T}*{world_size}")
+    micro_steps = total // (B * T * world_size)
+    with torch.device("meta"):
+        model = make_model()
+    n_params = model.get_num_params()
+    step_flops = flops_per_token(config, model.get_num_params(non_embedding=True), T) * total
+    steps = end_step(args)
+    run_config = {**vars(args), "micro_batch_size": B, "device": device,
+                  "world_size": world_size, "grad_accum_steps": micro_steps,
+                  "autocast_dtype": dtype, "model": asdict(config)}
+
+    peak_per_gpu = args.peak_flops
+    if peak_per_gpu is None and str(device).startswith("cuda"):
+        peak_per_gpu = peak_flops(torch.cuda.get_device_name(device))
+    if peak_per_gpu:  # compiled GPT-2 training runs reach about 30-50% of a GPU's peak
+        fast = steps * step_flops / (world_size * peak_per_gpu * 0.5)
+        slow, how = fast * 0.5 / 0.3, f"at 50% to 30% MFU of {peak_per_gpu / 1e12:.0f} TFLOP/s"
+    else:  # measured at -B 1 and scaled: no peak to go by
+        fastest, slowest = measure_micro_step(make_model, make_optimizer, 1, T,
+                                              config.vocab_size, device, autocast_ctx)
+        fast, slow = (steps * micro_steps * B * t for t in (fastest, slowest))
+        how = f"from 3 micro-steps of 1 sequence measured on {device}, times {B * micro_steps}"
+    fits = ""
+    if peak(B) > budget:
+        fits = ": it does not fit, -B auto picks one that does"
+    return "\n".join([
+        format_run_config(run_config, settings),
+        f"plan: {n_params:,} parameters on {world_size} x {device} in {dtype}",
+        f"  tokens: {steps:,} steps x {total:,} = {steps * total:,}",
+        f"  batch: -B {B} x -T {T} x {world_size} process(es), {micro_steps} micro-step(s) a step",
+        f"  memory: a step's estimated peak {gib(peak(B))} per process,",
+        f"    of {gib(budget)} usable of {of_what}{fits}",
+        f"  compute: {step_flops / 1e12:,.1f} TFLOP a step (6N + attention), "
+        f"{steps * step_flops / 1e18:,.2f} EFLOP in all",
+        f"  time: {format_eta(fast)} to {format_eta(slow)} ({how})"])
 
 
 # ===== The step line, log.txt and W&B ============================================================

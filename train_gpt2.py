@@ -1045,8 +1045,9 @@ def build_parser(shown=DEFAULTS, command=None):
         add_flags(p, flags)
         return p
     commands = "\n".join(f"  {c:8} {flags[0]}" for c, flags in COMMAND_FLAGS.items())
+    commands += "\n  plan     the run these flags make (memory, compute, time); nothing written"
     p = OneLineParser(prog="train_gpt2.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-                      usage="%(prog)s [flags]  |  %(prog)s {sample,export,eval} [flags]",
+                      usage="%(prog)s [plan] [flags]  |  %(prog)s {sample,export,eval} [flags]",
                       description="Pretrain GPT-2 on FineWeb-Edu shards, on one GPU or under "
                                   f"torchrun.\n\ncommands (COMMAND --help):\n{commands}")
     for title, entries in RUN_SETTINGS.items():
@@ -1106,11 +1107,29 @@ def eval_main(args):
     print(hellaswag.summary(args.checkpoint or args.init_from, device, dtype, "val", res, seconds))
     return 0
 
+def plan_main(args, ckpt=None):
+    """What a run with these flags would take, worked out without writing anything."""
+    config = model_config_from_args(args)
+    if ckpt is not None:
+        config = GPTConfig(**ckpt["config"])
+    if args.init_from is not None:
+        if args.init_from not in MODEL_PRESETS:
+            raise UsageError("plan: --init_from DIR's shape is in its weights: give its --preset")
+        config = GPTConfig(**MODEL_PRESETS[args.init_from])
+    device = resolve_device(args.device)
+    autocast_ctx, dtype = autocast_for(args.dtype, device)
+    print0(rundir.plan(args, RUN_SETTINGS, config, lambda: GPT(config),
+                       lambda m: make_optimizer(m, args, device_type_of(device)), device,
+                       int(os.environ.get("WORLD_SIZE", "1")), autocast_ctx, dtype))
+    return 0
+
 COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
 
 def run(argv):
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](build_parser(command=argv[0]).parse_args(argv[1:]))
+    if argv and argv[0] == "plan":  # the training flags, the run worked out, nothing written
+        return plan_main(*parse_args(argv[1:]))
     return train(*parse_args(argv))
 
 def main(argv=None):

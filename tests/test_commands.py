@@ -1,6 +1,6 @@
 """The commands that use a checkpoint or OpenAI's GPT-2: `train_gpt2.py sample`, `export` (to a
 transformers GPT2LMHeadModel, checked logit for logit) and `eval` (HellaSwag, against
-hellaswag.evaluate); what they refuse, in one line."""
+hellaswag.evaluate); `plan`, which works a run out; what they refuse, in one line."""
 import errno
 import hashlib
 import importlib.util
@@ -16,7 +16,8 @@ import common
 import hellaswag
 import rundir
 import train_gpt2 as tg
-from helpers import REPO, assert_one_line_error, hf_gpt2, run_cli, tiny_model, write_hellaswag
+from helpers import (REPO, assert_one_line_error, hf_gpt2, run_args, run_cli, tiny_model,
+                     write_hellaswag)
 
 
 def save_tiny_checkpoint(path, model):
@@ -228,3 +229,26 @@ def test_provenance_outside_a_git_checkout_is_a_hash_of_train_gpt2(tmp_path, mon
     monkeypatch.setenv("GIT_DIR", "/nonexistent")  # no repository, wherever tmp_path is
     digest = hashlib.sha256((tmp_path / "train_gpt2.py").read_bytes()).hexdigest()
     assert elsewhere.provenance("cpu")["code"] == f"train_gpt2.py sha256 {digest}"
+
+
+# --------------------------------------------------------------------------------------------- plan
+
+def test_plan_works_out_a_run_on_the_cpu_and_writes_nothing(data, tmp_path):
+    """The tiny run's plan: its config block, size, batch, a memory estimate and a time measured
+    on this CPU; no log dir, no data prepared. The GPU side (the 124M recipe on an H100, its time
+    from the peak FLOP/s) is in test_cuda_simulated.py."""
+    log, before = tmp_path / "log", sorted(os.listdir(data))
+    r = run_cli("plan", *run_args(data, str(log)))
+    assert r.returncode == 0, r.stderr
+    assert "run config:" in r.stdout and "\nplan: " in r.stdout
+    plan = r.stdout.split("\nplan: ", 1)[1]
+    n_params = tiny_model(n_layer=1, n_head=2, n_embd=32, block_size=32).get_num_params()
+    assert plan.startswith(f"{n_params:,} parameters on 1 x cpu in fp32"), plan
+    assert "tokens: 8 steps x 64 = 512" in plan
+    assert "batch: -B 2 x -T 32 x 1 process(es), 1 micro-step(s) a step" in plan
+    assert "memory: a step's estimated peak " in plan and "usable of this machine's" in plan
+    assert "(from 3 micro-steps of 1 sequence measured on cpu, times 2)" in plan
+    assert not log.exists() and sorted(os.listdir(data)) == before
+    assert_one_line_error(run_cli("plan", *run_args(data, str(log), "-B", "3")),
+                          "not divisible by B*T*world_size")
+    assert not log.exists()

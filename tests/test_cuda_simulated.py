@@ -155,17 +155,29 @@ def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children):
 
 
 def test_auto_micro_batch_grows_with_the_gpu_and_each_choice_fits(children):
-    """-B auto for GPT-2 124M (T=1024, bf16, 524,288-token steps) on 16, 24, 40 and 80 GiB GPUs:
+    """-B auto at GPT-2's width, T=1024, bf16, 524,288-token steps on 16, 24, 40 and 80 GiB GPUs:
     the largest divisor of the step's 512 sequences whose estimated step fits in 80% of the GPU
-    (the next larger one does not); a tiny run records its choice and estimate."""
+    (the next larger one does not), so B grows with memory; a tiny run records its choice."""
     r = passed(children, "auto_batch")
-    chosen = {int(gib): c for gib, c in r["gpt2"].items()}
-    assert [chosen[g]["B"] for g in (16, 24, 40, 80)] == [8, 16, 32, 64], chosen
+    chosen = {int(gib): c for gib, c in r["chosen"].items()}
+    sizes = [chosen[g]["B"] for g in (16, 24, 40, 80)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1], chosen
     for gib, c in chosen.items():
         assert c["estimate"] <= c["budget"] == 0.8 * gib * 2**30 < c["larger"], (gib, c)
         assert c["micro_batch_estimate_gib"] == round(c["estimate"] / 2**30, 2)
     assert configured(r["stdout"], "micro_batch_size=4"), r["stdout"]  # 128 tokens / T=32
     assert "-B auto: 4 (a step's estimated peak" in r["stdout"]
+
+
+def test_plan_works_out_the_124m_recipe_on_an_h100_and_writes_nothing(children):
+    r = passed(children, "auto_batch")
+    plan = r["plan"].split("\nplan: ", 1)[1]
+    assert plan.startswith("124,475,904 parameters on 1 x cuda in bf16"), plan
+    assert "19,073 steps x 524,288 = 9,999,745,024" in plan
+    assert "-B 64 x -T 1024 x 1 process(es), 8 micro-step(s) a step" in plan
+    assert "estimated peak 59.0 GiB per process" in plan and "of 64.0 GiB usable" in plan
+    assert re.search(r"time: \d+:\d\d:\d\d to \d+:\d\d:\d\d \(at 50% to 30% MFU of 989", plan)
+    assert not r["plan_wrote"]
 
 
 def test_cli_on_cuda_prints_the_bf16_config_and_the_mfu_and_memory_columns(train):

@@ -359,11 +359,12 @@ def check_fp16():
             "steps": watch.steps, "saved": saved, "fsdp": fsdp}
 
 
-def check_auto_batch():
-    """-B auto: GPT-2 124M at T=1024 with the 524,288-token batch, bf16, on simulated GPUs of 16,
-    24, 40 and 80 GiB (one estimate per B, shared by the four: it does not depend on the GPU);
-    then a tiny run with -B auto on the 16 GiB one. Fake tensors never run out of memory: the
-    real step that confirms the choice is left out of the first part (tested on the CPU)."""
+def check_auto_batch(n_layer="2"):
+    """-B auto for GPT-2 124M's width at T=1024 with the 524,288-token batch, bf16 (n_layer of
+    its 12 layers: fewer to be quick), on simulated GPUs of 16, 24, 40 and 80 GiB (the estimate of
+    a B is shared by the four: it does not depend on the GPU); `plan` for the 124M recipe on the
+    80 GiB one; a tiny run with -B auto on the 16 GiB one. Fake tensors never run out of memory:
+    the real step that confirms a choice is left out of the first part (tested on the CPU)."""
     estimates = {}
     step_memory, confirm = rundir.step_memory, rundir.confirm_micro_batch
 
@@ -372,12 +373,12 @@ def check_auto_batch():
             estimates["peak"] = step_memory(*args)
         return estimates["peak"]
 
-    rundir.step_memory = shared
-    rundir.confirm_micro_batch = lambda model, candidates, B, *args: B
-    config = tg.GPTConfig(**tg.MODEL_PRESETS["gpt2"])
+    config = tg.GPTConfig(**{**tg.MODEL_PRESETS["gpt2"], "n_layer": int(n_layer)})
     args = argparse.Namespace(sequence_length=1024, total_batch_size=524288, fsdp=False,
                               optimizer="adamw", weight_decay=0.1, max_lr=6e-4)
     chosen = {}
+    rundir.step_memory = shared
+    rundir.confirm_micro_batch = lambda model, candidates, B, *args: B
     try:
         for gib in (16, 24, 40, 80):
             with simcuda.flash_attention_as_on_h100(), \
@@ -392,13 +393,19 @@ def check_auto_batch():
                                "budget": rundir.USABLE_GPU_MEMORY * gib * 2**30, **fit}
     finally:
         rundir.step_memory, rundir.confirm_micro_batch = step_memory, confirm
+
     data, log = scratch()
+    before = sorted(os.listdir(data))
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA():
+        plan, _ = run_main(["plan", "--device", "cuda", "--data_root", data, "--log_dir", log])
+    plan_wrote = os.path.exists(log) or sorted(os.listdir(data)) != before
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA(total_memory=16 * 2**30), \
             CheckpointsInMemory():
         out, err = run_main(tiny_args(data, log, "--no-compile", "-B", "auto", "--max_steps", "1",
                                       "--eval_every", "0", "--sample_every", "0",
                                       "--hellaswag_every", "0"))
-    return {"gpt2": chosen, "stdout": out, "stderr": err}
+    return {"chosen": chosen, "stdout": out, "stderr": err, "plan": plan,
+            "plan_wrote": plan_wrote}
 
 
 def check_compile():
