@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from common import UsageError, atomic_write, dir_lock, flag_dest, one_line, print0, rank
+from fineweb import EOT
 
 
 # ===== Checkpoint files ==========================================================================
@@ -278,6 +279,49 @@ def peer_failure(log_dir, what, wait):
         time.sleep(0.1)
 
 
+# the matmuls transformers' GPT-2 keeps as Conv1D, (in, out): transposed on import and export
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")
+
+
+def model_from_checkpoint(ckpt, path, make_model, device="cpu"):
+    """make_model(the checkpoint's config) with its weights; a UsageError if config and weights
+    disagree. On device "meta" only that check, which allocates nothing."""
+    try:
+        with torch.device(device):
+            model = make_model(ckpt["config"])
+        model.load_state_dict(ckpt["model"], assign=device == "meta")
+    except (TypeError, ValueError, RuntimeError) as e:  # an unknown key, a shape the weights lack
+        raise UsageError(f"{path}: its config and weights disagree ({one_line(e, 200)})") from None
+    return model
+
+
+def export_hf(model, out_dir):
+    """Write a GPT (train_gpt2.py's) as a transformers GPT2LMHeadModel directory, the vocab
+    unpadded: what `train_gpt2.py export` makes of a checkpoint."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    c = model.config
+    if not c.bias or c.n_kv_head != c.n_head:
+        raise UsageError(f"only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
+                         f"bias={c.bias}, n_kv_head={c.n_kv_head}, n_head={c.n_head}")
+    hf = GPT2LMHeadModel(GPT2Config(
+        vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
+        n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
+        layer_norm_epsilon=1e-5, resid_pdrop=c.dropout, embd_pdrop=c.dropout,
+        attn_pdrop=c.dropout, bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True))
+    sd = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().float().cpu()
+        if k.endswith(CONV1D_WEIGHTS):
+            v = v.t()
+        if k in ("transformer.wte.weight", "lm_head.weight"):
+            v = v[: c.real_vocab_size]
+        sd[k] = v.contiguous()
+    hf.load_state_dict(sd, strict=True)
+    hf.save_pretrained(out_dir)
+    return hf
+
+
 # ===== The log dir: one run at a time, an earlier run never overwritten by accident ==============
 def claim_log_dir(args, ckpt, run_config, master, agree):
     """Rank 0 locks --log_dir for the run, readies it for a new run or for resuming ckpt, and saves
@@ -517,11 +561,32 @@ def check_prompt_fits(n_prompt, n_new, block_size, flags, hint=""):
                          f"model's block_size {block_size}{hint}")
 
 
+def accumulation_steps(args, world_size, block_size):
+    """Micro-steps per optimizer step, or a UsageError saying what does not fit."""
+    B, T = args.micro_batch_size, args.sequence_length
+    if T > block_size:
+        raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
+    unit = B * T * world_size
+    if args.total_batch_size % unit != 0:
+        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by "
+                         f"B*T*world_size = {B}*{T}*{world_size} = {unit}: make it a multiple, "
+                         f"or change -B")
+    return args.total_batch_size // unit
+
+
 def end_step(args):
     """The step the run stops before: --max_steps, or --stop_step when that comes first."""
     if args.stop_step is None:
         return args.max_steps
     return min(args.max_steps, args.stop_step)
+
+
+def check_pairs(given):
+    """Flags that cannot be given together, given ({dest: value}): checked before a resume reads its
+    checkpoint."""
+    for a, b in (("val_tokens", "val_steps"), ("resume", "overwrite"), ("resume", "init_from")):
+        if given.get(a) and given.get(b):
+            raise UsageError(f"--{a} and --{b} do not go together: give one")
 
 
 def check_flags(args, given, ckpt, shape_flags, asked_shape, get_lr):
@@ -774,11 +839,12 @@ def measure_micro_step(make_model, make_optimizer, B, T, vocab, device, autocast
     return min(seconds[1:]), max(seconds[1:])
 
 
-def plan(args, settings, config, make_model, make_optimizer, device, world_size, autocast_ctx,
-         dtype):
-    """The plan command's report of the run these flags make: its config, size, batch, memory,
-    compute and time, worked out before anything is written (and, on a GPU, allocated)."""
+def plan(args, settings, config, make_model, make_optimizer, device, autocast_ctx, dtype):
+    """The plan command's report of the run these flags make (under torchrun: per process): its
+    config, size, batch, memory, compute and time, worked out before anything is written (and, on
+    a GPU, allocated)."""
     T, total = args.sequence_length, args.total_batch_size
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if total % (T * world_size):
         raise UsageError(f"--total_batch_size {total} is not a multiple of T*world_size = "
                          f"{T}*{world_size}")
@@ -791,16 +857,14 @@ def plan(args, settings, config, make_model, make_optimizer, device, world_size,
         if B is None:
             raise UsageError(f"-B auto: even -B 1 needs about {gib(estimate)}, more than the "
                              f"{gib(budget)} usable of {of_what}")
-    if B not in candidates:
-        raise UsageError(f"--total_batch_size {total} is not divisible by B*T*world_size = "
-                         f"{B}*{T}*{world_size}")
-    micro_steps = total // (B * T * world_size)
+    args.micro_batch_size = B
+    micro_steps = accumulation_steps(args, world_size, config.block_size)
     with torch.device("meta"):
         model = make_model()
     n_params = model.get_num_params()
     step_flops = flops_per_token(config, model.get_num_params(non_embedding=True), T) * total
     steps = end_step(args)
-    run_config = {**vars(args), "micro_batch_size": B, "device": device,
+    run_config = {**vars(args), "device": device,
                   "world_size": world_size, "grad_accum_steps": micro_steps,
                   "autocast_dtype": dtype, "model": asdict(config)}
 

@@ -78,7 +78,7 @@ RUN_SETTINGS = {
         ("--batch_ramp_tokens", 0, NONNEG_INT, "GPT-3's batch ramp over the first N tokens"),
         ("--batch_ramp_start", 32768, POSITIVE_INT, "first batch of the ramp, in tokens"),
         ("-B --micro_batch_size", 64, auto_or(POSITIVE_INT),
-         "sequences per forward pass, per process; auto: the most that fit in memory"),
+         "sequences a forward pass, per process; auto: most that fit"),
         ("-T --sequence_length", 1024, POSITIVE_INT, "tokens per sequence"),
     ],
     "evaluation, sampling, checkpoints (every 0: off)": [
@@ -347,7 +347,7 @@ class GPT(nn.Module):
                            dropout=dropout)
         sd = {}
         for k, v in hf.state_dict().items():
-            if k.endswith(CONV1D_WEIGHTS):
+            if k.endswith(rundir.CONV1D_WEIGHTS):
                 v = v.t()  # HF's Conv1D is (in, out); nn.Linear wants (out, in)
             if k in ("transformer.wte.weight", "lm_head.weight"):  # zero padding rows: masked
                 v = F.pad(v, (0, 0, 0, padded_vocab - hc.vocab_size))
@@ -425,34 +425,6 @@ def sample_next(logits, temperature=1.0, top_k=50, generator=None):
         v, ix = torch.topk(logits, top_k, dim=-1)
         return torch.gather(ix, -1, torch.multinomial(F.softmax(v, dim=-1), 1, generator=generator))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-
-# the matmuls transformers' GPT-2 keeps as Conv1D, (in, out): transposed on import and export
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
-                  "mlp.c_proj.weight")
-
-def export_hf(model, out_dir):
-    """Write model as a transformers GPT2LMHeadModel directory, the vocab unpadded."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    c = model.config
-    if not c.bias or c.n_kv_head != c.n_head:
-        raise UsageError(f"only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
-                         f"bias={c.bias}, n_kv_head={c.n_kv_head}, n_head={c.n_head}")
-    hf = GPT2LMHeadModel(GPT2Config(
-        vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
-        n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
-        layer_norm_epsilon=1e-5, resid_pdrop=c.dropout, embd_pdrop=c.dropout,
-        attn_pdrop=c.dropout, bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True))
-    sd = {}
-    for k, v in model.state_dict().items():
-        v = v.detach().float().cpu()
-        if k.endswith(CONV1D_WEIGHTS):
-            v = v.t()
-        if k in ("transformer.wte.weight", "lm_head.weight"):
-            v = v[: c.real_vocab_size]
-        sd[k] = v.contiguous()
-    hf.load_state_dict(sd, strict=True)
-    hf.save_pretrained(out_dir)
-    return hf
 
 # ===== Data loader: uint16 token shards written by fineweb.py =====
 class DataLoaderLite:
@@ -587,18 +559,6 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
     start = min(start, total_batch_size)
     size = start + (total_batch_size - start) * tokens_seen / ramp_tokens
     return max(unit, int(size) // unit * unit)
-
-def accumulation_steps(args, world_size, block_size):
-    """Micro-steps per optimizer step, or a UsageError saying what does not fit."""
-    B, T = args.micro_batch_size, args.sequence_length
-    if T > block_size:
-        raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
-    unit = B * T * world_size
-    if args.total_batch_size % unit != 0:
-        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by "
-                         f"B*T*world_size = {B}*{T}*{world_size} = {unit}: make it a multiple, "
-                         f"or change -B")
-    return args.total_batch_size // unit
 
 # ===== Distributed: this process in the run, FSDP =====
 @dataclass
@@ -778,16 +738,16 @@ def train(args, ckpt=None):
 
     autocast_ctx, dtype = autocast_for(args.dtype, proc.device_type)
     if args.fsdp and dtype == "fp16":
-        raise UsageError("--fsdp does not train in fp16 here: use --dtype bf16 or fp32")
+        raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
     fit = {}
-    if args.micro_batch_size == "auto":  # the largest B whose step fits this device's memory
+    if args.micro_batch_size == "auto":  # the largest B that fits in memory
         args.micro_batch_size, fit = rundir.auto_micro_batch(
             lambda: GPT(config), lambda m: make_optimizer(m, args, proc.device_type), args,
             proc.device, proc.world_size, autocast_ctx, config.vocab_size, proc.agree)
 
     # each rank runs micro-steps of B*T tokens, accumulated into steps of total_batch_size
     B, T = args.micro_batch_size, args.sequence_length
-    grad_accum_steps = accumulation_steps(args, proc.world_size, config.block_size)
+    grad_accum_steps = rundir.accumulation_steps(args, proc.world_size, config.block_size)
     unit = B * T * proc.world_size  # tokens of a micro-step on all ranks
     val_tokens = args.val_tokens if args.val_steps is None else args.val_steps * unit
     end = rundir.end_step(args)  # the run stops before this step (--stop_step)
@@ -832,7 +792,7 @@ def train(args, ckpt=None):
         if args.fsdp:
             shard_model(raw_model, dtype)
         optimizer = make_optimizer(raw_model, args, proc.device_type, verbose=proc.master)
-        # fp16 gradients underflow: the loss is scaled up, and the gradients down before the step
+        # fp16: the loss scaled up so that small gradients do not underflow
         scaler = torch.amp.GradScaler(proc.device_type, enabled=dtype == "fp16")
         if ckpt is not None:
             state = restore_checkpoint(ckpt, raw_model, optimizer, scaler, train_loader)
@@ -870,7 +830,7 @@ def train(args, ckpt=None):
                                              rank=proc.rank, world_size=proc.world_size,
                                              device_type=proc.device_type,
                                              autocast_dtype=torch_dtype(dtype))
-                except hellaswag.HellaSwagUnavailable as e:  # the data went away: off from now
+                except hellaswag.HellaSwagUnavailable as e:  # the data went away
                     print0(f"warning: HellaSwag evaluation turned off: {e}")
                     hellaswag_on = False
                 else:
@@ -918,7 +878,7 @@ def train(args, ckpt=None):
                 loss_accum /= proc.world_size
                 dist.all_reduce(go_on, op=dist.ReduceOp.MIN)
             loss_value, norm_value, go_on = torch.stack([loss_accum, norm.float(), go_on]).tolist()
-            # fp16: inf or nan gradients skip the update, halve the loss scale (below 1: diverged)
+            # fp16: inf or nan gradients skip the update and halve the scale (below 1: diverged)
             overflow = scaler.is_enabled() and not math.isfinite(norm_value)
             skipped = overflow and scaler.get_scale() >= 1
             if not (math.isfinite(loss_value) and (math.isfinite(norm_value) or skipped)):
@@ -927,7 +887,7 @@ def train(args, ckpt=None):
                         args.max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's: --muon_lr / --max_lr
-            scaler.step(optimizer)  # optimizer.step(), unless skipped
+            scaler.step(optimizer)  # optimizer.step() unless skipped
             scaler.update()
             if proc.device_type == "cuda":
                 torch.cuda.synchronize()  # so dt measures the GPU's work, not just the launches
@@ -960,7 +920,7 @@ def train(args, ckpt=None):
         if step is None:  # before the first step: nothing trained to keep
             raise
         # keep the last finished step, without a collective: the failure may be this rank's alone
-        # (FSDP must gather its shards to save: the last checkpoint written stays the newest)
+        # (FSDP must gather its shards to save: its last checkpoint stays the newest)
         if state.step > last_saved and not (args.fsdp and proc.world_size > 1):
             if save_checkpoint(rundir.checkpoint_path(args.log_dir, state.step), raw_model,
                                optimizer, scaler, state, train_loader, args.keep_last, proc,
@@ -992,9 +952,7 @@ def parse_args(argv=None):
     settings = {**DEFAULTS, **RUN_PRESETS[given.get("preset", "gpt2")]}
     if "input" in given:  # local text is not FineWeb-Edu: it gets a folder of its own
         settings["data_root"] = fineweb.LOCAL_DATA_ROOT
-    for a, b in (("val_tokens", "val_steps"), ("resume", "overwrite"), ("resume", "init_from")):
-        if given.get(a) and given.get(b):
-            raise UsageError(f"--{a} and --{b} do not go together: give one")
+    rundir.check_pairs(given)
     ckpt = None
     if "resume" in given:  # every flag not given again comes from the checkpoint
         log_dir = given.get("log_dir", settings["log_dir"])
@@ -1055,15 +1013,8 @@ def build_parser(shown=DEFAULTS, command=None):
     return p
 
 def model_from_checkpoint(ckpt, path, device="cpu"):
-    """The GPT a checkpoint holds, in fp32, or a UsageError if its config and weights disagree; on
-    device "meta" only that check, which allocates nothing."""
-    try:
-        with torch.device(device):
-            model = GPT(GPTConfig(**ckpt["config"]))
-        model.load_state_dict(ckpt["model"], assign=device == "meta")
-    except (TypeError, ValueError, RuntimeError) as e:  # an unknown key, a shape the weights lack
-        raise UsageError(f"{path}: its config and weights disagree ({one_line(e, 200)})") from None
-    return model
+    """The GPT a checkpoint holds, in fp32 (a UsageError if its config and weights disagree)."""
+    return rundir.model_from_checkpoint(ckpt, path, lambda c: GPT(GPTConfig(**c)), device)
 
 def model_for_command(args):
     """(GPT in eval mode, device, autocast, dtype name) of --checkpoint or --init_from."""
@@ -1092,7 +1043,7 @@ def sample_main(args):
 def export_main(args):
     ckpt = rundir.open_checkpoint(args.checkpoint)
     write_new_dir(args.out, "--out",
-                  lambda tmp: export_hf(model_from_checkpoint(ckpt, args.checkpoint), tmp))
+                  lambda tmp: rundir.export_hf(model_from_checkpoint(ckpt, args.checkpoint), tmp))
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
@@ -1110,17 +1061,15 @@ def eval_main(args):
 def plan_main(args, ckpt=None):
     """What a run with these flags would take, worked out without writing anything."""
     config = model_config_from_args(args)
+    if args.init_from in MODEL_PRESETS:
+        config = GPTConfig(**MODEL_PRESETS[args.init_from])
     if ckpt is not None:
         config = GPTConfig(**ckpt["config"])
-    if args.init_from is not None:
-        if args.init_from not in MODEL_PRESETS:
-            raise UsageError("plan: --init_from DIR's shape is in its weights: give its --preset")
-        config = GPTConfig(**MODEL_PRESETS[args.init_from])
     device = resolve_device(args.device)
     autocast_ctx, dtype = autocast_for(args.dtype, device)
     print0(rundir.plan(args, RUN_SETTINGS, config, lambda: GPT(config),
                        lambda m: make_optimizer(m, args, device_type_of(device)), device,
-                       int(os.environ.get("WORLD_SIZE", "1")), autocast_ctx, dtype))
+                       autocast_ctx, dtype))
     return 0
 
 COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}

@@ -106,17 +106,17 @@ def test_export_roundtrip_logits(tmp_path):
 def test_a_failed_export_leaves_nothing_and_a_retry_works(reference, tmp_path, monkeypatch):
     ckpt = rundir.find_checkpoints(reference)[-1]
     out = tmp_path / "hf"
-    real_export = tg.export_hf
+    real_export = rundir.export_hf
 
     def export_hf(model, out_dir):
         open(os.path.join(out_dir, "config.json"), "w").write("{")
         path = os.path.join(out_dir, "model.safetensors")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-    monkeypatch.setattr(tg, "export_hf", export_hf)
+    monkeypatch.setattr(rundir, "export_hf", export_hf)
     assert_one_line_error(run_cli("export", "--checkpoint", ckpt, "--out", str(out)),
                           "no space left")
     assert sorted(os.listdir(tmp_path)) == []  # no half-written folder, final name or temp one
-    monkeypatch.setattr(tg, "export_hf", real_export)
+    monkeypatch.setattr(rundir, "export_hf", real_export)
     r = run_cli("export", "--checkpoint", ckpt, "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))

@@ -334,7 +334,7 @@ def test_from_pretrained_matches_hf(tmp_path, vocab):
 def test_export_refuses_non_gpt2_architectures(tmp_path, kw, message):
     import common
     with pytest.raises(common.UsageError, match=message):
-        tg.export_hf(tiny_model(**kw), str(tmp_path / "out"))
+        rundir.export_hf(tiny_model(**kw), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
