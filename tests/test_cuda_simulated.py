@@ -148,10 +148,12 @@ def test_cli_on_cuda_prints_the_bf16_config_and_the_mfu_and_memory_columns(train
 
 
 # the torch.cuda functions a single-process training run calls, and why: checking and picking the
-# device, the step time (synchronize), the MFU column's GPU name, the memory column, the CUDA
-# generators in checkpoints. A new one is a new CUDA-only path: check it here, then add it.
-EXPECTED_CUDA_CALLS = {"is_available", "device_count", "synchronize", "get_device_name",
-                       "max_memory_allocated", "get_rng_state_all", "set_rng_state_all"}
+# device, --dtype auto's choice of bf16 where the GPU has it, the step time (synchronize), the MFU
+# column's GPU name, the memory column, the CUDA generators in checkpoints. A new one is a new
+# CUDA-only path: check it here, then add it.
+EXPECTED_CUDA_CALLS = {"is_available", "device_count", "is_bf16_supported", "synchronize",
+                       "get_device_name", "max_memory_allocated", "get_rng_state_all",
+                       "set_rng_state_all"}
 
 
 def test_cli_makes_only_the_expected_cuda_only_calls(train):
