@@ -513,6 +513,7 @@ def compiled_rows(est):
             "mfu_ceiling": r["formula"] / (seconds * est["peak_flops"]),
             "tokens_per_sec_ceiling": r["tokens"] / seconds,
             "compile_seconds_here": r["compile_seconds"],
+            "kernels": {"forward": listed(r["forward"]), "backward": listed(r["backward"])},
             "one_block": {"forward": listed(one_block(r["forward"],
                                                       "_scaled_dot_product_flash_attention")),
                           "backward": listed(one_block(
@@ -666,7 +667,7 @@ def print_compiled(results):
     B = max(compiled)
     block = compiled[B]["one_block"]
     print(f"\none block's kernels, B={B} (from one attention call to the next: the rest of a "
-          f"block, then the next up to its attention):")
+          f"block, then the next up to its attention; --json lists every kernel):")
     print("| pass | kernel | kind | read | written | GFLOP | roofline |")
     print("|---|---|---|---:|---:|---:|---:|")
     for phase in ("forward", "backward"):

@@ -334,8 +334,8 @@ def mlp_kernels(lib, tmp_path_factory):
     reason = inductor.unsupported()
     if reason:
         # about a minute of compiling on 2 cores and a large install: not in CI's budget
-        pytest.skip(f"{reason}; CI leaves it out. To run: {inductor.INSTALL}, then python -m "
-                    f"pytest -q tests/test_cuda_simulated.py -k inductor")
+        pytest.skip(f"{reason}; CI leaves it out. To run: {inductor.INSTALL}, then "
+                    f"python -m pytest -q tests/test_cuda_simulated.py -k inductor")
     runs = Children(str(tmp_path_factory.mktemp("inductor")))
     runs.start_checks(lib, ["mlp_kernels"])
     try:
