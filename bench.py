@@ -431,10 +431,94 @@ ESTIMATE_METHOD = [
     "written / 3.35 TB/s) on an H100 SXM; summed with no overlap and no fusion: a lower bound on "
     "eager's step time. MFU ceiling = flops_per_token x tokens / (that time x 989 TFLOP/s): "
     "eager's; torch.compile (the default on CUDA) fuses memory-bound ops and is not bound by it",
-    "compiled: not estimated: MemTracker does not see the tensors inside a compiled graph (it "
-    "reports almost no activations) and inductor's fused kernels need Triton, which a CPU-only "
-    "torch does not have",
+    "compiled peak memory: not estimated: MemTracker does not see the tensors inside a compiled "
+    "graph (it reports almost no activations); the compiled step's time: --compile (needs "
+    "Triton)",
 ]
+
+COMPILED_METHOD = [
+    "compiled: torch.compile(model) as the project calls it (inductor, default mode, static "
+    "shapes, one graph) on simulated CUDA: inductor generates the kernels and Triton builds each "
+    "for sm_90 (tests/simcuda/inductor.py: a stand-in Triton driver, so no kernel runs, and "
+    "autotuning takes each kernel's first configuration, as none can be timed)",
+    "kernels: what the compiled forward and backward launch in one micro-step after compiling: "
+    "Triton kernels with the buffers passed to them, and extern calls (cuBLAS mm/addmm, flash "
+    "attention, fills) with FLOPs from torch's formulas for their shapes",
+    "bytes: a Triton kernel reads each input buffer once and writes each output buffer once, "
+    "whole; a buffer it reaches only through a loaded index (the embedding lookup, the loss's "
+    "pick of the target logit, the embedding gradient's scatter-add) at most one element per "
+    "element of its iteration space. Not modelled: a row read twice by a two-pass reduction, L2 "
+    "cache hits, a part of a buffer read through plain indexing (counted whole). Inductor's own "
+    "estimate_kernel_num_bytes is printed beside it: it counts slices but leaves out some "
+    "outputs",
+    "compiled roofline: per kernel max(FLOPs / 989 TFLOP/s, bytes / 3.35 TB/s), summed with no "
+    "overlap and no launch cost: a lower bound; the Triton kernels' own arithmetic is not "
+    "counted (they are memory-bound). Clipping and fused AdamW run outside the compiled model "
+    "in the project: counted op by op as in eager. MFU ceiling = flops_per_token x tokens / "
+    "(that time x 989 TFLOP/s)",
+]
+
+
+def kernel_seconds(k, est):
+    """A kernel of the compiled step on the roofline (tests/simcuda/inductor.py's KernelLog
+    entry)."""
+    return max(k["flops"] / est["peak_flops"], (k["read"] + k["written"]) / est["bytes_per_s"])
+
+
+def one_block(kernels, attention):
+    """The kernels from the first call of attention to the second: one block's worth (the rest of
+    block 0, then block 1 up to its attention)."""
+    at = [i for i, k in enumerate(kernels) if k["name"] == attention]
+    return kernels[at[0]:at[1]] if len(at) > 1 else []
+
+
+def compiled_rows(est):
+    """Per micro-batch size: the compiled step's figures, from the result of the compiled check
+    (tests/simcuda/checks.py)."""
+    rows = {}
+    for B, r in est["rows"].items():
+        phase_ms = {"forward": 0.0, "backward": 0.0}
+        by_kind = {"triton": [0, 0, 0.0], "extern": [0, 0, 0.0]}  # launches, bytes, seconds
+        memory_bound, inductor_bytes, flops = 0.0, 0, 0
+        for phase in phase_ms:
+            for k in r[phase]:
+                t = kernel_seconds(k, est)
+                phase_ms[phase] += t * 1e3
+                kind = by_kind[k["kind"]]
+                kind[0] += 1
+                kind[1] += k["read"] + k["written"]
+                kind[2] += t
+                flops += k["flops"]
+                if (k["read"] + k["written"]) / est["bytes_per_s"] > k["flops"] / est["peak_flops"]:
+                    memory_bound += t
+                inductor_bytes += k["inductor_bytes"] or 0
+        optimizer_ms = sum(op["seconds"] for op in r["optimizer"].values()) * 1e3
+        seconds = (phase_ms["forward"] + phase_ms["backward"] + optimizer_ms) / 1e3
+
+        def listed(ks):
+            return [{"name": k["name"], "kind": k["kind"], "read": k["read"],
+                     "written": k["written"], "flops": k["flops"],
+                     "ms": kernel_seconds(k, est) * 1e3} for k in ks]
+
+        rows[int(B)] = {
+            "tokens": r["tokens"], "roofline_ms": seconds * 1e3,
+            "forward_ms": phase_ms["forward"], "backward_ms": phase_ms["backward"],
+            "optimizer_ms": optimizer_ms, "memory_bound_ms": memory_bound * 1e3,
+            "triton_launches": by_kind["triton"][0], "triton_gb": by_kind["triton"][1] / 1e9,
+            "triton_ms": by_kind["triton"][2] * 1e3,
+            "triton_gb_inductor_estimate": inductor_bytes / 1e9,
+            "extern_launches": by_kind["extern"][0], "extern_gb": by_kind["extern"][1] / 1e9,
+            "extern_ms": by_kind["extern"][2] * 1e3,
+            "flops": flops, "flops_over_formula": flops / r["formula"],
+            "mfu_ceiling": r["formula"] / (seconds * est["peak_flops"]),
+            "tokens_per_sec_ceiling": r["tokens"] / seconds,
+            "compile_seconds_here": r["compile_seconds"],
+            "kernels": {"forward": listed(r["forward"]), "backward": listed(r["backward"])},
+            "one_block": {"forward": listed(one_block(r["forward"],
+                                                      "_scaled_dot_product_flash_attention")),
+                          "backward": listed(one_block(
+                              r["backward"], "_scaled_dot_product_flash_attention_backward"))}}
+    return rows
 
 
 def estimate_rows(est):
@@ -467,9 +551,16 @@ def run_gpu_estimate(args):
     sys.path.insert(0, os.path.join(REPO, "tests"))
     import simcuda
 
+    from simcuda import inductor
+
     problem = simcuda.unsupported()
     if problem:
         print(f"error: --suite gpu-estimate runs on simulated CUDA, and {problem}", file=sys.stderr)
+        return 1
+    problem = inductor.unsupported() if args.compile else None
+    if problem:
+        print(f"error: --suite gpu-estimate --compile builds inductor's kernels, and {problem}",
+              file=sys.stderr)
         return 1
     config = tg.GPTConfig(**tg.MODEL_PRESETS[args.preset])
     T = args.sequence_length or config.block_size
@@ -493,22 +584,31 @@ def run_gpu_estimate(args):
         except simcuda.SimCUDAError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        cmd = [sys.executable, os.path.join(REPO, "tests", "simcuda", "checks.py"), lib,
-               f"estimate:{args.preset}:{','.join(map(str, sizes))}:{T}"]
+        shape = f"{args.preset}:{','.join(map(str, sizes))}:{T}"
+        specs = [f"estimate:{shape}"] + ([f"compiled:{shape}"] if args.compile else [])
+        cmd = [sys.executable, os.path.join(REPO, "tests", "simcuda", "checks.py"), lib, *specs]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    found = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines()
-             if line.startswith("RESULT ")]
-    if r.returncode != 0 or not found or not found[-1]["ok"]:
-        why = (found[-1]["error"] if found else r.stderr).strip().splitlines() or ["no output"]
+    found = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            entry = json.loads(line[len("RESULT "):])
+            found[entry["spec"].split(":")[0]] = entry
+    failed = [e for e in found.values() if not e["ok"]]
+    if r.returncode != 0 or len(found) < len(specs) or failed:
+        why = (failed[0]["error"] if failed else r.stderr).strip().splitlines() or ["no output"]
         print(f"error: the estimate failed: {why[-1]}", file=sys.stderr)
         return 1
-    est = found[-1]["result"]
+    est = found["estimate"]["result"]
     setting = {"preset": args.preset, "T": T, "dtype": est["dtype"],
-               "compile": False, "gpu": simcuda.H100, "peak_flops": est["peak_flops"],
-               "bytes_per_s": est["bytes_per_s"],
+               "compile": bool(args.compile), "gpu": simcuda.H100,
+               "peak_flops": est["peak_flops"], "bytes_per_s": est["bytes_per_s"],
                "non_embedding_params": est["non_embedding_params"], "torch": torch.__version__,
                "command": "python bench.py " + " ".join(shlex.quote(a) for a in args.argv)}
     results = {"setting": setting, "estimate": estimate_rows(est), "method": ESTIMATE_METHOD}
+    if args.compile:
+        setting["triton"] = inductor.TRITON
+        results["compiled"] = compiled_rows(found["compiled"]["result"])
+        results["method"] = ESTIMATE_METHOD + COMPILED_METHOD
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -539,9 +639,44 @@ def print_estimate(results):
         ops = ", ".join(f"{k.replace('aten.', '')} {v:.1f}"
                         for k, v in r["top_memory_bound_ms"].items())
         print(f"B={B}: peak GiB by kind: {kinds}; slowest memory-bound ops (ms): {ops}")
+    if "compiled" in results:
+        print_compiled(results)
     print("method:")
     for line in results["method"]:
         print(f"- {line}")
+
+
+def print_compiled(results):
+    """The compiled step beside eager, and one block's kernels at the largest B."""
+    s, eager, compiled = results["setting"], results["estimate"], results["compiled"]
+    print(f"\ncompiled (torch.compile, inductor, Triton {s['triton']} kernels for sm_90): "
+          f"one micro-step's kernels + clipping and fused AdamW")
+    print("| B | roofline step eager | compiled | compiled fwd / bwd / clip+AdamW "
+          "| Triton kernels (GB moved; inductor's estimate) | extern calls (GB) "
+          "| MFU ceiling eager | compiled | tokens/s ceiling compiled |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for B, c in sorted(compiled.items()):
+        e = eager[B]
+        print(f"| {B} | {e['roofline_ms']:.1f} ms | {c['roofline_ms']:.1f} ms | "
+              f"{c['forward_ms']:.1f} / {c['backward_ms']:.1f} / {c['optimizer_ms']:.1f} ms | "
+              f"{c['triton_launches']} ({c['triton_gb']:.1f}; "
+              f"{c['triton_gb_inductor_estimate']:.1f}) | "
+              f"{c['extern_launches']} ({c['extern_gb']:.1f}) | "
+              f"{100 * e['mfu_ceiling']:.0f}% | {100 * c['mfu_ceiling']:.0f}% | "
+              f"{c['tokens_per_sec_ceiling']:,.0f} |")
+    B = max(compiled)
+    block = compiled[B]["one_block"]
+    print(f"\none block's kernels, B={B} (from one attention call to the next: the rest of a "
+          f"block, then the next up to its attention; --json lists every kernel):")
+    print("| pass | kernel | kind | read | written | GFLOP | roofline |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for phase in ("forward", "backward"):
+        for k in block[phase]:
+            print(f"| {phase} | {k['name']} | {k['kind']} | {k['read'] / 2**20:,.1f} MiB | "
+                  f"{k['written'] / 2**20:,.1f} MiB | {k['flops'] / 1e9:,.1f} | "
+                  f"{k['ms'] * 1e3:,.0f} µs |")
+        total = sum(k["ms"] for k in block[phase])
+        print(f"| {phase} | **{len(block[phase])} kernels** | | | | | **{total * 1e3:,.0f} µs** |")
 
 
 def bench_optimizers(args, config, device, device_type, autocast_ctx):
@@ -836,7 +971,10 @@ def build_parser():
                         "--estimate_batch_sizes (or -B): peak tensor memory, FLOPs against the MFU "
                         "formula, a roofline lower bound on the step time and the MFU ceiling, "
                         "with the method (needs g++ and the torch that tests/simcuda/ is "
-                        "written for). gpu: pytest tests/test_cuda.py, then GPT-2 124M at T=1024, "
+                        "written for); with --compile also the step compiled by inductor, from "
+                        "the kernels it builds for an H100 (needs Triton: "
+                        "tests/simcuda/inductor.py names the version). gpu: pytest "
+                        "tests/test_cuda.py, then GPT-2 124M at T=1024, "
                         "B=64, bf16 with 8 micro-steps (524,288 tokens) for ours (compiled) and "
                         "build-nanogpt's configuration (eager), HellaSwag batched vs one example "
                         "per forward, KV cache vs recompute; writes --out/gpu_suite.json and "

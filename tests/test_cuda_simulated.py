@@ -27,7 +27,7 @@ import torch
 import common
 import simcuda
 from conftest import REPO
-from simcuda import harness
+from simcuda import harness, inductor
 from simcuda.children import ChildFailed, Children
 from simcuda.seeds import DEVICE_BUG, SEEDS, seeded_copies
 
@@ -194,10 +194,12 @@ def test_cli_on_cuda_prints_the_bf16_config_and_the_mfu_and_memory_columns(train
 
 
 # the torch.cuda functions a single-process training run calls, and why: checking and picking the
-# device, the step time (synchronize), the MFU column's GPU name, the memory column, the CUDA
-# generators in checkpoints. A new one is a new CUDA-only path: check it here, then add it.
-EXPECTED_CUDA_CALLS = {"is_available", "device_count", "synchronize", "get_device_name",
-                       "max_memory_allocated", "get_rng_state_all", "set_rng_state_all"}
+# device, --dtype auto's choice of bf16 where the GPU has it, the step time (synchronize), the MFU
+# column's GPU name, the memory column, the CUDA generators in checkpoints. A new one is a new
+# CUDA-only path: check it here, then add it.
+EXPECTED_CUDA_CALLS = {"is_available", "device_count", "is_bf16_supported", "synchronize",
+                       "get_device_name", "max_memory_allocated", "get_rng_state_all",
+                       "set_rng_state_all"}
 
 
 def test_cli_makes_only_the_expected_cuda_only_calls(train):
@@ -355,6 +357,90 @@ def test_gpu_estimate_refuses_bad_sizes_in_one_line(capsys):
     assert bench.main(["--suite", "gpu-estimate", "--estimate_batch_sizes", "16,x"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def test_gpu_estimate_compile_without_triton_says_so_in_one_line(monkeypatch, capsys):
+    import bench
+
+    if simcuda.unsupported():
+        pytest.skip(simcuda.unsupported())
+    monkeypatch.setattr(inductor, "unsupported", lambda: "Triton is not installed (pip ...)")
+    assert bench.main(["--suite", "gpu-estimate", "--compile"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --suite gpu-estimate --compile") and "Triton" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------- inductor's kernels (needs Triton)
+
+@pytest.fixture(scope="module")
+def mlp_kernels(lib, tmp_path_factory):
+    """The kernels of a one-block tiny GPT's training forward, eager and compiled by inductor
+    for the simulated H100 (checks.check_mlp_kernels)."""
+    reason = inductor.unsupported()
+    if reason:
+        # about a minute of compiling on 2 cores and a large install: not in CI's budget
+        pytest.skip(f"{reason}; CI leaves it out. To run: {inductor.INSTALL}, then "
+                    f"python -m pytest -q tests/test_cuda_simulated.py -k inductor")
+    runs = Children(str(tmp_path_factory.mktemp("inductor")))
+    runs.start_checks(lib, ["mlp_kernels"])
+    try:
+        yield passed(runs, "mlp_kernels")
+    finally:
+        runs.stop()
+
+
+MATMULS = ("mm", "addmm")
+
+
+def mlp_passes(kernels, numel):
+    """c_fc's matmul (the first matmul that writes an MLP-sized activation) and the kernels
+    between it and c_proj's matmul (the next matmul that reads one) that touch such an
+    activation."""
+    def activations(k, roles):
+        return [b for b in k["buffers"] if b[0] in roles and prod(b[1]) == numel]
+
+    fc = next(i for i, k in enumerate(kernels)
+              if k["name"] in MATMULS and activations(k, ("out",)))
+    proj = next(i for i in range(fc + 1, len(kernels))
+                if kernels[i]["name"] in MATMULS and activations(kernels[i], ("in",)))
+    passes = [{"name": k["name"], "kind": k["kind"], "buffers": k["buffers"],
+               "reads": len(activations(k, ("in", "inout"))),
+               "writes": len(activations(k, ("out", "inout")))}
+              for k in kernels[fc + 1:proj] if activations(k, ("in", "out", "inout"))]
+    return kernels[fc], passes
+
+
+def prod(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_inductor_adds_c_fc_bias_and_gelu_in_one_pass_over_the_activation(mlp_kernels):
+    """In the compiled training forward, c_fc's bias does not make a pass of its own over the
+    (tokens, 4C) activation: it is in the matmul's epilogue (addmm) or loaded by the GELU kernel
+    (mm, then bias + GELU in one Triton kernel); the GELU is one Triton kernel that reads the
+    activation once and writes it once. Eager on CUDA runs the same matmul (addmm, bias in
+    cuBLAS's epilogue) and then aten.gelu as an op of its own: the same passes over the
+    activation, so compiling wins nothing here, and this test guards that inductor does not
+    split them further."""
+    numel = mlp_kernels["tokens"] * mlp_kernels["hidden"]
+    fc, passes = mlp_passes(mlp_kernels["eager"], numel)
+    assert fc["name"] == "addmm", fc
+    assert [(p["name"], p["reads"], p["writes"]) for p in passes] == [("gelu", 1, 1)], passes
+
+    fc, passes = mlp_passes(mlp_kernels["compiled"], numel)
+    assert len(passes) == 1, passes  # no bias pass before or after the GELU
+    (gelu,) = passes
+    assert gelu["kind"] == "triton" and "gelu" in gelu["name"], gelu
+    assert (gelu["reads"], gelu["writes"]) == (1, 1), gelu
+    bias = ["in", [mlp_kernels["hidden"]]]
+    if fc["name"] == "mm":  # the bias is added in the GELU kernel
+        assert any(b[:2] == bias for b in gelu["buffers"]), gelu
+    else:  # in the matmul's epilogue
+        assert fc["name"] == "addmm" and any(b[:2] == bias for b in fc["buffers"]), fc
 
 
 # ---------------------------------------------------------------------------- negative controls

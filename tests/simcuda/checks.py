@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 
@@ -48,6 +49,7 @@ import hellaswag  # noqa: E402
 import rundir  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
 from conftest import write_hellaswag, write_shards  # noqa: E402
+from simcuda import inductor  # noqa: E402
 
 TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=64)
 
@@ -55,12 +57,17 @@ TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=64)
 _SCRATCH = []  # one TemporaryDirectory for the process: removed when it exits
 
 
+def scratch_dir():
+    """A new temp dir, removed when the process exits."""
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="simcuda-"))
+    return tempfile.mkdtemp(dir=_SCRATCH[0].name)
+
+
 def scratch():
     """A data root with tiny shards and a HellaSwag file (HELLASWAG_DIR), and a log dir, in a new
     temp dir."""
-    if not _SCRATCH:
-        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="simcuda-"))
-    root = tempfile.mkdtemp(dir=_SCRATCH[0].name)
+    root = scratch_dir()
     data = os.path.join(root, "data")
     write_shards(data, "val", [5000], seed=1)
     write_shards(data, "train", [7000, 6000, 6500], seed=2)
@@ -575,26 +582,33 @@ def estimate_step(model, optimizer, autocast_ctx, B, T, vocab):
                          for name, (f, b, t, n) in roofline.ops.items()}}
 
 
-def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
-    """GPT-2's training step on one simulated H100, eager, bf16 autocast, flash attention (strict:
-    any other attention kernel is an error, as the estimate assumes flash), per micro-batch
-    size."""
+def gpt_for_estimates(config):
+    """GPT on cuda with its fused AdamW, the state already made (a steady-state step), and the
+    autocast the project picks on cuda; inside SimulatedCUDA."""
     global METADATA_OPS
     aten = torch.ops.aten
     METADATA_OPS = {aten.detach, aten.alias, aten.lift_fresh, aten._local_scalar_dense,
                     aten.empty_like, aten.empty, aten.empty_strided, aten.new_empty,
                     aten.new_empty_strided}
+    model = tg.GPT(config).to("cuda")
+    optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
+    autocast_ctx, dtype = common.autocast_for("auto", "cuda")
+    # AdamW makes its state on its first step: a step over zero gradients
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return model, optimizer, autocast_ctx, dtype
+
+
+def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
+    """GPT-2's training step on one simulated H100, eager, bf16 autocast, flash attention (strict:
+    any other attention kernel is an error, as the estimate assumes flash), per micro-batch
+    size."""
     T = int(T)
     config = tg.GPTConfig(**tg.MODEL_PRESETS[preset])
     rows = {}
     with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA():
-        model = tg.GPT(config).to("cuda")
-        optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
-        autocast_ctx, dtype = common.autocast_for("auto", "cuda")
-        # AdamW makes its state on its first step: a step over zero gradients
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
+        model, optimizer, autocast_ctx, dtype = gpt_for_estimates(config)
         n_params = model.get_num_params(non_embedding=True)
         for B in (int(b) for b in batch_sizes.split(",")):
             rows[B] = estimate_step(model, optimizer, autocast_ctx, B, T, config.real_vocab_size)
@@ -606,6 +620,87 @@ def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
         r["matmul_flops"] = sum(v for k, v in r["flops_by_op"].items() if k in matmul)
     return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
             "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
+
+
+def compiled_step(model, optimizer, autocast_ctx, B, T, vocab):
+    """The project's compiled training step (torch.compile of the model, inductor's default
+    mode, static shapes) for B x T tokens: a first micro-step compiles the forward and backward
+    graphs, then one micro-step logs every kernel they launch (inductor.KernelLog); clipping and
+    the fused AdamW step, which the project runs outside the compiled model, go through Roofline
+    op by op as in eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    x = torch.randint(0, vocab, (B, T), device="cuda")
+    y = torch.randint(0, vocab, (B, T), device="cuda")
+
+    def forward():
+        with autocast_ctx:
+            return compiled(x, y)[1]
+
+    start = time.perf_counter()
+    forward().backward()
+    compile_seconds = time.perf_counter() - start
+
+    optimizer.zero_grad(set_to_none=True)
+    with inductor.KernelLog() as fwd:
+        loss = forward()
+    with inductor.KernelLog() as bwd:
+        loss.backward()
+    roofline = Roofline()
+    with roofline:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return {"compile_seconds": compile_seconds, "forward": fwd.kernels, "backward": bwd.kernels,
+            "optimizer": {name: {"flops": f, "bytes": b, "seconds": t, "calls": n}
+                          for name, (f, b, t, n) in roofline.ops.items()}}
+
+
+def check_compiled(preset="gpt2", batch_sizes="16,32,64", T="1024"):
+    """GPT-2's training step compiled by inductor for one simulated H100 (Triton kernels built
+    for sm_90, none run), per micro-batch size: the kernels of one micro-step, from what the
+    compiled code launches."""
+    problem = inductor.unsupported()
+    if problem:
+        raise RuntimeError(problem)
+    T = int(T)
+    config = tg.GPTConfig(**tg.MODEL_PRESETS[preset])
+    rows = {}
+    with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA(), \
+            inductor.for_h100(scratch_dir()):
+        model, optimizer, autocast_ctx, dtype = gpt_for_estimates(config)
+        n_params = model.get_num_params(non_embedding=True)
+        for B in (int(b) for b in batch_sizes.split(",")):
+            rows[B] = compiled_step(model, optimizer, autocast_ctx, B, T, config.real_vocab_size)
+            rows[B]["tokens"] = B * T
+            rows[B]["formula"] = rundir.flops_per_token(config, n_params, T) * B * T
+    return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
+            "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
+
+
+def check_mlp_kernels():
+    """The forward of a one-block tiny GPT on cuda under bf16 autocast, eager and compiled by
+    inductor: every kernel each launches (inductor.KernelLog), and the MLP's shape."""
+    problem = inductor.unsupported()
+    if problem:
+        raise RuntimeError(problem)
+    config = tg.GPTConfig(**{**TINY, "n_layer": 1})
+    B, T = 2, 24  # tokens x 4C must not be the size of a weight (C x 4C): 48 tokens, not 64
+    out = {"tokens": B * T, "hidden": 4 * config.n_embd}
+    with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA(), \
+            inductor.for_h100(scratch_dir()):
+        model = tg.GPT(config).to("cuda")
+        autocast_ctx, _ = common.autocast_for("auto", "cuda")
+        x = torch.randint(0, config.real_vocab_size, (B, T), device="cuda")
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)
+        with autocast_ctx:
+            compiled(x, x)  # compiles the training forward (the backward compiles lazily)
+        for name, fn in (("eager", model), ("compiled", compiled)):
+            with inductor.KernelLog() as log, autocast_ctx:
+                fn(x, x)
+            out[name] = log.kernels
+    return out
 
 
 @contextlib.contextmanager
