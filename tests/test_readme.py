@@ -25,6 +25,7 @@ README = os.path.join(REPO, "README.md")
 SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
 # train_gpt2.build_parser(command=...) builds each one's parser
 TRAIN_COMMANDS = ("sample", "export", "eval")
+TRAIN_PLAN = "plan"  # takes the training flags
 SHELL_INFOS = {"", "bash", "sh", "shell", "zsh", "console", "shell-session"}
 SHELL_STARTERS = {"python", "python3", "torchrun", "pip", "pip3", "uv", "conda", "cp", "mv", "rm",
                   "mkdir", "cd", "ls", "cat", "export", "git", "bash", "sh", "env", "nohup", "srun",
@@ -335,10 +336,12 @@ def script_parser(script, command=None):
 def check_call(script, args):
     """None if `script args` parses, else what is wrong."""
     command = None
-    if script == "train_gpt2.py" and args and not args[0].startswith("-"):
+    if script == "train_gpt2.py" and args and args[0] == TRAIN_PLAN:
+        args = args[1:]
+    elif script == "train_gpt2.py" and args and not args[0].startswith("-"):
         if args[0] not in TRAIN_COMMANDS:
             return (f"train_gpt2.py has no subcommand {args[0]!r} (it has "
-                    f"{', '.join(TRAIN_COMMANDS)})")
+                    f"{', '.join(TRAIN_COMMANDS + (TRAIN_PLAN,))})")
         command, args = args[0], args[1:]
     try:
         parser = script_parser(script, command)
