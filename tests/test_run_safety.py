@@ -485,6 +485,9 @@ def test_rollback_sets_later_checkpoints_aside(reference, tmp_path):
     assert r.returncode == 0, r.stderr
     aside = os.path.join(log, f"after_step_{step:05d}")
     assert f"{len(later)} later checkpoint(s) and a copy of log.txt moved to {aside}" in r.stdout
+    # the warning and the resume line name the same step: the first one this run takes
+    assert f"resuming at step {step + 1}: " in r.stdout
+    assert f"resumed from {back} at step {step + 1}" in r.stdout
     assert {name: open(os.path.join(aside, name), "rb").read() for name in later} == later
     assert read_text(os.path.join(aside, "log.txt")) == old_log
     assert steps_saved(log) == [step, step + 1]
