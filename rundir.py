@@ -2,12 +2,15 @@
 
 - checkpoints: model_{step:05d}.pt, written atomically, the newest --keep_last kept, loaded as data
   only (a pickle that would run code is refused), found and checked for --resume, and what wrote
-  them (provenance); train_gpt2.py decides what a checkpoint holds, this file only stores it;
+  them (provenance); train_gpt2.py decides what a checkpoint holds, this file only stores it
+  (and exports a model to a transformers directory);
 - the claim on the log dir: one run at a time (a lock), an earlier run never overwritten by
   accident, nothing written through a symlink, a rollback's later checkpoints set aside;
 - log.txt: one `step kind value` line per number, written and parsed only here;
 - flag checks that need the resumed checkpoint or several flags at once;
-- the step line, W&B, the profiler; the stop signals, and the one line that says how a run ended
+- the memory a training step takes, estimated on fake tensors: -B auto and the plan command;
+- the step line, W&B, the run's summary, the profiler; the stop signals, and the one line that
+  says how a run ended
   (under torchrun, from the rank that failed and naming it on the others).
 
 train_gpt2.py imports it; it imports nothing of train_gpt2.py.
