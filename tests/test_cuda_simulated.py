@@ -136,7 +136,8 @@ def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train)
 
 
 def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children):
-    """--dtype auto on a GPU without bf16 (a simulated T4): fp16 logits, fp32 loss; per step the
+    """--dtype auto on a GPU without bf16 (a simulated T4): fp16 logits (also in val, HellaSwag
+    and samples), fp32 loss; per step the
     scaler's calls in order: the scaled loss's backward per micro-step, unscale_ before clipping,
     then the scaler's step and update; its state in the checkpoint; --fsdp refuses fp16 in one
     line."""
@@ -145,6 +146,9 @@ def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children):
     training = [f for f in r["forwards"] if f["training"] and f["grad"]]
     assert training and all((f["logits"], f["loss"]) == ("torch.float16", "torch.float32")
                             for f in training), training
+    evaluation = [f for f in r["forwards"] if not f["training"]]  # val, HellaSwag, samples
+    assert len({tuple(f["shape"]) for f in evaluation}) >= 3, evaluation
+    assert all(f["logits"] == "torch.float16" and f["autocast"] for f in evaluation), evaluation
     per_step = " ".join(r["events"]).split(" update")
     assert per_step[-1] == "" and len(per_step) == 4, r["events"]  # three steps
     for events in per_step[:-1]:

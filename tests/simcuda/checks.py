@@ -327,9 +327,9 @@ def check_train():
 
 
 def check_fp16():
-    """main() on a simulated GPU without bf16 (a T4), --dtype auto: fp16 autocast and the gradient
-    scaler, its calls in order each step (scale and backward per micro-step, unscale_, clip, step,
-    update); --fsdp with fp16 refused in one line."""
+    """main() on a simulated GPU without bf16 (a T4), --dtype auto: fp16 autocast in training, val,
+    HellaSwag and samples; the gradient scaler's calls in order each step (scale and backward per
+    micro-step, unscale_, clip, step, update); --fsdp with fp16 refused in one line."""
     data, log = scratch()
     events = []
 
@@ -352,8 +352,7 @@ def check_fp16():
             setattr(owner, name, wrapper)
             undo.callback(setattr, owner, name, original)
         with Watch() as watch:
-            out, err = run_main(tiny_args(data, log, "--no-compile", "--eval_every", "0",
-                                          "--sample_every", "0", "--hellaswag_every", "0"))
+            out, err = run_main(tiny_args(data, log, "--no-compile"))
         saved = [ckpts.describe(obj) for obj in ckpts.saved.values()]
     with simcuda.SimulatedCUDA(**t4), simcuda.FakeProcessGroup(0, 8):
         try:
