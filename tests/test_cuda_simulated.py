@@ -137,10 +137,9 @@ def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train)
 
 def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children):
     """--dtype auto on a GPU without bf16 (a simulated T4): fp16 logits (also in val, HellaSwag
-    and samples), fp32 loss; per step the
-    scaler's calls in order: the scaled loss's backward per micro-step, unscale_ before clipping,
-    then the scaler's step and update; its state in the checkpoint; --fsdp refuses fp16 in one
-    line."""
+    and samples), fp32 loss; per step the scaler's calls in order: the scaled loss's backward per
+    micro-step, unscale_ before clipping, then the scaler's step and update; its state in the
+    checkpoint; --fsdp refuses fp16 in one line."""
     r = passed(children, "fp16")
     assert configured(r["stdout"], "autocast_dtype=fp16"), r["stdout"]
     training = [f for f in r["forwards"] if f["training"] and f["grad"]]
