@@ -212,20 +212,24 @@ def two_rank_reference(data, tmp_path_factory):
     return log
 
 
-def test_torchrun_ranks_agree_on_the_step_to_stop(data, two_rank_reference, tmp_path):
-    """SIGTERM to rank 0 only, mid-step: both ranks stop after the same step, save once, exit
-    143, no hang; resuming in two processes gives the uninterrupted two-process run's log."""
+def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_rank_reference,
+                                                                    tmp_path):
+    """Two ranks of B=1 (one micro-step each), stopped twice, then resumed: SIGTERM to rank 0
+    alone, mid-step: both ranks stop after the same step, save once, exit 143, no hang. Resumed,
+    the sample block of step 6 would run for minutes on both ranks: SIGTERM to the launcher, which
+    forwards it to the workers, ends the run in seconds with step 5 saved. The last resume gives
+    the uninterrupted two-rank run's log."""
     hook = tmp_path / "hook.py"
     hook.write_text(HOOK)
+    log = str(tmp_path / "log")
 
-    def hooked_torchrun(log, hook_env, *extra):  # two ranks of B=1: one micro-step each
+    def hooked_torchrun(hook_env, *extra):
         return torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0", *extra),
                         script=str(hook), env={"HOOK_REPO": REPO, **hook_env}, wait=False)
 
-    log = str(tmp_path / "log")
     hold = {"HOOK_MODE": "hold_after_log", "HOOK_ARG": "3 train",
             "HOOK_MARKER": str(tmp_path / "held"), "HOOK_RELEASE": str(tmp_path / "release")}
-    run = hooked_torchrun(log, hold)
+    run = hooked_torchrun(hold)
     wait_until(lambda: (tmp_path / "held").exists(), [], "rank 0's hold at step 3")
     assert run.poll() is None
     os.kill(int((tmp_path / "held").read_text()), signal.SIGTERM)  # rank 0 alone gets the signal
@@ -235,7 +239,20 @@ def test_torchrun_ranks_agree_on_the_step_to_stop(data, two_rank_reference, tmp_
     assert "stopped by SIGTERM after step 4" in out  # seen at the next step's read-back, by all
     assert "exitcode  : 143" in err or "143" in err
     assert newest_step(log) == 4 and steps_saved(log).count(4) == 1
-    resumed = hooked_torchrun(log, {}, "--resume", "latest")
+
+    slow = {"HOOK_MODE": "slow_samples", "HOOK_MARKER": str(tmp_path / "sampling")}
+    run = hooked_torchrun(slow, "--resume", "latest", "--sample_every", "6")
+    try:
+        wait_until(lambda: (tmp_path / "sampling").exists(), [], "the sample block of step 6")
+        run.send_signal(signal.SIGTERM)  # the blocks sleep 300 s: only an interrupt ends them
+        out, err = run.communicate(timeout=240)
+    finally:
+        run.kill()
+    assert "stopped by SIGTERM at step 6" in out, out + err
+    assert run.returncode == 1  # torchrun's own status after a SIGTERM, as the README says
+    assert steps_saved(log)[-1] == 5
+
+    resumed = hooked_torchrun({}, "--resume", "latest")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert log_of(log) == log_of(two_rank_reference)
@@ -695,32 +712,6 @@ def test_a_stop_signal_in_a_sample_block_stops_at_once(data, reference, tmp_path
     monkeypatch.undo()
     assert run_cli(*resume_args(log)).returncode == 0
     assert log_of(log) == log_of(reference)
-
-
-def test_sigterm_to_torchrun_during_a_long_sample_block_saves_at_once(data, two_rank_reference,
-                                                                      tmp_path):
-    """Two ranks (gloo); the sample block of step 6 would run for minutes on both: SIGTERM to the
-    launcher, which forwards it to the workers, ends the run in seconds with step 5 saved, and
-    --resume latest gives the uninterrupted two-rank run's log."""
-    hook = tmp_path / "hook.py"
-    hook.write_text(HOOK)
-    flags = ["-B", "1", "--sample_every", "6"]
-    log = str(tmp_path / "log")
-    run = torchrun(*run_args(data, log, *flags), script=str(hook), wait=False,
-                   env={"HOOK_REPO": REPO, "HOOK_MODE": "slow_samples",
-                        "HOOK_MARKER": str(tmp_path / "sampling")})
-    try:
-        wait_until(lambda: (tmp_path / "sampling").exists(), [], "the sample block of step 6")
-        run.send_signal(signal.SIGTERM)  # the blocks sleep 300 s: only an interrupt ends them
-        out, err = run.communicate(timeout=240)
-    finally:
-        run.kill()
-    assert "stopped by SIGTERM at step 6" in out, out + err
-    assert run.returncode == 1  # torchrun's own status after a SIGTERM, as the README says
-    assert steps_saved(log)[-1] == 5
-    resumed = torchrun(*run_args(data, log, *flags, "--sample_every", "0", "--resume", "latest"))
-    assert resumed.returncode == 0, resumed.stderr
-    assert log_of(log) == log_of(two_rank_reference)
 
 
 def child_pids(pid):
