@@ -144,18 +144,6 @@ def test_document_split_across_shard_boundary(tmp_path, enc):
     assert np.array_equal(np.concatenate(shards), expected_tokens(enc, docs))
 
 
-def test_multi_batch_pool_matches_inline(tmp_path, monkeypatch, enc):
-    docs = make_docs(80, seed=3)
-    src = write_docs(tmp_path / "d.jsonl", docs)
-    monkeypatch.setattr(fineweb, "BATCH_CHARS", 2000)  # many small batches, boundaries inside them
-    one = prepare(tmp_path / "one", inputs=[src], shard_size=900, num_proc=1, progress=False)
-    two = prepare(tmp_path / "two", inputs=[src], shard_size=900, num_proc=2, progress=False)
-    assert [os.path.basename(p) for p in one] == [os.path.basename(p) for p in two]
-    for p, q in zip(one, two):
-        assert np.array_equal(np.load(p), np.load(q))
-    assert np.array_equal(load(one), expected_tokens(enc, docs))
-
-
 def test_empty_documents_are_skipped(tmp_path, enc):
     docs = ["first", "", "third"]
     src = write_parquet(tmp_path / "d.parquet", docs)
@@ -577,27 +565,6 @@ def test_import_has_no_side_effects():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
-
-
-def test_works_with_spawn(tmp_path, enc):
-    docs = make_docs(40, seed=12)
-    src = write_docs(tmp_path / "d.jsonl", docs)
-    script = tmp_path / "run_spawn.py"
-    script.write_text(textwrap.dedent(f"""\
-        import multiprocessing as mp, sys
-        sys.path.insert(0, {REPO!r})
-        import fineweb
-        if __name__ == "__main__":
-            mp.set_start_method("spawn")
-            fineweb.BATCH_CHARS = 1000
-            sys.exit(fineweb.main(["--input", {src!r}, "--data_root", {str(tmp_path / "out")!r},
-                                   "--shard_size", "700", "--num_proc", "2"]))
-        """))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    paths = sorted(glob.glob(str(tmp_path / "out" / "*_val_*.npy"))) + \
-        sorted(glob.glob(str(tmp_path / "out" / "*_train_*.npy")))
-    assert np.array_equal(load(paths), expected_tokens(enc, docs))
 
 
 def test_unreachable_hub_fails_fast_with_input_hint(tmp_path, monkeypatch):
