@@ -33,6 +33,7 @@ def write_driver(tmp_path):
     return str(driver)
 
 
+@pytest.mark.slow
 def test_one_process_then_two_then_one(data, single, tmp_path):
     """Steps 0-1 in one process, 2-5 in two (DDP) from its checkpoint, 6-7 in one again from
     theirs: both ways across process counts, one launch. Under torchrun the workers end with
@@ -52,6 +53,7 @@ def test_one_process_then_two_then_one(data, single, tmp_path):
     assert_same_log(log, single, 1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp_matches_ddp_and_resumes_without_fsdp(data, single, tmp_path):
     log = str(tmp_path / "fsdp")
     stop_then_resume(data, log, torchrun, run_cli, "--fsdp")
@@ -67,6 +69,7 @@ def test_fsdp_needs_torchrun(data, tmp_path):
     assert_one_line_error(r, "--fsdp", "torchrun")
 
 
+@pytest.mark.slow
 def test_two_processes_prepare_the_data_and_split_hellaswag(tmp_path, monkeypatch):
     """One two-process run on a corpus not yet tokenized, with HellaSwag at every step: rank 0
     prepares the shards while rank 1 waits; the ranks split the 13 examples (7 and 6) and give one
@@ -94,6 +97,7 @@ def test_two_processes_prepare_the_data_and_split_hellaswag(tmp_path, monkeypatc
     assert hellaswag.evaluate(init, "cpu")["acc_norm"] == pytest.approx(a[1][0], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_torchrun_refusal_and_one_process_exit(data, tmp_path):
     """Under torchrun a refusal keeps its exit code and its one message, from rank 0 alone; one
     process without torchrun still leaves through the interpreter's usual shutdown."""

@@ -297,6 +297,7 @@ def test_hub_network_failure_is_a_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_cli_offline_hub(tmp_path):
     r = cli("--data_root", tmp_path / "out", "--max_tokens", 1000)
     assert_one_line_error(r, "unreachable", "--input")
@@ -466,6 +467,7 @@ def test_empty_input(tmp_path, kind):
                           "no text")
 
 
+@pytest.mark.slow
 def test_unreadable_inputs(tmp_path):
     bad_parquet = tmp_path / "bad.parquet"
     bad_parquet.write_bytes(b"this is not parquet at all")
@@ -733,6 +735,7 @@ def test_prep_status_of_empty_and_foreign_dirs(tmp_path):
         assert status.prepare_kwargs is None
 
 
+@pytest.mark.slow
 def test_kill_9_then_prepare_finishes_the_same_shards(tmp_path):
     corpus = str(tmp_path / "c.jsonl")
     write_corpus_jsonl(corpus, 3000)
@@ -813,6 +816,7 @@ def bench(*args):
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_bench_fineweb_naive_row(tmp_path, enc):
     docs = make_docs(300, seed=17)
     src = write_docs(tmp_path / "corpus.jsonl", docs)
@@ -829,6 +833,7 @@ def test_bench_fineweb_naive_row(tmp_path, enc):
     assert not hasattr(fineweb, "compare_with_naive")
 
 
+@pytest.mark.slow
 def test_bench_fineweb_bad_input_is_one_line(tmp_path):
     r = bench("--only", "fineweb_naive", "--fineweb_input", tmp_path / "missing.jsonl")
     assert_one_line_error(r, "not found")
@@ -1104,6 +1109,7 @@ sys.exit(fineweb.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_two_concurrent_fineweb_processes(tmp_path):
     """A second fineweb.py on a directory another one is writing is refused with the holder named,
     whatever its arguments; the first one finishes unmixed. The first is held at its first shard
@@ -1262,6 +1268,7 @@ def tiny_tmpfs(tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+@pytest.mark.slow
 def test_prep_fills_a_real_tmpfs_then_resumes(tmp_path, tiny_tmpfs, enc):
     docs = make_docs(1500, seed=26)  # ~180K tokens, 360 KB of shards: more than 256 KiB
     src = write_docs(tmp_path / "d.jsonl", docs)

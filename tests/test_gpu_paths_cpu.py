@@ -32,6 +32,7 @@ def test_bf16_kv_cache_greedy_equals_recompute_on_cpu():
     assert torch.equal(cached, seqs)  # it was memorized: wide margins, the agreement is no luck
 
 
+@pytest.mark.slow
 def test_bf16_hellaswag_batched_equals_one_per_forward_on_cpu(tmp_path):
     batched, single = hellaswag_batched_vs_one_per_forward_bf16("cpu", str(tmp_path / "hs"), n=3)
     assert batched == single and batched["acc_norm"] == 1.0

@@ -68,6 +68,7 @@ def windows_like(data, tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_spawn_writes_the_default_start_methods_shards(windows_like, monkeypatch, capsys, enc):
     # here the default is fork (forkserver from Python 3.14): a copy of this process, not a new one
     assert fineweb.START_METHOD is None and sys.platform == "linux"
@@ -88,6 +89,7 @@ def test_spawn_writes_the_default_start_methods_shards(windows_like, monkeypatch
     assert np.concatenate([np.load(p) for p in val + train]).tolist() == expected
 
 
+@pytest.mark.slow
 def test_default_run_without_posix_only_calls(windows_like, reference):
     assert log_of(str(windows_like / "log")) == log_of(reference)  # to the last digit
 

@@ -40,6 +40,7 @@ def no_temp_files(log):
 
 # ------------------------------------------------------------------------------- the log dir's lock
 
+@pytest.mark.slow
 def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
     log, gate, release = str(tmp_path / "log"), tmp_path / "gate", tmp_path / "release"
     args = run_args(data, log, "--sample_every", "0", "--max_steps", "3")
@@ -59,6 +60,7 @@ def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
     assert series(log)["train"][0] == list(range(3)), line  # one run's lines, once
 
 
+@pytest.mark.slow
 def test_kill_9_mid_save_and_mid_run_then_resume_is_bit_exact(data, reference, tmp_path):
     # two victims side by side (each pays for its own torch import): one paused inside a
     # checkpoint save, its temp file written but not renamed; one paused mid-run, its log ahead of
@@ -161,6 +163,7 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
 
 # SIGTERM: in test_a_stop_signal_in_a_sample_block_stops_at_once and the torchrun tests below;
 # SIGINT: in test_a_second_ctrl_c_leaves_at_once
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR1])
 def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_path, sig):
     # held while logging step 4 (its update done, its checkpoint next), the run is signalled: one
@@ -183,6 +186,7 @@ def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_pa
     assert log_of(log) == log_of(reference)
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
     log = str(tmp_path / "log")
     proc = start_hooked(tmp_path, "run", run_args(data, log), mode="hold_after_log", arg="4 train",
@@ -212,6 +216,7 @@ def two_rank_reference(data, tmp_path_factory):
     return log
 
 
+@pytest.mark.slow
 def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_rank_reference,
                                                                     tmp_path):
     """Two ranks of B=1 (one micro-step each), stopped twice, then resumed: SIGTERM to rank 0
@@ -729,6 +734,7 @@ def alive(pid):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a worker learns of its launcher's death "
                                                      "from Linux's parent-death signal")
+@pytest.mark.slow
 def test_a_launcher_killed_by_sigusr1_leaves_no_worker_behind(data, tmp_path):
     """torchrun does not handle SIGUSR1 by default and dies of it: its workers stop after their
     step, save it together and exit, instead of training on as orphans."""
@@ -755,6 +761,7 @@ def test_a_launcher_killed_by_sigusr1_leaves_no_worker_behind(data, tmp_path):
     assert f"{saved[-1]} train" in log_of(log)
 
 
+@pytest.mark.slow
 def test_a_rank_local_failure_is_named_by_every_rank(data, tmp_path):
     """Rank 1's fourth train batch (step 3) cannot be read: rank 1 says why, rank 0 names rank 1
     instead of a broken connection, the last finished step is kept, and torchrun's failure
