@@ -19,6 +19,7 @@ def test_fused_adamw_matches_plain_on_cpu():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_training_step_on_cpu():
     x, y = random_batch("cpu")
     bf16_loss = bf16_train_step(tiny_model(**GPU_SHAPE), x, y)

@@ -172,7 +172,7 @@ def test_logits_to_keep_is_the_full_logits_slice(which, hf_model, our_model, dat
     assert torch.allclose(kept, full[:, positions], atol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["hf", "ours"])
+@pytest.mark.parametrize("which", [pytest.param("hf", marks=pytest.mark.slow), "ours"])
 def test_batched_equals_one_at_a_time(which, hf_model, our_model, data_dir):
     model = hf_model if which == "hf" else our_model
     recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))
