@@ -236,14 +236,15 @@ def _live_holder(record):
         return None
     if type(pid) is not int or pid <= 0:  # os.kill(0, 0) would signal our own process group
         return None
-    if host == socket.gethostname():
+    # signal 0 tests a pid on POSIX only: on Windows os.kill(pid, 0) sends a Ctrl-C event
+    if host == socket.gethostname() and os.name == "posix":
         try:
             os.kill(pid, 0)
         except PermissionError:
             pass  # alive, another user's
         except (OSError, OverflowError):
             return None
-    return text  # or another host's on a shared filesystem, which this host cannot check
+    return text  # or another host's (a shared filesystem), or on Windows: not checked here
 
 
 @contextlib.contextmanager

@@ -58,6 +58,9 @@ LOCK_HOLDER = LOCK + ".holder"  # pid, host and command of the lock's holder (se
 INPUT_TYPES = (".txt", ".md", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 20  # ~1 MB of text (~250K tokens) per tokenizer task
 HUB_BATCH = 1000  # documents per read from a HF dataset
+# the tokenizer pool's start method; None: the platform's (spawn on macOS and Windows). Workers get
+# module-level functions and lists of str only, so every method writes the same shards
+START_METHOD = None
 
 
 class DataPrepError(UsageError):
@@ -178,7 +181,7 @@ def _tokenized(batches, num_proc):
             yield tokenize_batch(batch)
         return
     # the pool is made here, never at import, so spawn (macOS/Windows) works
-    with mp.get_context().Pool(num_proc, initializer=_init_worker) as pool:
+    with mp.get_context(START_METHOD).Pool(num_proc, initializer=_init_worker) as pool:
         pending = collections.deque()
         for batch in batches:
             pending.append(pool.apply_async(tokenize_batch, (batch,)))

@@ -16,6 +16,7 @@ def bench(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_bench_json_has_every_row():
     r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
               "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--json")
@@ -31,6 +32,7 @@ def test_bench_json_has_every_row():
     assert out["save"]["seconds"] > 0 and 0.05 < out["save"]["gib"] < 0.2  # tiny: ~83 MiB
 
 
+@pytest.mark.slow
 def test_bench_bad_device_is_one_line():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: --device cuda is not an error")
@@ -48,6 +50,7 @@ def test_gpu_suite_defaults_are_gpt2_with_the_real_batch():
     assert bench.parse_args(["--suite", "gpu", "--preset", "tiny", "-B", "2"]).micro_batch_size == 2
 
 
+@pytest.mark.slow
 def test_gpu_suite_plumbing_on_cpu(tmp_path):
     """The suite's rows, JSON and Markdown on the CPU with the tiny preset; its CUDA tests left
     out (no pytest in pytest)."""
@@ -95,6 +98,7 @@ def test_junit_summary(tmp_path):
     assert s["cases"][2]["message"] == "needs 2 GPUs"
 
 
+@pytest.mark.slow
 def test_bench_optimizer_rows():
     import bench
 

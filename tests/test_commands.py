@@ -45,6 +45,7 @@ def test_sample_command(tmp_path):
     assert_one_line_error(r, "give one of --checkpoint (a model_*.pt) or --init_from")
 
 
+@pytest.mark.slow
 def test_sample_from_pretrained_dir(tmp_path, enc):
     hf, path = hf_gpt2(tmp_path)
     r = run_cli("sample", "--device", "cpu", "--init_from", path, "--max_new_tokens", "4",

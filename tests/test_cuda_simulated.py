@@ -31,6 +31,8 @@ from simcuda import harness, inductor
 from simcuda.children import ChildFailed, Children
 from simcuda.seeds import DEVICE_BUG, SEEDS, seeded_copies
 
+pytestmark = pytest.mark.slow  # child processes that build the harness and run every check
+
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):

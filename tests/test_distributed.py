@@ -10,9 +10,9 @@ import torch
 
 import hellaswag
 import train_gpt2 as tg
-from helpers import (REPO, assert_one_line_error, assert_same_log, dist_reference, run_args,
-                     run_cli, series, stop_then_resume, torchrun, write_corpus_jsonl,
-                     write_hellaswag)
+from helpers import (DIST_FLAGS, REPO, assert_one_line_error, assert_same_log, dist_reference,
+                     run_args, run_cli, series, step_lines, stop_then_resume, torchrun,
+                     write_corpus_jsonl, write_hellaswag)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not built in")
@@ -23,22 +23,37 @@ def single(data, tmp_path_factory):
     return dist_reference(data, str(tmp_path_factory.mktemp("dist") / "single"))
 
 
-def test_ddp_two_processes_then_resume_in_one(data, single, tmp_path):
-    log = str(tmp_path / "ddp")
-    r = stop_then_resume(data, log, torchrun, run_cli)
+def write_driver(tmp_path):
+    """train_gpt2.py as __main__, with an atexit hook that reports the interpreter's shutdown."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"import atexit, runpy, sys\nsys.path.insert(0, {REPO!r})\n"
+                      "atexit.register(lambda: print('interpreter shutdown', flush=True))\n"
+                      f"runpy.run_path({os.path.join(REPO, 'train_gpt2.py')!r}, "
+                      f"run_name='__main__')\n")
+    return str(driver)
+
+
+@pytest.mark.slow
+def test_one_process_then_two_then_one(data, single, tmp_path):
+    """Steps 0-1 in one process, 2-5 in two (DDP) from its checkpoint, 6-7 in one again from
+    theirs: both ways across process counts, one launch. Under torchrun the workers end with
+    os._exit once main() is done (exit_process: gloo threads that torch keeps alive can abort a
+    process during Python's shutdown), their output flushed first."""
+    log = str(tmp_path / "one-two-one")
+    args = run_args(data, log, *DIST_FLAGS)
+    assert run_cli(*args, "--stop_step", "2").returncode == 0
+    r = torchrun(*args, "--resume", "latest", "--stop_step", "6", script=write_driver(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "saved " in r.stdout and "interpreter shutdown" not in r.stdout
     assert " world_size=2" in r.stdout and " grad_accum_steps=2" in r.stdout
-    # only rank 0 prints step lines (counted as lines: other lines may say "at step N")
-    assert sum(line.startswith("step ") for line in r.stdout.splitlines()) == 4
-    # steps 0-3 and the val losses at 0 and 4 came from 2 processes, the rest from 1: all match 1
+    assert sorted(step_lines(r.stdout)) == [2, 3, 4, 5]  # only rank 0 prints step lines
+    last = run_cli(*args, "--resume", "latest")
+    assert last.returncode == 0, last.stderr
+    # steps 2-5 and the val loss at 4 came from 2 processes, the rest from 1: all match 1
     assert_same_log(log, single, 1e-5)
 
 
-def test_one_process_then_resume_in_two(data, single, tmp_path):
-    log = str(tmp_path / "one-then-two")
-    stop_then_resume(data, log, run_cli, torchrun)
-    assert_same_log(log, single, 1e-5)
-
-
+@pytest.mark.slow
 def test_fsdp_matches_ddp_and_resumes_without_fsdp(data, single, tmp_path):
     log = str(tmp_path / "fsdp")
     stop_then_resume(data, log, torchrun, run_cli, "--fsdp")
@@ -54,59 +69,45 @@ def test_fsdp_needs_torchrun(data, tmp_path):
     assert_one_line_error(r, "--fsdp", "torchrun")
 
 
-def test_torchrun_workers_leave_without_interpreter_shutdown(data, tmp_path):
-    """Under torchrun, train_gpt2.py ends its processes with os._exit once main() is done
-    (exit_process): gloo threads that torch keeps alive can abort a process during Python's
-    shutdown. Output is flushed first, and one process without torchrun still exits the usual
-    way."""
-    # train_gpt2.py as __main__, with an atexit hook that reports the shutdown
-    driver = tmp_path / "driver.py"
-    driver.write_text(f"import atexit, runpy, sys\nsys.path.insert(0, {REPO!r})\n"
-                      "atexit.register(lambda: print('interpreter shutdown', flush=True))\n"
-                      f"runpy.run_path({os.path.join(REPO, 'train_gpt2.py')!r}, "
-                      f"run_name='__main__')\n")
-    flags = ("--max_steps", "2", "--eval_every", "0", "--sample_every", "0", "-B", "1")
-    r = torchrun(*run_args(data, str(tmp_path / "two"), *flags), script=str(driver))
-    assert r.returncode == 0, r.stderr
-    assert "saved " in r.stdout and "interpreter shutdown" not in r.stdout
-    # a refusal keeps its exit code and its one message, from rank 0 alone, no traceback of ours
-    bad = torchrun(*run_args(data, str(tmp_path / "bad"), "--total_batch_size", "192"),
-                   script=str(driver))
-    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
-    assert bad.returncode != 0 and len(errors) == 1 and "not divisible" in errors[0], bad.stderr
-    assert 'train_gpt2.py", line' not in bad.stderr  # torchrun adds its own report
-    one = subprocess.run([sys.executable, str(driver),
-                          *run_args(data, str(tmp_path / "one"), *flags)],
-                         capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert one.returncode == 0 and "interpreter shutdown" in one.stdout, one.stderr
-
-
-def test_hellaswag_in_training_one_and_two_processes(data, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_two_processes_prepare_the_data_and_split_hellaswag(tmp_path, monkeypatch):
+    """One two-process run on a corpus not yet tokenized, with HellaSwag at every step: rank 0
+    prepares the shards while rank 1 waits; the ranks split the 13 examples (7 and 6) and give one
+    process's accuracy."""
+    corpus = write_corpus_jsonl(tmp_path / "corpus.jsonl")
     hdir = str(tmp_path / "hs")
-    write_hellaswag(hdir, 13)  # odd, so the ranks get 7 and 6 examples
+    write_hellaswag(hdir, 13)
     monkeypatch.setenv("HELLASWAG_DIR", hdir)
+    root, one, two = str(tmp_path / "data"), str(tmp_path / "one"), str(tmp_path / "two")
     hs = ["--max_steps", "2", "--hellaswag_every", "1", "--eval_every", "0", "--sample_every", "0",
           "--save_every", "0", "--total_batch_size", "256"]
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    r = run_cli(*run_args(data, one, *hs))
-    assert r.returncode == 0, r.stderr
-    r2 = torchrun(*run_args(data, two, *hs))
+    r2 = torchrun(*run_args(root, two, "--input", corpus, *hs))
     assert r2.returncode == 0, r2.stderr
-    assert "HellaSwag accuracy: " in r.stdout and "/13=" in r2.stdout
+    assert r2.stdout.count("preparing them from") == 1 and "/13=" in r2.stdout
+
+    r = run_cli(*run_args(root, one, *hs))  # one process, on the shards rank 0 wrote
+    assert r.returncode == 0, r.stderr
+    assert "HellaSwag accuracy: " in r.stdout
     a, b = series(one)["hella"], series(two)["hella"]
     assert a[0] == b[0] == [0, 1, 2] and a[1] == pytest.approx(b[1], abs=1e-9)
+    assert series(two)["train"][0] == [0, 1]
     # step 0 scores the freshly initialized model: the same number from hellaswag.evaluate
     torch.manual_seed(1337)
-    init = tg.GPT(tg.model_config_from_args(tg.parse_args(run_args(data, one))[0]))
+    init = tg.GPT(tg.model_config_from_args(tg.parse_args(run_args(root, one))[0]))
     assert hellaswag.evaluate(init, "cpu")["acc_norm"] == pytest.approx(a[1][0], abs=1e-4)
 
 
-def test_rank0_prepares_data_while_others_wait(tmp_path):
-    corpus = write_corpus_jsonl(tmp_path / "corpus.jsonl")
-    root, log = str(tmp_path / "data"), str(tmp_path / "log")
-    r = torchrun(*run_args(root, log, "--input", corpus, "--max_steps", "2", "--sample_every", "0",
-                           "--save_every", "0", "--total_batch_size", "256"))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.count("preparing them from") == 1
-    assert series(log)["train"][0] == [0, 1]
-
+@pytest.mark.slow
+def test_torchrun_refusal_and_one_process_exit(data, tmp_path):
+    """Under torchrun a refusal keeps its exit code and its one message, from rank 0 alone; one
+    process without torchrun still leaves through the interpreter's usual shutdown."""
+    driver = write_driver(tmp_path)
+    bad = torchrun(*run_args(data, str(tmp_path / "bad"), "--total_batch_size", "192"),
+                   script=driver)
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert bad.returncode != 0 and len(errors) == 1 and "not divisible" in errors[0], bad.stderr
+    assert 'train_gpt2.py", line' not in bad.stderr  # torchrun adds its own report
+    flags = ("--max_steps", "2", "--eval_every", "0", "--sample_every", "0", "-B", "1")
+    one = subprocess.run([sys.executable, driver, *run_args(data, str(tmp_path / "one"), *flags)],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert one.returncode == 0 and "interpreter shutdown" in one.stdout, one.stderr

@@ -83,6 +83,7 @@ def test_boolean_flags_have_a_no_form():
     assert (args.fsdp, args.overwrite, args.bias, args.compile) == (True, True, True, True)
 
 
+@pytest.mark.slow
 def test_bad_flag_value_exits_nonzero_without_traceback():
     r = run_cli("--max_steps", "many", subprocess_run=True)  # the real script
     assert r.returncode == 1 and "Traceback" not in r.stderr

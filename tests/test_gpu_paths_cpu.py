@@ -22,6 +22,7 @@ def test_fused_adamw_matches_plain_on_cpu():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_training_step_on_cpu():
     x, y = random_batch("cpu")
     bf16_loss = bf16_train_step(tiny_model(**GPU_SHAPE), x, y)
@@ -35,6 +36,7 @@ def test_bf16_kv_cache_greedy_equals_recompute_on_cpu():
     assert torch.equal(cached, seqs)  # it was memorized: wide margins, the agreement is no luck
 
 
+@pytest.mark.slow
 def test_bf16_hellaswag_batched_equals_one_per_forward_on_cpu(tmp_path):
     batched, single = hellaswag_batched_vs_one_per_forward_bf16("cpu", str(tmp_path / "hs"), n=3)
     assert batched == single and batched["acc_norm"] == 1.0

@@ -172,7 +172,7 @@ def test_logits_to_keep_is_the_full_logits_slice(which, hf_model, our_model, dat
     assert torch.allclose(kept, full[:, positions], atol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["hf", "ours"])
+@pytest.mark.parametrize("which", [pytest.param("hf", marks=pytest.mark.slow), "ours"])
 def test_batched_equals_one_at_a_time(which, hf_model, our_model, data_dir):
     model = hf_model if which == "hf" else our_model
     recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))
@@ -228,6 +228,7 @@ class Recorder(torch.nn.Module):
         return self.inner(idx, logits_to_keep=logits_to_keep)
 
 
+@pytest.mark.slow
 def test_few_unneeded_positions_projected(hf_model):
     recs = make_records(16, seed=7)  # realistic lengths: contexts 20-60 words, endings 10-30
     model = Recorder(hf_model)
@@ -392,6 +393,7 @@ _DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ddp_all_reduce_gloo(data_dir, tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(_DDP_SCRIPT.format(repo=REPO))
@@ -601,6 +603,7 @@ def test_missing_data_one_clear_line(tmp_path, hf_model, fake_load_dataset):
     assert not hf_model.training
 
 
+@pytest.mark.slow
 def test_real_datasets_offline_is_one_line(tmp_path):
     """The real datasets library, offline with an empty cache: one line, no socket opened."""
     code = textwrap.dedent(f"""
@@ -726,6 +729,7 @@ def test_cli_short_names_map_to_openai_community(hf_model, data_dir, monkeypatch
     assert "gpt2-xl on cpu (fp32), hellaswag val: 2 examples" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_eval_does_not_recompile_the_training_model(data_dir):
     """Training evaluates the raw model while a torch.compile'd wrapper of the same
     modules keeps training: scoring changes nothing on the modules, so no recompile."""

@@ -352,6 +352,7 @@ def test_init_from_a_folder_that_is_not_gpt2_is_one_line(tmp_path):
         assert_one_line_error(r, "could not load GPT-2 model", folder, "save_pretrained")
 
 
+@pytest.mark.slow
 def test_init_from_the_hub_offline_asks_it_once_and_says_what_to_do(tmp_path, monkeypatch):
     """A hub that accepts connections and never answers: transformers alone would retry for
     minutes; one probe, then one complete line on what to pass instead."""

@@ -76,6 +76,7 @@ def write_train(log_path, steps, rng, step_numbers=False):
             rundir.append_log(str(log_path), step, "tok_s", 65536 / (dt / 1000))
 
 
+@pytest.mark.slow
 def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
     rng = np.random.default_rng(0)
     log_path = tmp_path / "run" / "log.txt"
@@ -115,6 +116,7 @@ def test_notebook_plots_a_full_log(kernel_dir, tmp_path):
     check_png(str(png))
 
 
+@pytest.mark.slow
 def test_notebook_tolerates_missing_series(kernel_dir, tmp_path):
     """Only train lines (an older log: no LR, no throughput), and a gpt2-medium checkpoint beside
     them: plots the loss, picks the 350M baselines."""

@@ -242,6 +242,7 @@ def assert_close_runs(log, ref):
     assert diff < moved / 10, (diff, moved)
 
 
+@pytest.mark.slow
 def test_muon_ddp_two_processes_then_resume_in_one(data, muon_single, tmp_path):
     log = str(tmp_path / "ddp")
     # Muon again when resumed: from the checkpoint
@@ -250,6 +251,7 @@ def test_muon_ddp_two_processes_then_resume_in_one(data, muon_single, tmp_path):
     assert_close_runs(log, muon_single)
 
 
+@pytest.mark.slow
 def test_muon_fsdp_two_processes(data, muon_single, tmp_path):
     # Muon's Newton-Schulz runs on FSDP's sharded DTensors, which gather what each matmul needs:
     # the update of each whole matrix, as one process computes it

@@ -40,6 +40,7 @@ def no_temp_files(log):
 
 # ------------------------------------------------------------------------------- the log dir's lock
 
+@pytest.mark.slow
 def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
     log, gate, release = str(tmp_path / "log"), tmp_path / "gate", tmp_path / "release"
     args = run_args(data, log, "--sample_every", "0", "--max_steps", "3")
@@ -59,6 +60,7 @@ def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
     assert series(log)["train"][0] == list(range(3)), line  # one run's lines, once
 
 
+@pytest.mark.slow
 def test_kill_9_mid_save_and_mid_run_then_resume_is_bit_exact(data, reference, tmp_path):
     # two victims side by side (each pays for its own torch import): one paused inside a
     # checkpoint save, its temp file written but not renamed; one paused mid-run, its log ahead of
@@ -161,6 +163,7 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
 
 # SIGTERM: in test_a_stop_signal_in_a_sample_block_stops_at_once and the torchrun tests below;
 # SIGINT: in test_a_second_ctrl_c_leaves_at_once
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR1])
 def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_path, sig):
     # held while logging step 4 (its update done, its checkpoint next), the run is signalled: one
@@ -183,6 +186,7 @@ def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_pa
     assert log_of(log) == log_of(reference)
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
     log = str(tmp_path / "log")
     proc = start_hooked(tmp_path, "run", run_args(data, log), mode="hold_after_log", arg="4 train",
@@ -212,20 +216,25 @@ def two_rank_reference(data, tmp_path_factory):
     return log
 
 
-def test_torchrun_ranks_agree_on_the_step_to_stop(data, two_rank_reference, tmp_path):
-    """SIGTERM to rank 0 only, mid-step: both ranks stop after the same step, save once, exit
-    143, no hang; resuming in two processes gives the uninterrupted two-process run's log."""
+@pytest.mark.slow
+def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_rank_reference,
+                                                                    tmp_path):
+    """Two ranks of B=1 (one micro-step each), stopped twice, then resumed: SIGTERM to rank 0
+    alone, mid-step: both ranks stop after the same step, save once, exit 143, no hang. Resumed,
+    the sample block of step 6 would run for minutes on both ranks: SIGTERM to the launcher, which
+    forwards it to the workers, ends the run in seconds with step 5 saved. The last resume gives
+    the uninterrupted two-rank run's log."""
     hook = tmp_path / "hook.py"
     hook.write_text(HOOK)
+    log = str(tmp_path / "log")
 
-    def hooked_torchrun(log, hook_env, *extra):  # two ranks of B=1: one micro-step each
+    def hooked_torchrun(hook_env, *extra):
         return torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0", *extra),
                         script=str(hook), env={"HOOK_REPO": REPO, **hook_env}, wait=False)
 
-    log = str(tmp_path / "log")
     hold = {"HOOK_MODE": "hold_after_log", "HOOK_ARG": "3 train",
             "HOOK_MARKER": str(tmp_path / "held"), "HOOK_RELEASE": str(tmp_path / "release")}
-    run = hooked_torchrun(log, hold)
+    run = hooked_torchrun(hold)
     wait_until(lambda: (tmp_path / "held").exists(), [], "rank 0's hold at step 3")
     assert run.poll() is None
     os.kill(int((tmp_path / "held").read_text()), signal.SIGTERM)  # rank 0 alone gets the signal
@@ -235,7 +244,20 @@ def test_torchrun_ranks_agree_on_the_step_to_stop(data, two_rank_reference, tmp_
     assert "stopped by SIGTERM after step 4" in out  # seen at the next step's read-back, by all
     assert "exitcode  : 143" in err or "143" in err
     assert newest_step(log) == 4 and steps_saved(log).count(4) == 1
-    resumed = hooked_torchrun(log, {}, "--resume", "latest")
+
+    slow = {"HOOK_MODE": "slow_samples", "HOOK_MARKER": str(tmp_path / "sampling")}
+    run = hooked_torchrun(slow, "--resume", "latest", "--sample_every", "6")
+    try:
+        wait_until(lambda: (tmp_path / "sampling").exists(), [], "the sample block of step 6")
+        run.send_signal(signal.SIGTERM)  # the blocks sleep 300 s: only an interrupt ends them
+        out, err = run.communicate(timeout=240)
+    finally:
+        run.kill()
+    assert "stopped by SIGTERM at step 6" in out, out + err
+    assert run.returncode == 1  # torchrun's own status after a SIGTERM, as the README says
+    assert steps_saved(log)[-1] == 5
+
+    resumed = hooked_torchrun({}, "--resume", "latest")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert log_of(log) == log_of(two_rank_reference)
@@ -700,32 +722,6 @@ def test_a_stop_signal_in_a_sample_block_stops_at_once(data, reference, tmp_path
     assert log_of(log) == log_of(reference)
 
 
-def test_sigterm_to_torchrun_during_a_long_sample_block_saves_at_once(data, two_rank_reference,
-                                                                      tmp_path):
-    """Two ranks (gloo); the sample block of step 6 would run for minutes on both: SIGTERM to the
-    launcher, which forwards it to the workers, ends the run in seconds with step 5 saved, and
-    --resume latest gives the uninterrupted two-rank run's log."""
-    hook = tmp_path / "hook.py"
-    hook.write_text(HOOK)
-    flags = ["-B", "1", "--sample_every", "6"]
-    log = str(tmp_path / "log")
-    run = torchrun(*run_args(data, log, *flags), script=str(hook), wait=False,
-                   env={"HOOK_REPO": REPO, "HOOK_MODE": "slow_samples",
-                        "HOOK_MARKER": str(tmp_path / "sampling")})
-    try:
-        wait_until(lambda: (tmp_path / "sampling").exists(), [], "the sample block of step 6")
-        run.send_signal(signal.SIGTERM)  # the blocks sleep 300 s: only an interrupt ends them
-        out, err = run.communicate(timeout=240)
-    finally:
-        run.kill()
-    assert "stopped by SIGTERM at step 6" in out, out + err
-    assert run.returncode == 1  # torchrun's own status after a SIGTERM, as the README says
-    assert steps_saved(log)[-1] == 5
-    resumed = torchrun(*run_args(data, log, *flags, "--sample_every", "0", "--resume", "latest"))
-    assert resumed.returncode == 0, resumed.stderr
-    assert log_of(log) == log_of(two_rank_reference)
-
-
 def child_pids(pid):
     r = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in r.stdout.split()]
@@ -741,6 +737,7 @@ def alive(pid):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a worker learns of its launcher's death "
                                                      "from Linux's parent-death signal")
+@pytest.mark.slow
 def test_a_launcher_killed_by_sigusr1_leaves_no_worker_behind(data, tmp_path):
     """torchrun does not handle SIGUSR1 by default and dies of it: its workers stop after their
     step, save it together and exit, instead of training on as orphans."""
@@ -767,6 +764,7 @@ def test_a_launcher_killed_by_sigusr1_leaves_no_worker_behind(data, tmp_path):
     assert f"{saved[-1]} train" in log_of(log)
 
 
+@pytest.mark.slow
 def test_a_rank_local_failure_is_named_by_every_rank(data, tmp_path):
     """Rank 1's fourth train batch (step 3) cannot be read: rank 1 says why, rank 0 names rank 1
     instead of a broken connection, the last finished step is kept, and torchrun's failure

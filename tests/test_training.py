@@ -232,6 +232,7 @@ def test_resume_gives_identical_losses(data, reference, tmp_path):
     assert log_of(log) == log_of(reference)
 
 
+@pytest.mark.slow
 def test_batch_ramp_resumes_exactly(data, tmp_path):
     ramp = ["--max_steps", "8", "--total_batch_size", "512", "--batch_ramp_tokens", "2048",
             "--batch_ramp_start", "128", *QUIET]
@@ -268,6 +269,7 @@ def test_hellaswag_missing_data_warns_and_trains_on(data, tmp_path, monkeypatch)
     assert "hella" not in series(log)
 
 
+@pytest.mark.slow
 def test_compile_on_with_val_hellaswag_and_samples(data, tmp_path, monkeypatch):
     write_hellaswag(str(tmp_path / "hs"), 8)
     monkeypatch.setenv("HELLASWAG_DIR", str(tmp_path / "hs"))
