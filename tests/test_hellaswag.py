@@ -669,7 +669,7 @@ def test_cli_errors_subprocess(args, needle, data_dir, tmp_path):
     (["-m", "gpt2", "--limit", "0", "--hellaswag_dir", "{data}"], "--limit"),
     (["-m", "gpt2", "--device", "nosuchdevice", "--hellaswag_dir", "{data}"], "nosuchdevice"),
     (["-m", "gpt2", "--split", "test", "--hellaswag_dir", "{data}"], "invalid choice"),
-    (["-m", "gpt2", "--dtype", "fp16", "--hellaswag_dir", "{data}"], "invalid choice"),
+    (["-m", "gpt2", "--dtype", "fp64", "--hellaswag_dir", "{data}"], "invalid choice"),
     (["-m", "no-such-org/no-such-model", "-d", "cpu", "--hellaswag_dir", "{data}"],
      "could not load GPT-2 model"),
     # not a model folder
