@@ -58,9 +58,11 @@ LOCK_HOLDER = LOCK + ".holder"  # pid, host and command of the lock's holder (se
 INPUT_TYPES = (".txt", ".md", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 20  # ~1 MB of text (~250K tokens) per tokenizer task
 HUB_BATCH = 1000  # documents per read from a HF dataset
-# the tokenizer pool's start method; None: the platform's (spawn on macOS and Windows). Workers get
-# module-level functions and lists of str only, so every method writes the same shards
-START_METHOD = None
+# the tokenizer pool's start method: forkserver where there is one (a fork of a process that runs
+# threads, gloo's under torchrun, can deadlock, and would inherit its signal handlers), else the
+# platform's (spawn on Windows). Workers get module-level functions and lists of str only, so
+# every method writes the same shards
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else None
 
 
 class DataPrepError(UsageError):
