@@ -18,6 +18,7 @@ FP16_RUN = ["-B", "1", "-T", "8", "--total_batch_size", "8", "--max_steps", "30"
             "--save_every", "0"]
 
 
+@pytest.mark.slow
 def test_fp16_tracks_fp32_and_resumes_exactly(data, tmp_path):
     logs = {name: str(tmp_path / name) for name in ("fp32", "fp16", "resumed")}
     for name, dtype in (("fp32", "fp32"), ("fp16", "fp16")):
