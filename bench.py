@@ -224,13 +224,14 @@ def bench_save(args, config, device, tmp):
     model(x, x)[1].backward()
     optimizer.step()
     proc = tg.Proc(False, 0, 0, 1, device)
+    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=False)  # an fp32 run's
     loader = types.SimpleNamespace(state_dict=lambda: {"position": 0})
     seconds = []
     for i in range(min(3, args.steps)):  # a few: each writes the whole file
         path = os.path.join(tmp, f"model_{i:05d}.pt")
         t0 = time.perf_counter()
-        tg.save_checkpoint(path, model, optimizer, tg.TrainState(step=i, args={}), loader, 0,
-                           proc)
+        tg.save_checkpoint(path, model, optimizer, scaler, tg.TrainState(step=i, args={}),
+                           loader, 0, proc)
         seconds.append(time.perf_counter() - t0)
     return {"seconds": statistics.median(seconds), "gib": os.path.getsize(path) / 2**30}
 

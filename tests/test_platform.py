@@ -5,7 +5,6 @@ Apple-silicon (MPS) backend."""
 import contextlib
 import glob
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import subprocess
