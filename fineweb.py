@@ -594,7 +594,7 @@ def _check_token_ids(path, f, n, vocab_size):
 
 def check_window(tokens, vocab_size, path, offset=0, error=UsageError):
     """Raise error naming path and the offset of the first id >= vocab_size in tokens, if any."""
-    if len(tokens) and int(tokens.max()) >= vocab_size:
+    if len(tokens) and int(np.asarray(tokens).max()) >= vocab_size:  # asarray: memmap's max is slow
         i = int(np.argmax(tokens >= vocab_size))
         raise error(f"{path}: token id {int(tokens[i])} at offset {offset + i} is >= the "
                     f"vocabulary size {vocab_size}")
