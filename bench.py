@@ -1,17 +1,20 @@
 """
 Measure the hot paths of this repository for one setting, and print one table (or --json).
 
-    python bench.py --preset tiny                               # CPU, under a minute
+    python bench.py                                             # CPU: the default rows, ~1 minute
+    python bench.py --long                                      # and the loop at parity (minutes)
     python bench.py --preset gpt2 -B 64 -T 1024 --device cuda   # GPT-2 124M, a GPU (bf16, compiled)
     python bench.py --suite gpu --out results/  # CUDA tests + GPU benchmark, one JSON + one table
     python bench.py --suite gpu-estimate        # no GPU: GPT-2's memory, FLOPs, roofline on an H100
 
-Rows: training (tokens/s, ms/step, MFU, peak memory; median of timed steps after warm-up, GPU
-synchronized), HellaSwag scoring (batched vs one example per forward), generation (KV cache vs
-recompute, 128 new tokens), DataLoaderLite (µs/batch and resident memory over memory-mapped shards),
-fineweb tokenization (tokens/s; `--only fineweb_naive` compares it with the build-nanogpt loop).
-All inputs are synthetic, so nothing needs to be downloaded (`--fineweb_input` takes a real corpus
-instead).
+Default rows: training (tokens/s, ms/step, MFU, peak memory; median of timed steps after warm-up,
+GPU synchronized), one optimizer step (AdamW vs Muon), HellaSwag scoring (batched vs one example
+per forward), generation (KV cache vs recompute), DataLoaderLite (µs/batch and resident memory over
+memory-mapped shards), a checkpoint save, fineweb tokenization (tokens/s) and start-up (opening 2 vs
+100 shards of the same size). Long rows, by name with --only: parity (train_gpt2.train() against a
+build-nanogpt-style loop, alternated), train_loop, fineweb_naive, optimizers_compare; --long adds
+the first two. All inputs are synthetic, so nothing needs to be downloaded (`--fineweb_input` takes
+a real corpus instead).
 """
 
 import argparse
@@ -236,28 +239,39 @@ def bench_save(args, config, device, tmp):
     return {"seconds": statistics.median(seconds), "gib": os.path.getsize(path) / 2**30}
 
 
+def write_token_shards(folder, tokens, seed=0):
+    """A val shard and a train shard of random ids, each holding `tokens` (at least 100,000)."""
+    rng = np.random.default_rng(seed)
+    for i, split in enumerate(("val", "train")):
+        ids = rng.integers(0, fineweb.GPT2_VOCAB_SIZE, max(tokens, 100_000))
+        np.save(os.path.join(folder, fineweb.shard_name(i, split, prefix="bench")),
+                ids.astype(np.uint16))
+
+
+def train_flags(args, device, data_root, log_dir, max_steps):
+    """train_gpt2.py's flags for a run of max_steps steps of bench's shape, with nothing but
+    training steps in it (val, samples, HellaSwag and periodic saves off)."""
+    tokens = args.micro_batch_size * args.sequence_length * args.grad_accum
+    return ["--preset", args.preset, "--device", device, "--dtype", args.dtype,
+            "--data_root", data_root, "--log_dir", log_dir,
+            "-B", str(args.micro_batch_size), "-T", str(args.sequence_length),
+            "--total_batch_size", str(tokens), "--max_steps", str(max_steps),
+            "--warmup_steps", "1", "--eval_every", "0", "--sample_every", "0",
+            "--hellaswag_every", "0", "--save_every", "0",
+            "--compile" if args.compile else "--no-compile"]
+
+
 def bench_train_loop(args, device):
     """train_gpt2.py's own loop (loader, micro-steps, clipping, LR, update, the step line), run
     through its main() on synthetic shards: the median `dt` of its step lines after the warm-up
     steps."""
-    import contextlib
     import io
     import re
 
     tokens = args.micro_batch_size * args.sequence_length * args.grad_accum
     with tempfile.TemporaryDirectory() as tmp:
-        rng = np.random.default_rng(0)
-        for i, split in enumerate(("val", "train")):
-            ids = rng.integers(0, fineweb.GPT2_VOCAB_SIZE, max(10 * tokens, 100_000))
-            np.save(os.path.join(tmp, fineweb.shard_name(i, split, prefix="bench")),
-                    ids.astype(np.uint16))
-        flags = ["--preset", args.preset, "--device", device, "--dtype", args.dtype,
-                 "--data_root", tmp, "--log_dir", os.path.join(tmp, "log"),
-                 "-B", str(args.micro_batch_size), "-T", str(args.sequence_length),
-                 "--total_batch_size", str(tokens), "--max_steps", str(args.warmup + args.steps),
-                 "--warmup_steps", "1", "--eval_every", "0",
-                 "--sample_every", "0", "--hellaswag_every", "0", "--save_every", "0",
-                 "--compile" if args.compile else "--no-compile"]
+        write_token_shards(tmp, 10 * tokens)
+        flags = train_flags(args, device, tmp, os.path.join(tmp, "log"), args.warmup + args.steps)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             if tg.main(flags) != 0:
@@ -265,6 +279,179 @@ def bench_train_loop(args, device):
     dts = [float(ms) for ms in re.findall(r"\| dt ([\d.]+)ms", out.getvalue())][args.warmup:]
     ms = statistics.median(dts)
     return {"ms_per_step": ms, "tokens_per_sec": tokens / (ms / 1000), "tokens_per_step": tokens}
+
+
+class StepClock:
+    """Stands in for stdout: keeps the text, and the wall and CPU time at which each step line is
+    printed (the CPU time of this process: less disturbed by other work on a shared machine)."""
+
+    def __init__(self):
+        self.parts, self.times, self.cpu_times = [], [], []
+
+    def write(self, text):
+        if text.startswith("step "):
+            self.times.append(time.perf_counter())
+            self.cpu_times.append(time.process_time())
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def step_seconds(self, warmup, cpu=False):
+        """Wall (or CPU) seconds from one step line to the next, the first `warmup` steps left
+        out: all that a loop does per step (loader, forward, backward, update, read-back, print,
+        log)."""
+        times = self.cpu_times if cpu else self.times
+        return [b - a for a, b in zip(times, times[1:])][warmup:]
+
+    def losses(self):
+        import re
+        return [float(v) for v in re.findall(r"^step +\d+ \| loss:? ([\d.]+)",
+                                             "".join(self.parts), re.M)]
+
+
+def reference_loop(args, device, data_root, log_dir, max_steps):
+    """A training loop written as build-nanogpt writes its own, for the parity row: the same GPT
+    class, seed, init, AdamW groups, data order, gradient accumulation, clipping and LR schedule as
+    train_gpt2.train() with train_flags(), and per step the loss read with .item(), a printed line
+    and a line appended to log.txt."""
+    settings = {**tg.DEFAULTS, **tg.RUN_PRESETS[args.preset]}
+    max_lr, B, T = settings["max_lr"], args.micro_batch_size, args.sequence_length
+    min_lr, accum = max_lr * settings["min_lr_ratio"], args.grad_accum
+    device_type = device.split(":")[0]
+    autocast_ctx, _ = common.autocast_for(args.dtype, device_type)
+
+    # one train shard, read whole into an int64 tensor; batches in order from its start
+    shard = fineweb.list_shards(data_root, "train")[0]
+    tokens = torch.tensor(np.load(shard).astype(np.int64))
+    position = 0
+
+    torch.manual_seed(settings["seed"])
+    model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS[args.preset])).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2],
+               "weight_decay": settings["weight_decay"]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=max_lr, betas=(0.9, 0.95), eps=1e-8,
+                                  fused=device_type == "cuda")
+    os.makedirs(log_dir)
+    log_file = os.path.join(log_dir, "log.txt")
+
+    for step in range(max_steps):
+        t0 = time.time()
+        optimizer.zero_grad()
+        loss_accum = 0.0
+        for _ in range(accum):
+            buf = tokens[position: position + B * T + 1]
+            position += B * T
+            x, y = buf[:-1].view(B, T).to(device), buf[1:].view(B, T).to(device)
+            with autocast_ctx:
+                _, loss = model(x, y)
+            loss = loss / accum
+            loss_accum += loss.detach()
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings["grad_clip"])
+        lr = tg.get_lr(step, max_lr, min_lr, 1, max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        print(f"step {step:5d} | loss: {loss_accum.item():.6f} | lr {lr:.4e} | norm: {norm:.4f} "
+              f"| dt: {dt * 1000:.2f}ms | tok/sec: {B * T * accum / dt:.2f}")
+        with open(log_file, "a") as f:
+            f.write(f"{step} train {loss_accum.item():.6f}\n")
+
+
+def bench_parity(args, device):
+    """train_gpt2.train() (through its main()) and reference_loop() from the same init on the same
+    shards, alternating for --rounds rounds (the first of a round swaps each round): per loop the
+    median over rounds of each run's median step (wall time between step lines after --warmup
+    steps; and CPU time), and the median over rounds of the ratio train_gpt2 / reference."""
+    tokens = args.micro_batch_size * args.sequence_length * args.grad_accum
+    max_steps = args.warmup + args.steps + 1  # the first step line starts the clock
+    runs = {"train_gpt2": [], "reference": []}
+    cpu_runs = {"train_gpt2": [], "reference": []}
+    losses = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_token_shards(tmp, max_steps * tokens + 1)
+        for r in range(args.rounds):
+            order = ("train_gpt2", "reference") if r % 2 == 0 else ("reference", "train_gpt2")
+            for name in order:
+                log_dir = os.path.join(tmp, f"{name}_{r}")
+                clock = StepClock()
+                with contextlib.redirect_stdout(clock):
+                    if name == "reference":
+                        reference_loop(args, device, tmp, log_dir, max_steps)
+                    elif tg.main(train_flags(args, device, tmp, log_dir, max_steps)) != 0:
+                        raise RuntimeError("train_gpt2.main failed: " + "".join(clock.parts)[-500:])
+                runs[name].append(statistics.median(clock.step_seconds(args.warmup)))
+                cpu_runs[name].append(statistics.median(clock.step_seconds(args.warmup, cpu=True)))
+                losses.setdefault(name, clock.losses())
+                release(device.split(":")[0])
+    ms = {name: statistics.median(v) * 1000 for name, v in runs.items()}
+    cpu_ms = {name: statistics.median(v) * 1000 for name, v in cpu_runs.items()}
+
+    # the two runs of a round are next to each other in time: their ratio is the least disturbed
+    # by a load that changes between rounds
+    def ratio(times):
+        return statistics.median(a / b for a, b in zip(times["train_gpt2"], times["reference"]))
+    return {"train_gpt2_ms": ms["train_gpt2"], "reference_ms": ms["reference"],
+            "ratio": ratio(runs),
+            "rounds_ms": {name: [t * 1000 for t in v] for name, v in runs.items()},
+            "train_gpt2_cpu_ms": cpu_ms["train_gpt2"], "reference_cpu_ms": cpu_ms["reference"],
+            "cpu_ratio": ratio(cpu_runs),
+            "rounds_cpu_ms": {name: [t * 1000 for t in v] for name, v in cpu_runs.items()},
+            "tokens_per_step": tokens, "steps_timed": args.steps, "rounds": args.rounds,
+            "max_loss_diff": max(abs(a - b) for a, b in zip(*losses.values())),
+            "steps_compared": min(len(v) for v in losses.values())}
+
+
+def write_sparse_shard(path, n_tokens):
+    """A .npy shard of n_tokens uint16 that takes no disk space: a header, then a hole that reads as
+    zeros (a valid token id)."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<u2", "fortran_order": False,
+                                                 "shape": (n_tokens,)})
+        f.truncate(f.tell() + 2 * n_tokens)
+
+
+def bench_startup(args, tmp):
+    """Start-up on folders of 2 and of 100 shards (--startup_shards) of the same size: seconds to
+    open the data as train() does (ensure_prepared, the train and val DataLoaderLite, the first
+    batch), and to open the train split headers-only (fineweb.open_split with vocab_size None).
+    Shard 0 is val, the others train; the folders alternate for --rounds rounds, medians."""
+    counts = [int(c) for c in args.startup_shards.split(",")]
+    n = args.startup_shard_tokens
+    for count in counts:
+        os.makedirs(os.path.join(tmp, str(count)))
+        for i in range(count):
+            write_sparse_shard(os.path.join(tmp, str(count), fineweb.shard_name(i)), n)
+
+    def open_like_train(root):
+        fineweb.ensure_prepared(root, train_tokens=n, val_tokens=n, print0=lambda *a: None)
+        for split in ("train", "val"):
+            tg.DataLoaderLite(args.micro_batch_size, args.sequence_length, split=split,
+                              data_root=root).next_batch()
+
+    times = {(kind, c): [] for kind in ("loader", "headers") for c in counts}
+    for r in range(args.rounds):
+        for count in counts if r % 2 == 0 else counts[::-1]:
+            root = os.path.join(tmp, str(count))
+            t0 = time.perf_counter()
+            open_like_train(root)
+            t1 = time.perf_counter()
+            fineweb.open_split(root, "train", None)
+            times["loader", count].append(t1 - t0)
+            times["headers", count].append(time.perf_counter() - t1)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    return {"shard_tokens": n, "shards": counts, "rounds": args.rounds,
+            "loader_s": {c: med["loader", c] for c in counts},
+            "headers_only_s": {c: med["headers", c] for c in counts},
+            "loader_ratio": med["loader", counts[-1]] / med["loader", counts[0]],
+            "headers_only_ratio": med["headers", counts[-1]] / med["headers", counts[0]]}
 
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -910,6 +1097,16 @@ def fineweb_rows(results):
     return rows
 
 
+# the rows `python bench.py` measures: about half a minute on an idle 2-core CPU
+DEFAULT_ROWS = ("train", "optimizers", "hellaswag", "generate", "loader", "save", "fineweb",
+                "startup")
+LONG_ROWS = {"parity": "train_gpt2.train() vs a build-nanogpt-style loop, alternated",
+             "train_loop": "train_gpt2.main's own dt",
+             "fineweb_naive": "fineweb.py vs the build-nanogpt tokenizer loop",
+             "optimizers_compare": "the tiny preset trained with AdamW and with Muon, minutes"}
+LONG_BY_FLAG = ("parity", "train_loop")
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -933,22 +1130,32 @@ def build_parser():
     p.add_argument("--peak_flops", type=float, default=None,
                    help="peak FLOP/s for MFU (default: known GPUs)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed training steps first (default: 3, 10 with compile)")
-    p.add_argument("--steps", type=int, default=5,
-                   help="timed training steps (the median is reported)")
+                   help="untimed training steps first (default: 10 with compile, 3 on CUDA, 1 "
+                        "elsewhere)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed training steps (the median is reported; default: 5 on CUDA, 3 "
+                        "elsewhere)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternated rounds of the parity and startup rows (their medians)")
 
-    p.add_argument("--only",
-                   default="train,train_loop,optimizers,hellaswag,generate,loader,save,fineweb",
-                   help="comma-separated subset of rows to measure (train_loop: train_gpt2.main's "
-                        "own loop; also: fineweb_naive, fineweb.py vs the build-nanogpt loop; "
-                        "optimizers_compare, the tiny preset trained with AdamW and with Muon)")
+    p.add_argument("--only", default=None, metavar="ROW,ROW,...",
+                   help=f"rows to measure (default: {','.join(DEFAULT_ROWS)}; long ones: "
+                        f"{', '.join(f'{k} ({v})' for k, v in LONG_ROWS.items())})")
+    p.add_argument("--long", action="store_true",
+                   help=f"the default rows and {' and '.join(LONG_BY_FLAG)} too")
     p.add_argument("--fineweb_input", nargs="+", metavar="PATH", default=None,
                    help="corpus (.txt/.jsonl/.parquet) for the fineweb rows (default: a synthetic "
                         "~6 MB one)")
-    p.add_argument("--gen_tokens", type=int, default=128,
-                   help="new tokens per generation (after a 16-token prompt)")
-    p.add_argument("--hellaswag_examples", type=int, default=40,
-                   help="synthetic HellaSwag examples to score")
+    p.add_argument("--gen_tokens", type=int, default=None,
+                   help="new tokens per generation after a 16-token prompt (default: 128 on "
+                        "CUDA, 32 elsewhere)")
+    p.add_argument("--hellaswag_examples", type=int, default=None,
+                   help="synthetic HellaSwag examples to score (default: 40 on CUDA, 20 "
+                        "elsewhere)")
+    p.add_argument("--startup_shards", default="2,100", metavar="N,N",
+                   help="shards in the folders the startup row opens")
+    p.add_argument("--startup_shard_tokens", type=int, default=10_000_000,
+                   help="tokens per shard in the startup row (sparse files: no disk used)")
     p.add_argument("--hellaswag_batch_tokens", type=int, default=None,
                    help="tokens per batched HellaSwag forward (default: 8192 on CUDA, 512 "
                         "elsewhere)")
@@ -1035,9 +1242,24 @@ def main(argv=None):
     args.compile = args.compile if args.compile is not None else device_type == "cuda"
     if not args.hellaswag_batch_tokens:
         args.hellaswag_batch_tokens = 8192 if device_type == "cuda" else 512
-    args.warmup = args.warmup if args.warmup is not None else (10 if args.compile else 3)
+    on_cuda = device_type == "cuda"
+    if args.warmup is None:
+        args.warmup = 10 if args.compile else (3 if on_cuda else 1)
+    if args.steps is None:
+        args.steps = 5 if on_cuda else 3
+    if args.gen_tokens is None:
+        args.gen_tokens = 128 if on_cuda else 32
+    if args.hellaswag_examples is None:
+        args.hellaswag_examples = 40 if on_cuda else 20
     common.enable_tf32(device_type)
-    only = set(args.only.split(","))
+    only = set(args.only.split(",")) if args.only else set(DEFAULT_ROWS)
+    if args.long:
+        only |= set(LONG_BY_FLAG)
+    unknown = sorted(only - set(DEFAULT_ROWS) - set(LONG_ROWS))
+    if unknown:
+        print(f"error: --only {unknown[0]}: no such row (rows: "
+              f"{','.join(DEFAULT_ROWS + tuple(LONG_ROWS))})", file=sys.stderr)
+        return 1
 
     gpu = torch.cuda.get_device_name(device) if device_type == "cuda" else None
     results = {"setting": {"preset": args.preset, "B": args.micro_batch_size,
@@ -1052,6 +1274,8 @@ def main(argv=None):
         results["train"] = bench_training(args, config, device, device_type, autocast_ctx)
     if "train_loop" in only:
         results["train_loop"] = bench_train_loop(args, device)
+    if "parity" in only:
+        results["parity"] = bench_parity(args, device)
     if "optimizers" in only:
         results["optimizers"] = bench_optimizers(args, config, device, device_type, autocast_ctx)
     if "optimizers_compare" in only:
@@ -1066,6 +1290,9 @@ def main(argv=None):
     if "save" in only:
         with tempfile.TemporaryDirectory(dir=os.getcwd()) as tmp:  # where log/ would be
             results["save"] = bench_save(args, config, device, tmp)
+    if "startup" in only:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["startup"] = bench_startup(args, tmp)
     try:
         results.update(fineweb_results(args, only))
     except fineweb.DataPrepError as e:
@@ -1076,6 +1303,10 @@ def main(argv=None):
         print(json.dumps(results, indent=2))
     else:
         print_table(results)
+        left = [f"{k} ({v})" for k, v in LONG_ROWS.items() if k not in only]
+        if left:
+            print(f"not measured (--only ROW,... picks rows; --long adds "
+                  f"{' and '.join(LONG_BY_FLAG)}): {'; '.join(left)}")
     return 0
 
 
@@ -1094,6 +1325,13 @@ def print_table(results):
         t = results["train_loop"]
         rows += [("train_gpt2.main tokens/s", fmt(t["tokens_per_sec"])),
                  ("train_gpt2.main ms/step", fmt(t["ms_per_step"]))]
+    if "parity" in results:
+        t = results["parity"]
+        rows += [(f"train() ms/step (median, {t['rounds']} rounds)", fmt(t["train_gpt2_ms"])),
+                 ("reference loop ms/step", fmt(t["reference_ms"])),
+                 ("train() / reference (median of rounds)", fmt(t["ratio"], "x")),
+                 ("the same in CPU time", fmt(t["cpu_ratio"], "x")),
+                 ("train() vs reference max loss diff", f"{t['max_loss_diff']:.2g}")]
     if "optimizers" in results:
         o = results["optimizers"]
         rows += [("optimizer step ms, AdamW", fmt(o["adamw_ms"])),
@@ -1115,6 +1353,11 @@ def print_table(results):
         d = results["loader"]
         rows += [("DataLoaderLite µs/batch", fmt(d["us_per_batch"])),
                  ("DataLoaderLite RSS added", fmt(d["rss_added_mib"], " MiB"))]
+    if "startup" in results:
+        d = results["startup"]
+        few, many = d["shards"][0], d["shards"][-1]
+        for key, what in (("loader_s", "data start-up s"), ("headers_only_s", "headers only s")):
+            rows += [(f"{what}, {few} / {many} shards", f"{d[key][few]:.3f} / {d[key][many]:.3f}")]
     rows += fineweb_rows(results)
 
     for name, value in rows:

@@ -594,11 +594,15 @@ def _check_token_ids(path, f, n, vocab_size):
         count = min(len(buf), n - start)
         if f.readinto(raw[:2 * count]) != 2 * count:
             raise ShardError(f"{path}: changed while it was being read")
-        chunk = buf[:count]
-        if int(chunk.max()) >= vocab_size:
-            i = int(np.argmax(chunk >= vocab_size))
-            raise ShardError(f"{path}: token id {int(chunk[i])} at offset {start + i} is >= the "
-                             f"vocabulary size {vocab_size}")
+        check_window(buf[:count], vocab_size, path, start, ShardError)
+
+
+def check_window(tokens, vocab_size, path, offset=0, error=UsageError):
+    """Raise error naming path and the offset of the first id >= vocab_size in tokens, if any."""
+    if len(tokens) and int(np.asarray(tokens).max()) >= vocab_size:  # asarray: memmap's max is slow
+        i = int(np.argmax(tokens >= vocab_size))
+        raise error(f"{path}: token id {int(tokens[i])} at offset {offset + i} is >= the "
+                    f"vocabulary size {vocab_size}")
 
 
 def _open_checked(path, check):
@@ -612,26 +616,27 @@ def _open_checked(path, check):
 
 def open_shard(path, vocab_size):
     """A token shard as a read-only memory-mapped 1-D uint16 array, after checking it: a .npy file
-    of uint16, 1-D, as long as its header says, every id < vocab_size; else ShardError."""
+    of uint16, 1-D, as long as its header says, ids < vocab_size (None: unread); else ShardError."""
     path = os.fspath(path)
 
     def check(f):
-        n = _read_shard_header(path, f)
-        _check_token_ids(path, f, n, vocab_size)
-        return n, f.tell() - 2 * n
+        n, offset = _read_shard_header(path, f), f.tell()
+        if vocab_size is not None:
+            _check_token_ids(path, f, n, vocab_size)
+        return n, offset
 
     n, offset = _open_checked(path, check)
     return np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(n,))
 
 
 def open_split(data_root, split, vocab_size):
-    """(paths, memory-mapped token arrays) of a split's shards, each checked by open_shard; a
-    UsageError naming the file otherwise (this rank's own: another node may see other files)."""
+    """(paths, memory-mapped arrays) of a split's shards checked by open_shard (vocab_size None:
+    headers only, 10B tokens as fast as 10M; check_window() checks reads), or this rank's error."""
     paths = list_shards(data_root, split)
     if not paths:
         raise UsageError(f"no {split} shards (*_{split}_NNNNNN.npy) in {data_root}: prepare them "
                          f"with fineweb.py", rank_specific=True)
-    try:  # header, size, dtype and every token id < vocab_size, checked once
+    try:
         return paths, [open_shard(path, vocab_size) for path in paths]
     except ShardError as e:
         raise UsageError(str(e), rank_specific=True) from None

@@ -34,9 +34,8 @@ from common import (DTYPES, NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError,
 # ---------------------------------------------------------------------------
 # data
 
-DEFAULT_DATA_DIR = os.environ.get("HELLASWAG_DIR") or os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "hellaswag"
-)
+DEFAULT_DATA_DIR = (os.environ.get("HELLASWAG_DIR")
+                    or os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag"))
 
 SPLITS = ("train", "val", "test")
 HF_DATASET = "Rowan/hellaswag"
@@ -273,7 +272,6 @@ def iterate_examples(split, data_dir=None):
 
 def get_encoding():
     """The GPT-2 BPE: fineweb.get_encoding(), built once from gpt2_bpe/ (no network, no cache)."""
-
     return fineweb.get_encoding()
 
 
@@ -428,10 +426,17 @@ def _fit(rendered, max_len):
     return ctx[-keep:], ends, label
 
 
-# A forward pass projects the same positions of every row (the union of its rows' scored spans); a
-# pass grows only while that costs at most this fraction more vocab projections than the rows' own
-# spans.
+# A forward pass projects the same positions of every row (the union of its rows' scored spans): it
+# grows while the projections past the rows' own spans cost at most this fraction of its larger cost
 SPAN_SLACK = 0.25
+
+
+def _body_cost(model):
+    """A token's cost in the blocks (12 n_layer n_embd^2) in vocab projections (n_embd vocab)."""
+    try:
+        return 12 * model.config.n_layer * model.config.n_embd / model.config.vocab_size
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return 0.0
 
 
 def _rows(rendered):
@@ -442,12 +447,13 @@ def _rows(rendered):
             for i, (ctx, ends, _) in enumerate(rendered) for j, end in enumerate(ends)]
 
 
-def _pack(rows, batch_tokens, slack=SPAN_SLACK):
+def _pack(rows, batch_tokens, slack=SPAN_SLACK, body=0.0):
     """Group rows into forward passes. ``batch_tokens`` <= 0: one example (its four rows) per pass,
     in order, the classic loop. Otherwise rows sorted by their scored span share a pass while rows x
-    width stays within ``batch_tokens`` and rows x (union of the spans) within ``1 + slack`` times
-    the rows' own spans: rows are the unit, not examples, so rows of different examples with the
-    same span (the common case in a long split) cost nothing extra."""
+    width stays within ``batch_tokens`` and rows x (union of the spans) exceeds the rows' own spans
+    by at most ``slack`` x the larger of those spans and ``body`` x rows x width (``_body_cost``: a
+    big model's passes project more to run fewer, fuller passes): rows are the unit, not examples,
+    so rows of different examples with the same span (common in a long split) cost nothing extra."""
     if not batch_tokens or batch_tokens <= 0:
         by_example = {}
         for r in rows:
@@ -458,10 +464,9 @@ def _pack(rows, batch_tokens, slack=SPAN_SLACK):
         _, _, lo, hi, width = row
         if cur is not None:
             union = cur["union"] + max(0, hi - max(lo, cur["hi"]))  # spans come sorted by start
-            n, need = len(cur["batch"]) + 1, cur["need"] + hi - lo
-            if n * max(cur["width"], width) <= batch_tokens and n * union <= (1 + slack) * need:
-                cur.update(union=union, need=need, hi=max(hi, cur["hi"]),
-                           width=max(cur["width"], width))
+            n, need, w = len(cur["batch"]) + 1, cur["need"] + hi - lo, max(cur["width"], width)
+            if n * w <= batch_tokens and n * union <= need + slack * max(need, body * n * w):
+                cur.update(union=union, need=need, hi=max(hi, cur["hi"]), width=w)
                 cur["batch"].append(row)
                 continue
         cur = {"batch": [row], "union": hi - lo, "need": hi - lo, "hi": hi, "width": width}
@@ -522,7 +527,7 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
     max_len = _max_positions(model)
     if max_len:
         rendered = [_fit(r, max_len) for r in rendered]
-    batches = _pack(_rows(rendered), batch_tokens)
+    batches = _pack(_rows(rendered), batch_tokens, body=_body_cost(model))
     use_kwarg = takes_logits_to_keep(model)
     dtype_ctx = autocast(device_type_of(device_type or device), autocast_dtype)
     rows, sums, avgs = [], [], []  # (example, ending) of each row, its losses still on the device

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,17 +20,59 @@ def bench(*args, timeout=300):
 @pytest.mark.slow
 def test_bench_json_has_every_row():
     r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
-              "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--json")
+              "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--long",
+              "--rounds", "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000",
+              "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64
     assert out["train"]["tokens_per_sec"] > 0 and out["train"]["tokens_per_step"] == 128
     # through train_gpt2.main
     assert out["train_loop"]["ms_per_step"] > 0 and out["train_loop"]["tokens_per_step"] == 128
+    # train() and the reference loop: the same init, data and schedule give the same losses
+    parity = out["parity"]
+    assert parity["steps_compared"] == 2 and parity["max_loss_diff"] < 1e-5
+    rounds = parity["rounds_ms"]  # one round: the ratio of its two runs
+    assert parity["ratio"] == pytest.approx(rounds["train_gpt2"][0] / rounds["reference"][0])
+    startup = out["startup"]
+    assert startup["shards"] == [2, 3] and set(startup["loader_s"]) == {"2", "3"}
     assert out["hellaswag"]["same_predictions"] and out["hellaswag"]["examples"] == 4
     assert out["generate"]["kv_cache"] > 0 and out["generate"]["new_tokens"] == 4
     assert out["loader"]["us_per_batch"] > 0 and out["fineweb"]["tokens"] > 100_000
     assert out["save"]["seconds"] > 0 and 0.05 < out["save"]["gib"] < 0.2  # tiny: ~83 MiB
+
+
+def test_bench_names_the_rows_it_left_out(capsys):
+    import bench
+    assert bench.main(["--device", "cpu", "--only", "startup", "-B", "2", "-T", "64", "--rounds",
+                       "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "data start-up s, 2 / 3 shards" in out
+    assert "--long adds parity and train_loop" in out and "optimizers_compare" in out
+    assert bench.main(["--device", "cpu", "--only", "train,nosuchrow"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only nosuchrow: no such row") and len(err.splitlines()) == 1
+
+
+def test_headers_only_open_leaves_the_ids_to_the_reader(tmp_path):
+    """The startup row's headers-only open: a bad id is found where a reader checks its window."""
+    import bench
+
+    import common
+    import fineweb
+    bench.write_sparse_shard(str(tmp_path / "a_train_000001.npy"), 5000)
+    tokens = np.zeros(3000, dtype=np.uint16)
+    tokens[1234] = 50300
+    np.save(tmp_path / "a_train_000002.npy", tokens)
+    paths, shards = fineweb.open_split(str(tmp_path), "train", None)
+    assert [len(t) for t in shards] == [5000, 3000] and not shards[0].any()
+    with pytest.raises(common.UsageError, match="token id"):
+        fineweb.open_split(str(tmp_path), "train", 50257)  # the full check still reads them all
+    fineweb.check_window(shards[1][:1234], 50257, paths[1])
+    with pytest.raises(common.UsageError) as e:
+        fineweb.check_window(shards[1][1000:2000], 50257, paths[1], 1000)
+    assert str(e.value) == (f"{paths[1]}: token id 50300 at offset 1234 is >= the vocabulary "
+                            f"size 50257")
 
 
 @pytest.mark.slow
