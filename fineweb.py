@@ -58,10 +58,8 @@ LOCK_HOLDER = LOCK + ".holder"  # pid, host and command of the lock's holder (se
 INPUT_TYPES = (".txt", ".md", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 20  # ~1 MB of text (~250K tokens) per tokenizer task
 HUB_BATCH = 1000  # documents per read from a HF dataset
-# the tokenizer pool's start method: forkserver where there is one (a fork of a process that runs
-# threads, gloo's under torchrun, can deadlock, and would inherit its signal handlers), else the
-# platform's (spawn on Windows). Workers get module-level functions and lists of str only, so
-# every method writes the same shards
+# the tokenizer pool's start method: forkserver (a fork of a process with threads, as gloo's, can
+# deadlock), else spawn (Windows); workers get only lists of str: the same shards either way
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else None
 
 
@@ -507,9 +505,8 @@ class _ShardWriter:
 
 def write_shards(local_dir, texts, manifest=None, *, shard_size, val_tokens, max_tokens=None,
                  num_proc=1, progress=False):
-    """Tokenize the documents `texts` into shards in local_dir, after those manifest["shards"] lists
-    (texts starts at their end; no manifest: a new prep, FineWeb's shard names); returns every
-    shard path, val first. prepare() is this plus its checks, the lock and the resume."""
+    """Tokenize `texts` into shards in local_dir after those manifest["shards"] lists (no manifest:
+    a new prep); returns every shard path, val first. prepare() adds checks, the lock, resuming."""
     if manifest is None:
         manifest = _new_manifest({})
     writer = _ShardWriter(local_dir, manifest, shard_size, val_tokens)
@@ -723,11 +720,10 @@ def _prep_lock(local_dir, made_dir=False):
 def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text",
             shard_size=SHARD_SIZE, max_tokens=None, val_tokens=None, num_proc=None, progress=True,
             dataset=HF_DATASET):
-    """Download (inputs=None) or read local files, tokenize, and write the shards to local_dir.
-    Returns the shard paths, val first. Safe to call again: a complete directory with the same
-    arguments is returned as is, an incomplete one is resumed, one made with other arguments raises
-    DataPrepError, and so does one that another prep is writing (the lock file LOCK). Out of disk
-    space: DiskFullError (an OSError), after which the same call resumes."""
+    """Download (inputs=None) or read local files, tokenize, write the shards to local_dir; returns
+    their paths, val first. Called again, a complete directory with the same arguments is returned
+    as is, an incomplete one resumed; one of other arguments, or one another prep writes (LOCK),
+    raises DataPrepError. Out of disk: DiskFullError, and the same call resumes."""
     local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
     num_proc = num_proc or os.cpu_count() or 1
     args = _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset)
@@ -908,13 +904,12 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
 def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", inputs=None,
                     text_column="text", inputs_given=False, master=True,
                     agree=lambda ok, long_wait=False: ok, print0=print, vocab_size=GPT2_VOCAB_SIZE):
-    """Make sure data_root holds train and val shards a run can open; prepare them on first use:
-    from `inputs` or FineWeb-Edu `name`, just the train_tokens + val_tokens a run needs unless that
-    is most of the sample (an unfinished prep is finished). Shards there are checked against their
-    manifest if any. inputs_given: inputs passed for a folder with shards (a warning: not read).
-    Every rank calls this; agree(ok, long_wait=False) returns the AND of `ok` over all ranks (a
-    barrier; long_wait: the wait for the master's prep, maybe hours). Only `master` prepares and
-    prints. Problems raise DataPrepError. Returns prep_status(data_root)."""
+    """Make sure data_root holds train and val shards a run can open, prepared on first use from
+    `inputs` or FineWeb-Edu `name` (the train_tokens + val_tokens a run needs unless that is most of
+    the sample; an unfinished prep is finished), checked against their manifest. inputs_given:
+    inputs passed for a folder with shards (a warning). Every rank calls it; agree(ok, long_wait) is
+    the AND of ok over the ranks (long_wait: the wait for the master's prep, maybe hours); only
+    `master` prepares and prints. Raises DataPrepError; returns prep_status(data_root)."""
     data_root = os.path.abspath(os.path.expanduser(str(data_root)))
     try:
         status = prep_status(data_root)

@@ -7,9 +7,9 @@ GPT-2 (124M) pretraining on FineWeb-Edu token shards, in one flat, importable fi
     python train_gpt2.py sample|export|eval --help           # use a checkpoint
 
 Read top to bottom: the run settings, the model, the data loader, optimizers and schedules, the
-distributed set-up, evaluation, `train()` (the whole run in one function), the commands. What only
-keeps a run safe (checkpoint files, the log dir, log.txt, signals) is in rundir.py; what the three
-command lines share (one-line errors, device and dtype) in common.py.
+distributed set-up, evaluation, `train()` (the whole run in one function), the commands. rundir.py
+keeps a run safe (checkpoint files, the log dir, log.txt, signals); common.py holds what the three
+command lines share (one-line errors, device and dtype).
 """
 
 import argparse
@@ -227,7 +227,7 @@ class CausalSelfAttention(nn.Module):
                 if T > 1:  # query i sits at position past + i and sees keys 0 .. past + i
                     mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device)
                     mask = mask.tril(diagonal=past)
-        extra = {"enable_gqa": True} if nkv != nh else {}  # nh/nkv query heads share a k, v head
+        extra = {"enable_gqa": True} if nkv != nh else {}  # nh/nkv query heads share k,v
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                            is_causal=causal and mask is None, **extra)
@@ -378,7 +378,7 @@ class GPT(nn.Module):
         for what, ps in parts.items():
             if verbose:
                 print(f"{what} parameter tensors: {len(ps)}, {sum(p.numel() for p in ps):,} params")
-        fused = device_type == "cuda"  # one kernel for the whole update instead of one per tensor
+        fused = device_type == "cuda"  # one kernel for the whole update
         adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8,
                                   fused=fused)
         if muon is None:
@@ -436,9 +436,9 @@ class DataLoaderLite:
 
     def __init__(self, B, T, process_rank=0, num_processes=1, split="train",
                  data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337, vocab_size=GPT2_VOCAB_SIZE):
-        self.B, self.T, self.split, self.seed = B, T, split, seed
+        self.B, self.T, self.split, self.seed, self.vocab = B, T, split, seed, vocab_size
         self.process_rank, self.num_processes = process_rank, num_processes
-        self.shards, self.tokens = fineweb.open_split(data_root, split, vocab_size)  # checked
+        self.shards, self.tokens = fineweb.open_split(data_root, split, None)  # headers only
         self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
         self.epoch_tokens = int(self.lengths.sum())
         if self.epoch_tokens < B * T + 1:
@@ -482,6 +482,7 @@ class DataLoaderLite:
             shard, local = self.order[i], offset - int(self.starts[i])
             take = min(n, int(self.lengths[shard]) - local)
             pieces.append(self.tokens[shard][local: local + take])
+            fineweb.check_window(pieces[-1], self.vocab, self.shards[shard], local)
             start, n = start + take, n - take
         window = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
         return torch.from_numpy(window.astype(np.int64))  # the only copy of a memory-mapped window
@@ -890,7 +891,7 @@ def train(args, ckpt=None):
             scaler.step(optimizer)  # optimizer.step() unless skipped
             scaler.update()
             if proc.device_type == "cuda":
-                torch.cuda.synchronize()  # so dt measures the GPU's work, not just the launches
+                torch.cuda.synchronize()  # dt: the GPU's work, not just the launches
             dt = time.time() - t0
             state.step, state.tokens_seen = step, state.tokens_seen + batch_size
             metrics.report_step(step, loss_value, lr, norm_value, dt, batch_size, skipped=skipped)
@@ -914,7 +915,7 @@ def train(args, ckpt=None):
         last = rundir.checkpoint_path(args.log_dir, last_saved) if last_saved >= 0 else None
         print0(metrics.summary(last))
         if args.fsdp:
-            raw_model.reshard()  # FSDP keeps the root's parameters gathered after an eval forward
+            raw_model.reshard()  # FSDP keeps the root's parameters gathered after an eval
         proc.agree(True)  # all ranks done with collectives before the process group goes
     except (Exception, rundir.Stopped) as e:
         if step is None:  # before the first step: nothing trained to keep
@@ -1048,7 +1049,7 @@ def export_main(args):
     return 0
 
 def eval_main(args):
-    model, device, _, dtype = model_for_command(args)  # a bad checkpoint fails before a download
+    model, device, _, dtype = model_for_command(args)  # a bad checkpoint: before a download
     hellaswag.download("val", args.hellaswag_dir)
     t0 = time.perf_counter()
     res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
@@ -1077,7 +1078,7 @@ COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
 def run(argv):
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](build_parser(command=argv[0]).parse_args(argv[1:]))
-    if argv and argv[0] == "plan":  # the training flags, the run worked out, nothing written
+    if argv and argv[0] == "plan":  # the training flags
         return plan_main(*parse_args(argv[1:]))
     return train(*parse_args(argv))
 

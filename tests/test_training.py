@@ -147,6 +147,16 @@ def test_loader_errors(tmp_path, data):
         tg.DataLoaderLite(2, 32, split="train", data_root=str(tmp_path))
     with pytest.raises(common.UsageError, match="fewer than one batch"):
         tg.DataLoaderLite(64, 1024, split="val", data_root=data)
+    # shards open by their headers alone; a token id past the vocabulary is found where it is read
+    tokens = np.arange(200, dtype=np.uint16)
+    tokens[150] = 50300
+    np.save(tmp_path / "x_train_000001.npy", tokens)
+    loader = tg.DataLoaderLite(2, 32, split="train", data_root=str(tmp_path))
+    loader.next_batch(), loader.next_batch()  # tokens 0-128: fine
+    with pytest.raises(common.UsageError) as e:
+        loader.next_batch()
+    assert str(e.value) == (f"{tmp_path / 'x_train_000001.npy'}: token id 50300 at offset 150 is "
+                            f">= the vocabulary size 50257")
 
 
 # ----------------------------------------------------------------------------------------- the loop
