@@ -365,11 +365,11 @@ def check_fp16():
             "steps": watch.steps, "saved": saved, "fsdp": fsdp}
 
 
-def check_auto_batch(n_layer="2"):
+def check_auto_batch(n_layer="1"):
     """-B auto for GPT-2 124M's width at T=1024 with the 524,288-token batch, bf16 (n_layer of
     its 12 layers: fewer to be quick), on simulated GPUs of 16, 24, 40 and 80 GiB (the estimate of
-    a B is shared by the four: it does not depend on the GPU); `plan` for the 124M recipe on the
-    80 GiB one; a tiny run with -B auto on the 16 GiB one. Fake tensors never run out of memory:
+    a B is shared by the four, and by `plan` for that model on the 80 GiB one: it does not depend
+    on the GPU); a tiny run with -B auto on the 16 GiB one. Fake tensors never run out of memory:
     the real step that confirms a choice is left out of the first part (tested on the CPU)."""
     estimates = {}
     step_memory, confirm = rundir.step_memory, rundir.confirm_micro_batch
@@ -397,21 +397,23 @@ def check_auto_batch(n_layer="2"):
                 chosen[gib] = {"B": B, "estimate": estimates["peak"](B),
                                "larger": estimates["peak"](larger[0]) if larger else None,
                                "budget": rundir.USABLE_GPU_MEMORY * gib * 2**30, **fit}
+        data, log = scratch()
+        before = sorted(os.listdir(data))
+        with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA():
+            plan, _ = run_main(["plan", "--device", "cuda", "--n_layer", n_layer, "--dtype", "bf16",
+                                "--data_root", data, "--log_dir", log])
+        plan_wrote = os.path.exists(log) or sorted(os.listdir(data)) != before
     finally:
         rundir.step_memory, rundir.confirm_micro_batch = step_memory, confirm
 
-    data, log = scratch()
-    before = sorted(os.listdir(data))
-    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA():
-        plan, _ = run_main(["plan", "--device", "cuda", "--data_root", data, "--log_dir", log])
-    plan_wrote = os.path.exists(log) or sorted(os.listdir(data)) != before
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA(total_memory=16 * 2**30), \
             CheckpointsInMemory():
         out, err = run_main(tiny_args(data, log, "--no-compile", "-B", "auto", "--max_steps", "1",
                                       "--eval_every", "0", "--sample_every", "0",
                                       "--hellaswag_every", "0"))
+    n_params = tg.GPT(config).get_num_params()
     return {"chosen": chosen, "stdout": out, "stderr": err, "plan": plan,
-            "plan_wrote": plan_wrote}
+            "plan_wrote": plan_wrote, "n_params": n_params, "peak_64": estimates["peak"](64)}
 
 
 def check_compile():
