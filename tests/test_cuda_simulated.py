@@ -55,7 +55,7 @@ def children(lib, tmp_path_factory):
     runs.start_checks(lib, ["train", "inference", "fp16", *seeded])
     runs.start_checks(lib, ["compile", "distributed:fsdp", "distributed:ddp", "auto_batch"])
     runs.start([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
-                "--estimate_batch_sizes", "16,64", "--sim_lib", lib, "--json"], ["estimate"])
+                "--estimate_batch_sizes", "64", "--sim_lib", lib, "--json"], ["estimate"])
     runs.seeds = seeds
     yield runs
     runs.stop()
@@ -350,7 +350,7 @@ def test_gpu_estimate_of_gpt2_memory_and_flops(children):
     setting = out["setting"]
     assert (setting["preset"], setting["T"], setting["dtype"]) == ("gpt2", 1024, "bf16"), setting
     est = out["estimate"]
-    assert 12 < est["16"]["peak_mem_gib"] < 20 and 50 < est["64"]["peak_mem_gib"] < 68, est
+    assert 50 < est["64"]["peak_mem_gib"] < 68, est  # B's growth: the -B auto test above
     for B, row in est.items():
         assert abs(row["matmul_flops_over_6n"] - 1) < 0.002, (B, row)
         assert 1.00 <= row["flops_over_formula"] <= 1.03, (B, row)
