@@ -234,6 +234,7 @@ def test_provenance_outside_a_git_checkout_is_a_hash_of_train_gpt2(tmp_path, mon
 
 # --------------------------------------------------------------------------------------------- plan
 
+@pytest.mark.slow
 def test_plan_works_out_a_run_on_the_cpu_and_writes_nothing(data, tmp_path):
     """The tiny run's plan: its config block, size, batch, a memory estimate and a time measured
     on this CPU; no log dir, no data prepared. The GPU side (the 124M recipe on an H100, its time
