@@ -748,9 +748,18 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def largest_fitting(peak, candidates, budget):
+def micro_batch_candidates(args, world_size):
+    """The micro-batches that divide the step's sequences per process, ascending."""
+    T, total = args.sequence_length, args.total_batch_size
+    if total % (T * world_size):
+        raise UsageError(f"--total_batch_size {total} is not a multiple of T*world_size = "
+                         f"{T}*{world_size}: a step must be whole sequences on every process")
+    return divisors(total // (T * world_size))
+
+
+def largest_fitting(peak, candidates, budget, of_what):
     """(B, its estimate): the largest of candidates (ascending) whose step fits in budget bytes,
-    by bisection (memory grows with B); (None, the smallest's estimate) if none does."""
+    by bisection (memory grows with B); a UsageError if none does."""
     lo, hi, best = 0, len(candidates) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -759,7 +768,8 @@ def largest_fitting(peak, candidates, budget):
         else:
             hi = mid - 1
     if best is None:
-        return None, peak(candidates[0])
+        raise UsageError(f"-B auto: even -B 1 needs about {gib(peak(candidates[0]))}, more than "
+                         f"the {gib(budget)} usable of {of_what}: a smaller model or -T")
     return best, peak(best)
 
 
@@ -799,16 +809,10 @@ def auto_micro_batch(make_model, make_optimizer, args, device, world_size, autoc
     T = args.sequence_length
     if args.fsdp:
         raise UsageError("-B auto estimates a whole model per GPU, not FSDP's shards: give -B N")
-    if args.total_batch_size % (T * world_size):
-        raise UsageError(f"--total_batch_size {args.total_batch_size} is not a multiple of "
-                         f"T*world_size = {T}*{world_size}: -B auto needs one")
-    candidates = divisors(args.total_batch_size // (T * world_size))
+    candidates = micro_batch_candidates(args, world_size)
     budget, of_what = memory_budget(device)
     peak = step_memory(make_model, make_optimizer, T, vocab, device, autocast_ctx)
-    B, estimate = largest_fitting(peak, candidates, budget)
-    if B is None:
-        raise UsageError(f"-B auto: even -B 1 needs about {gib(estimate)}, more than the "
-                         f"{gib(budget)} usable of {of_what}: a smaller model or -T")
+    B, estimate = largest_fitting(peak, candidates, budget, of_what)
     if str(device).startswith("cuda"):
         confirmed = confirm_micro_batch(make_model().to(device), candidates, B, T, vocab, device,
                                         autocast_ctx, agree)
@@ -848,18 +852,12 @@ def plan(args, settings, config, make_model, make_optimizer, device, autocast_ct
     a GPU, allocated)."""
     T, total = args.sequence_length, args.total_batch_size
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if total % (T * world_size):
-        raise UsageError(f"--total_batch_size {total} is not a multiple of T*world_size = "
-                         f"{T}*{world_size}")
+    candidates = micro_batch_candidates(args, world_size)
     peak = step_memory(make_model, make_optimizer, T, config.vocab_size, device, autocast_ctx)
     budget, of_what = memory_budget(device)
-    candidates = divisors(total // (T * world_size))
     B = args.micro_batch_size
     if B == "auto":
-        B, estimate = largest_fitting(peak, candidates, budget)
-        if B is None:
-            raise UsageError(f"-B auto: even -B 1 needs about {gib(estimate)}, more than the "
-                             f"{gib(budget)} usable of {of_what}")
+        B, _ = largest_fitting(peak, candidates, budget, of_what)
     args.micro_batch_size = B
     micro_steps = accumulation_steps(args, world_size, config.block_size)
     with torch.device("meta"):
