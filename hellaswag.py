@@ -11,11 +11,10 @@ independent of ours (ours: ``python train_gpt2.py eval --checkpoint log/model_19
     python hellaswag.py -m gpt2 -d cuda          # openai-community/gpt2 (or a save_pretrained dir)
     python hellaswag.py -m gpt2-xl --limit 500   # a quick subset
 
-Data: ``hellaswag_{train,val,test}.jsonl`` live in a folder next to this file (``--hellaswag_dir``
-/ ``$HELLASWAG_DIR`` override it). A missing file is fetched from the ``Rowan/hellaswag`` dataset's
-parquet conversion through HF ``datasets`` and written in the original record schema. Every record
-is checked before it is scored. Nothing is downloaded, spawned or opened at import time, and
-neither torch nor datasets is imported then.
+Data: ``hellaswag_{train,val,test}.jsonl`` in a folder next to this file (or ``--hellaswag_dir``,
+``$HELLASWAG_DIR``); a missing file is fetched from ``Rowan/hellaswag``'s parquet conversion through
+HF ``datasets`` in the original schema. Every record is checked before it is scored. Importing this
+downloads, spawns and opens nothing, and imports neither torch nor datasets.
 """
 
 import argparse
@@ -80,10 +79,8 @@ def _progress_bar(**kwargs):
 
 
 def _load_hf_rows(split):
-    """Rows of ``Rowan/hellaswag`` (parquet conversion) for ``split`` through HF ``datasets``.
-
-    With ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` datasets only reads its cache: nothing
-    here touches the network before it does."""
+    """Rows of ``Rowan/hellaswag`` (parquet conversion) for ``split`` through HF ``datasets``
+    (which only reads its cache under ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1``)."""
     import logging
 
     import datasets
@@ -101,10 +98,8 @@ def _load_hf_rows(split):
 
 
 def hf_to_record(row, split=None):
-    """Convert a ``Rowan/hellaswag`` row to the original jsonl record schema.
-
-    HF stores ``label`` as a string ("" for the unlabelled test split); the original files store an
-    int and have no ``label`` key for test."""
+    """A ``Rowan/hellaswag`` row in the original jsonl schema: HF's string ``label`` ("" in the
+    unlabelled test split) becomes an int, or no ``label`` key for test, as in the original."""
     rec = {}
     for key in RECORD_KEYS:
         if key not in row:
@@ -163,13 +158,10 @@ def _write_rows(rows, split, path, f):
 
 
 def download(split, data_dir=None):
-    """Return the path of ``hellaswag_{split}.jsonl``, downloading it if needed.
-
-    An existing file is used as is. Otherwise ``Rowan/hellaswag`` (revision
-    ``refs/convert/parquet``) is loaded through HF ``datasets``, converted to the original record
-    schema, its example count checked, and written with ``common.atomic_write`` (a unique temp file
-    per writer, renamed into place), so several DDP ranks may download at once and a partial file
-    is never left behind. Raises :class:`HellaSwagUnavailable`."""
+    """The path of ``hellaswag_{split}.jsonl``, used as is if it exists, else loaded from
+    ``Rowan/hellaswag`` (``refs/convert/parquet``) through HF ``datasets``, its count checked and
+    written with ``common.atomic_write`` (a unique temp file renamed into place: DDP ranks may
+    download at once, no partial file is left). Raises :class:`HellaSwagUnavailable`."""
     _check_split(split)
     data_dir = _resolve_data_dir(data_dir)
     path = os.path.join(data_dir, f"hellaswag_{split}.jsonl")
@@ -246,10 +238,9 @@ def _checked_record(rec, where, labelled):
 
 
 def iterate_examples(split, data_dir=None):
-    """Yield the records of ``hellaswag_{split}.jsonl`` (downloading it if needed).
-
-    Every record is checked first: a bad JSON line, a missing field, not exactly four endings or a
-    label outside 0-3 raises HellaSwagBadData naming the file and line; "3" (HF's labels) is 3."""
+    """Yield the records of ``hellaswag_{split}.jsonl`` (downloading it if needed), each checked: a
+    bad JSON line, a missing field, not exactly four endings or a label outside 0-3 raises
+    HellaSwagBadData naming the file and line; "3" (HF's labels) is 3."""
     path = download(split, data_dir)
     n = 0
     with open(path, "r", encoding="utf-8") as f:
@@ -284,11 +275,9 @@ def _render_lists(example, enc):
 
 
 def render_example(example, enc=None):
-    """Render one example into ``(data, tokens, mask, label)``.
-
-    ``tokens`` is a ``(4, N)`` long tensor whose row ``i`` is the context tokens followed by the
-    tokens of ``" " + endings[i]``, right-padded with 0; ``mask`` is 1 exactly on the ending
-    tokens; ``label`` is the correct index (None for the unlabelled test split)."""
+    """One example as ``(data, tokens, mask, label)``: ``tokens`` ``(4, N)`` long, row ``i`` the
+    context's tokens then those of ``" " + endings[i]``, right-padded with 0; ``mask`` 1 exactly on
+    the ending tokens; ``label`` the correct index (None for the unlabelled test split)."""
     import torch
 
     enc = enc or get_encoding()
@@ -321,36 +310,39 @@ def _token_losses(picked, targets):
 
 
 def completion_losses(logits, tokens, mask, positions=None, check_positions=True):
-    """Per-row summed and mean cross-entropy of the masked (ending) tokens.
-
-    ``tokens`` ``(R, N)``; position ``t`` predicts token ``t + 1`` (the shift is done here).
-    ``logits`` are either ``(R, N, V)`` (every position) or, with ``positions`` (a 1-D LongTensor),
-    ``(R, len(positions), V)``: the logits at those positions only, as ``model(idx,
-    logits_to_keep=positions)`` returns them; every scored position must be among them, which is
-    checked unless ``check_positions=False`` (the check reads a count back from the device). Only
-    positions whose *target* is masked are turned into log-probabilities, in fp32 (the logits may
-    be bf16). Returns ``(sum_loss, avg_loss)``, each ``(R,)`` fp32, on the logits' device."""
+    """Per-row summed and mean cross-entropy of the masked (ending) tokens of ``tokens`` ``(R, N)``;
+    position ``t`` predicts token ``t + 1`` (the shift is done here). ``logits``: ``(R, N, V)``, or
+    what ``model(idx, logits_to_keep=positions)`` returns: ``(R, len(positions), V)`` for 1-D
+    positions, every scored one among them; ``(K, V)`` for an ``(R, N)`` bool mask of exactly the
+    K scored positions, row by row. Checked unless ``check_positions=False`` (a read-back). Losses
+    in fp32 (the logits may be bf16). Returns ``(sum_loss, avg_loss)``, each ``(R,)`` fp32."""
     import torch
 
     dev = logits.device
-    # (R, N-1): the target of each position
-    tgt_mask, tgt = mask[:, 1:].to(dev).bool(), tokens[:, 1:].to(dev)
-    missed = 0
+    tgt_mask, tgt = mask[:, 1:].to(dev).bool(), tokens[:, 1:].to(dev)  # (R, N-1): the targets
+    missed, exact = 0, positions is not None and positions.dim() == 2
     if positions is None:
         logits = logits[:, :-1]
+    elif exact:  # position t's target is token t + 1: the last position is never kept
+        keep = positions.to(dev)
+        if check_positions:  # kept positions that are not scored, scored ones not kept
+            missed = int((keep[:, :-1] != tgt_mask).sum() + keep[:, -1].sum())
+        tgt_mask, tgt = keep, tokens.to(dev).roll(-1, dims=1)
     else:
         pos = positions.to(dev)
         if check_positions:  # scored positions the logits lack
             missed = int(tgt_mask.sum() - tgt_mask[:, pos].sum())
         tgt_mask, tgt = tgt_mask[:, pos], tgt[:, pos]
-    if logits.dim() != 3 or logits.shape[:2] != tgt.shape or missed:
+    bad = logits.dim() != 2 if exact else logits.dim() != 3 or logits.shape[:2] != tgt.shape
+    if bad or missed:
         where = ""
         if positions is not None:
-            where = f" at {positions.numel()} positions ({missed} scored ones missing)"
+            where = f" at {positions.numel()} positions ({missed} scored ones missing or extra)"
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match tokens shape "
                          f"{tuple(tokens.shape)}{where}")
-    if positions is None:
-        token_loss = _token_losses(logits[tgt_mask], tgt[tgt_mask])  # (K,)
+    if positions is None or exact:
+        picked = logits if exact else logits[tgt_mask]
+        token_loss = _token_losses(picked, tgt[tgt_mask])  # (K,)
     else:
         # nearly every kept position is scored: cross-entropy over all of them in place (-100: not
         # scored) beats copying the scored rows out of the logits first
@@ -382,17 +374,24 @@ def takes_logits_to_keep(model):
     return any(p.name == "logits_to_keep" or p.kind is p.VAR_KEYWORD for p in params)
 
 
+def takes_logits_mask(model):
+    """Whether ``model(idx, logits_to_keep=)`` takes an ``(R, N)`` bool mask (our GPT; not HF)."""
+    return getattr(model, "masked_logits_to_keep", False) is True
+
+
 def model_logits(model, idx, positions=None, use_kwarg=True):
-    """``(R, len(positions), V)`` logits of ``model`` for ``idx`` at ``positions`` (``(R, N, V)``
-    for every position when ``positions`` is None). The model is asked for those positions only
-    (``logits_to_keep``, the convention of transformers' GPT2LMHeadModel.forward and our
-    GPT.forward); a model that can't be asked (``use_kwarg=False``) or that returns every position
-    anyway (transformers < 4.53) is sliced here instead: same values, only slower."""
+    """Logits of ``model`` for ``idx`` at ``positions``: ``(R, N, V)`` for None, ``(R, len, V)``
+    for 1-D positions, ``(K, V)`` for a bool mask (:func:`takes_logits_mask`), asked for by
+    ``logits_to_keep`` (transformers' GPT2LMHeadModel.forward and our GPT.forward); a model that
+    can't be asked (``use_kwarg=False``) or returns every position anyway (transformers < 4.53)
+    is sliced here: same values, only slower."""
     R, N = idx.shape
     if positions is None:
         logits = _model_logits(model(idx))
     else:
         logits = _model_logits(model(idx, logits_to_keep=positions) if use_kwarg else model(idx))
+        if positions.dim() == 2 and logits.dim() == 2:  # (K, V): the mask's kept positions
+            return logits
         if logits.dim() == 3 and logits.shape[:2] == (R, N) and positions.numel() != N:
             logits = logits[:, positions.to(logits.device)]
     want = N if positions is None else positions.numel()
@@ -447,25 +446,30 @@ def _rows(rendered):
             for i, (ctx, ends, _) in enumerate(rendered) for j, end in enumerate(ends)]
 
 
-def _pack(rows, batch_tokens, slack=SPAN_SLACK, body=0.0):
+def _pack(rows, batch_tokens, slack=SPAN_SLACK, body=0.0, exact=False):
     """Group rows into forward passes. ``batch_tokens`` <= 0: one example (its four rows) per pass,
     in order, the classic loop. Otherwise rows sorted by their scored span share a pass while rows x
     width stays within ``batch_tokens`` and rows x (union of the spans) exceeds the rows' own spans
     by at most ``slack`` x the larger of those spans and ``body`` x rows x width (``_body_cost``: a
     big model's passes project more to run fewer, fuller passes): rows are the unit, not examples,
-    so rows of different examples with the same span (common in a long split) cost nothing extra."""
+    so rows of different examples with the same span cost nothing extra. ``exact`` (a bool mask
+    projects each row's own positions): rows sorted by width, no span limit."""
     if not batch_tokens or batch_tokens <= 0:
         by_example = {}
         for r in rows:
             by_example.setdefault(r[0], []).append(r)
         return list(by_example.values())
+    order = sorted(rows, key=lambda r: (r[2], r[3], r[0], r[1]))
+    if exact:
+        order = sorted(rows, key=lambda r: (r[4], r[0], r[1]))
     batches, cur = [], None
-    for row in sorted(rows, key=lambda r: (r[2], r[3], r[0], r[1])):
+    for row in order:
         _, _, lo, hi, width = row
         if cur is not None:
             union = cur["union"] + max(0, hi - max(lo, cur["hi"]))  # spans come sorted by start
             n, need, w = len(cur["batch"]) + 1, cur["need"] + hi - lo, max(cur["width"], width)
-            if n * w <= batch_tokens and n * union <= need + slack * max(need, body * n * w):
+            spans_ok = exact or n * union <= need + slack * max(need, body * n * w)
+            if n * w <= batch_tokens and spans_ok:
                 cur.update(union=union, need=need, hi=max(hi, cur["hi"]), width=w)
                 cur["batch"].append(row)
                 continue
@@ -474,9 +478,9 @@ def _pack(rows, batch_tokens, slack=SPAN_SLACK, body=0.0):
     return batches
 
 
-def _batch_tensors(rendered, batch, device, full_logits):
-    """(tokens, mask, positions) of one forward pass: rows right-padded with 0, mask 1 on ending
-    tokens, positions the sorted union of the rows' scored spans (None with ``full_logits``)."""
+def _batch_tensors(rendered, batch, device, full_logits, exact=False):
+    """(tokens, mask, positions) of one pass: rows right-padded with 0, mask 1 on ending tokens,
+    positions the union of the rows' scored spans (None: ``full_logits``; ``exact``: a mask)."""
     import numpy as np
     import torch
 
@@ -489,7 +493,11 @@ def _batch_tensors(rendered, batch, device, full_logits):
         tok[k, len(ctx): len(ctx) + len(end)] = end
         msk[k, len(ctx): len(ctx) + len(end)] = 1
     positions = None
-    if not full_logits:
+    if exact:  # position t is scored when token t + 1 is an ending's
+        keep = np.zeros(tok.shape, dtype=bool)
+        keep[:, :-1] = msk[:, 1:]
+        positions = torch.from_numpy(keep).to(device)
+    elif not full_logits:
         pos = np.unique(np.concatenate([np.arange(lo, hi) for _, _, lo, hi, _ in batch]))
         positions = torch.from_numpy(pos).to(device)
     return torch.from_numpy(tok).to(device), torch.from_numpy(msk).to(device), positions
@@ -510,15 +518,12 @@ def _results(rendered, losses):
 def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype=None,
                    device_type=None, progress=False, enc=None, rendered=None, full_logits=False,
                    agree_forwards=None):
-    """Score ``examples``; returns a list of dicts (one per example, in input order) with ``pred``,
-    ``pred_norm``, ``label``, ``sum_loss``, ``avg_loss`` (lists of 4 floats). Several examples share
-    a forward pass, up to ``batch_tokens`` tokens (rows are right-padded to the batch's longest
-    row); ``batch_tokens=0`` scores one example per forward pass. The model projects onto the
-    vocabulary only the positions that are scored (``logits_to_keep``); ``full_logits=True`` asks
-    for every position (the classic loop, the reference). The caller is responsible for
-    ``no_grad`` / ``eval`` (see :func:`evaluate`). ``agree_forwards(n_local) -> n`` (see
-    :func:`evaluate`) may ask for extra dummy forward passes so that every rank runs the same
-    number of them."""
+    """A dict per example (in input order): ``pred``, ``pred_norm``, ``label``, ``sum_loss``,
+    ``avg_loss`` (lists of 4 floats). Rows share a forward pass up to ``batch_tokens`` tokens
+    (right-padded); ``batch_tokens=0``: one example per pass. Only scored positions are projected
+    onto the vocabulary (``logits_to_keep``); ``full_logits=True`` asks for all (the classic loop,
+    the reference). The caller sets ``no_grad`` / ``eval`` (see :func:`evaluate`), whose
+    ``agree_forwards(n_local) -> n`` may ask for dummy passes so that every rank runs as many."""
     import torch
 
     if rendered is None:
@@ -527,8 +532,9 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
     max_len = _max_positions(model)
     if max_len:
         rendered = [_fit(r, max_len) for r in rendered]
-    batches = _pack(_rows(rendered), batch_tokens, body=_body_cost(model))
     use_kwarg = takes_logits_to_keep(model)
+    exact = use_kwarg and takes_logits_mask(model) and not full_logits
+    batches = _pack(_rows(rendered), batch_tokens, body=_body_cost(model), exact=exact)
     dtype_ctx = autocast(device_type_of(device_type or device), autocast_dtype)
     rows, sums, avgs = [], [], []  # (example, ending) of each row, its losses still on the device
     bar = None
@@ -537,7 +543,7 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
                             desc="hellaswag")
     try:
         for batch in batches:
-            tokens, mask, positions = _batch_tensors(rendered, batch, device, full_logits)
+            tokens, mask, positions = _batch_tensors(rendered, batch, device, full_logits, exact)
             with dtype_ctx:
                 logits = model_logits(model, tokens, positions, use_kwarg)
             # positions are the union of the rows' scored spans: none can be missing, no read back
@@ -599,18 +605,12 @@ def _load_split_subset(split, limit, rank, world_size, data_dir):
 
 def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, rank=0, world_size=1,
              autocast_dtype=None, data_dir=None, progress=False, device_type=None):
-    """HellaSwag accuracy of ``model`` on ``split`` (completion style).
-
-    Example ``i`` (counted after ``limit`` is applied to the full list) is scored on rank
-    ``i % world_size``; with ``world_size > 1`` and an initialized process group the counts are
-    summed over ranks (all_reduce), so every rank returns the global figures, and every rank runs
-    the same number of forward passes (padding with tiny dummy ones), as a sharded (FSDP) model
-    needs. ``model(idx, logits_to_keep=positions)`` may return a tuple ``(logits, ...)`` (our GPT)
-    or an object with ``.logits`` (HF GPT2LMHeadModel); see :func:`model_logits`. The model's
-    train/eval mode is restored afterwards. Raises HellaSwagUnavailable when the data can't be had
-    (HellaSwagBadData when a record is invalid).
-
-    Returns ``{"n", "correct", "correct_norm", "acc", "acc_norm"}``."""
+    """HellaSwag accuracy of ``model`` on ``split``: ``{"n", "correct", "correct_norm", "acc",
+    "acc_norm"}``. Example ``i`` (after ``limit``) is scored on rank ``i % world_size``; with an
+    initialized process group the counts are summed (all_reduce) so every rank returns the global
+    figures, and all ranks run as many forward passes (tiny dummy ones), as FSDP needs. The model
+    returns ``(logits, ...)`` (our GPT) or ``.logits`` (HF; see :func:`model_logits`); its mode is
+    restored afterwards. Raises HellaSwagUnavailable (HellaSwagBadData for an invalid record)."""
     import torch
 
     if split == "test":

@@ -34,9 +34,8 @@ import hellaswag
 import rundir
 from common import (DTYPES, LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED,
                     OneLineParser, UsageError, add_flags, auto_or, autocast_for, bounded,
-                    device_type_of,
-                    enable_tf32, exit_process, flag_dest, one_line, print0, rank, resolve_device,
-                    run_cli, torch_dtype, write_new_dir)
+                    device_type_of, enable_tf32, exit_process, flag_dest, one_line, print0, rank,
+                    resolve_device, run_cli, torch_dtype, write_new_dir)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 
 # ===== Run settings =====
@@ -260,6 +259,8 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 class GPT(nn.Module):
+    masked_logits_to_keep = True  # see forward
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -282,7 +283,7 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear):
             std = 0.02
             if getattr(module, "RESIDUAL_SCALE_INIT", False):  # the residual stream's variance
-                std *= (2 * self.config.n_layer) ** -0.5  # stays put over 2 adds per block
+                std *= (2 * self.config.n_layer) ** -0.5  # kept over 2 adds a block
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
@@ -296,7 +297,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
-        With a kv_cache, idx continues the cached sequence. logits_to_keep as in transformers."""
+        With a kv_cache, idx continues the cached sequence. logits_to_keep as in transformers, or
+        a (B, T) bool mask: logits (K, vocab_size) at its K True positions."""
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
@@ -314,6 +316,8 @@ class GPT(nn.Module):
                 raise ValueError("targets need every position's logits: leave logits_to_keep 0")
             if isinstance(logits_to_keep, int):
                 x = x[:, -logits_to_keep:]
+            elif logits_to_keep.dim() == 2:  # (K, C): the mask's K positions
+                x = x[logits_to_keep]
             else:
                 x = x[:, logits_to_keep]
         x = self.transformer.ln_f(x)
@@ -378,9 +382,8 @@ class GPT(nn.Module):
         for what, ps in parts.items():
             if verbose:
                 print(f"{what} parameter tensors: {len(ps)}, {sum(p.numel() for p in ps):,} params")
-        fused = device_type == "cuda"  # one kernel for the whole update
         adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8,
-                                  fused=fused)
+                                  fused=device_type == "cuda")  # one kernel for the update
         if muon is None:
             return adamw
         return CombinedOptimizer(adamw, make_muon(matrices, weight_decay, learning_rate, **muon))
@@ -388,8 +391,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None,
                  use_cache=True):
-        """The prompt idx (B, T0) and max_new_tokens sampled after it. The KV cache runs the prompt
-        once, then a token a step; without it (the tests' reference) all is recomputed each step."""
+        """The prompt idx (B, T0) and max_new_tokens sampled after. The KV cache runs the prompt
+        once, then a token a step; without it (the tests' reference) all is recomputed."""
         B, T0 = idx.size()
         T1 = T0 + max_new_tokens
         if T1 > self.config.block_size:
@@ -428,11 +431,10 @@ def sample_next(logits, temperature=1.0, top_k=50, generator=None):
 
 # ===== Data loader: uint16 token shards written by fineweb.py =====
 class DataLoaderLite:
-    """Batches (x, y) of shape (B, T) from the memory-mapped `*_{split}_NNNNNN.npy` shards.
-
-    A split is one endless stream: its shards in order, then (train) in a seeded order each epoch.
-    Rank r reads window r of each num_processes windows of B*T (+1) tokens: the same batches for
-    any number of processes, and a position that resumes exactly."""
+    """Batches (x, y) of shape (B, T) from the memory-mapped `*_{split}_NNNNNN.npy` shards: one
+    endless stream, its shards in order, then (train) in a seeded order each epoch. Rank r reads
+    window r of each num_processes windows of B*T (+1) tokens: the same batches for any number of
+    processes, and a position that resumes exactly."""
 
     def __init__(self, B, T, process_rank=0, num_processes=1, split="train",
                  data_root=fineweb.DEFAULT_DATA_ROOT, seed=1337, vocab_size=GPT2_VOCAB_SIZE):
@@ -498,16 +500,14 @@ class DataLoaderLite:
 # ===== Optimizers (AdamW, or Muon + AdamW) and schedules (the LR, the batch ramp) =====
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
               adjust_lr_fn="match_rms_adamw"):
-    """torch.optim.Muon over `matrices`; its LR is the schedule's times lr_scale (match_rms_adamw:
-    on AdamW's scale)."""
+    """torch.optim.Muon over `matrices`, at the schedule's LR x lr_scale (on AdamW's scale)."""
     lr = max_lr if lr is None else lr
     return torch.optim.Muon([{"params": matrices, "lr_scale": lr / max_lr}], lr=lr,
                             weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
                             adjust_lr_fn=adjust_lr_fn)
 
 class CombinedOptimizer:
-    """Optimizers over disjoint parameters, used as one; iterable, as torch's distributed
-    state-dict helpers take several optimizers."""
+    """Optimizers over disjoint parameters as one (iterable, for torch's state-dict helpers)."""
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers
@@ -535,7 +535,7 @@ class CombinedOptimizer:
             opt.load_state_dict(state)
 
 def make_optimizer(model, args, device_type, verbose=False):
-    """The run's optimizer: AdamW, or with --optimizer muon Muon for the blocks' matrices."""
+    """The run's optimizer: AdamW, or (--optimizer muon) Muon for the blocks' matrices."""
     muon = None
     if args.optimizer == "muon":
         muon = dict(lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.muon_ns_steps,
@@ -553,8 +553,8 @@ def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     return min_lr + coeff * (max_lr - min_lr)
 
 def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768):
-    """GPT-3's ramp: the next step's tokens, linear from `start` to the total over ramp_tokens, in
-    whole units (B*T*world_size, a micro-step on every rank)."""
+    """GPT-3's ramp: the next step's tokens, `start` to the total linearly over ramp_tokens, in
+    B*T*world_size units."""
     if ramp_tokens <= 0 or tokens_seen >= ramp_tokens:
         return total_batch_size
     start = min(start, total_batch_size)
@@ -577,8 +577,7 @@ class Proc:
         self.device_type = device_type_of(self.device)  # 'cuda', not 'cuda:3': for autocast
 
     def agree(self, ok, long_wait=False):
-        """ok on every rank (a barrier too); long_wait: on a gloo group that waits 48 h for a data
-        prep."""
+        """ok on every rank (a barrier too); long_wait: a gloo group waits 48 h (data prep)."""
         flag = torch.tensor(float(ok), device="cpu" if long_wait else self.device)
         if self.world_size > 1 and long_wait and self.long_wait_group is None:
             hours48 = datetime.timedelta(hours=48)
@@ -589,7 +588,7 @@ class Proc:
         return flag.item() == 1.0
 
 def setup_distributed(args):
-    """A Proc from torchrun's environment (or one process), its process group started."""
+    """A Proc from torchrun's environment (or one process), its process group up."""
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.fsdp and not distributed:
         raise UsageError("--fsdp shards the model across processes: launch with torchrun")
@@ -679,8 +678,8 @@ def due(every, step, last_step=False):
 @dataclass
 class TrainState:
     """Where a run stands, besides the weights, optimizer, loader and random generators."""
-    step: int = -1  # the last optimizer step taken (and included in a checkpoint); -1: none yet
-    tokens_seen: int = 0  # train tokens consumed so far (the batch-size ramp depends on it)
+    step: int = -1  # the last optimizer step taken (and checkpointed); -1: none yet
+    tokens_seen: int = 0  # train tokens consumed so far (for the batch-size ramp)
     val_loss: float | None = None  # the latest val loss
     args: dict | None = None  # the run's flags: a resume takes those not given again
 
@@ -784,7 +783,7 @@ def train(args, ckpt=None):
         val_tokens = rundir.usable_val_tokens(args, status, train_loader.epoch_tokens,
                                               val_loader.epoch_tokens, val_tokens)
 
-        # ---- the model (raw: unwrapped, uncompiled, for saving, HellaSwag and samples)
+        # ---- the model (raw: unwrapped, uncompiled: for saving, HellaSwag, samples)
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
         random.seed(args.seed)

@@ -144,6 +144,13 @@ def test_completion_losses_matches_manual():
     assert torch.equal(s2, s) and torch.equal(a2, a)
     with pytest.raises(ValueError, match="missing"):  # position 2 predicts a scored token
         hellaswag.completion_losses(logits[:, 3:8], tokens, mask, torch.arange(3, 8))
+    # (K, V) logits at a bool mask of exactly the scored positions (our GPT's logits_to_keep)
+    keep = torch.zeros(R, N, dtype=torch.bool)
+    keep[:, :-1] = mask[:, 1:].bool()
+    s3, a3 = hellaswag.completion_losses(logits[keep], tokens, mask, keep)
+    assert torch.equal(s3, s) and torch.equal(a3, a)
+    with pytest.raises(ValueError, match="missing or extra"):  # a position off
+        hellaswag.completion_losses(logits[keep], tokens, mask, keep.roll(1, dims=1))
     # many scored positions (the CPU path works in pieces)
     big_logits, big_tokens = torch.randn(8, 60, V), torch.randint(0, V, (8, 60))
     big_mask = torch.zeros(8, 60, dtype=torch.long)
@@ -170,6 +177,13 @@ def test_logits_to_keep_is_the_full_logits_slice(which, hf_model, our_model, dat
         kept = hellaswag.model_logits(model, tokens, positions)
     assert full.shape[:2] == tokens.shape and kept.shape[:2] == (4, 5)
     assert torch.allclose(kept, full[:, positions], atol=1e-5)
+    assert hellaswag.takes_logits_mask(model) is (which == "ours")
+    if which == "ours":  # a (R, N) bool mask: (K, V), the K kept positions row by row
+        keep = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+        with torch.no_grad():
+            masked = hellaswag.model_logits(model, tokens, keep)
+        assert masked.shape == (int(keep.sum()), full.shape[-1])
+        assert torch.allclose(masked, full[keep], atol=1e-5)
 
 
 @pytest.mark.parametrize("which", [pytest.param("hf", marks=pytest.mark.slow), "ours"])
@@ -189,6 +203,13 @@ def test_batched_equals_one_at_a_time(which, hf_model, our_model, data_dir):
         counted.projected.clear()
         hellaswag.score_examples(counted, recs, "cpu", batch_tokens=8192)
     assert passes_400 > 1 and len(counted.projected) < 4 * len(recs)  # rows share forward passes
+    if which == "ours":  # a mask projects exactly the scored (row, position) pairs
+        exact = Recorder(model, masks=True)
+        with torch.no_grad():
+            got = hellaswag.score_examples(exact, recs, "cpu", batch_tokens=8192)
+        scored = sum(int(hellaswag.render_example(rec)[2].sum()) for rec in recs)
+        assert sum(exact.projected) == scored and len(exact.projected) < 4 * len(recs)
+        assert preds(got) == [(p, pn) for p, pn, _ in ref]
     for res in runs.values():
         assert preds(res) == [(p, pn) for p, pn, _ in ref]
         for r, rec, (_, _, s) in zip(res, recs, ref):
@@ -213,13 +234,18 @@ def test_our_gpt_and_hf_agree(hf_model, our_model, data_dir):
 
 
 class Recorder(torch.nn.Module):
-    """Passes logits_to_keep through and records how many (row, position) pairs were projected."""
+    """Passes logits_to_keep through and records how many (row, position) pairs were projected;
+    masks=True: says it takes a bool mask (the inner model must, as our GPT does)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, masks=False):
         super().__init__()
         self.inner, self.config, self.projected = inner, inner.config, []
+        self.masked_logits_to_keep = masks
 
     def forward(self, idx, logits_to_keep=0):
+        if torch.is_tensor(logits_to_keep) and logits_to_keep.dim() == 2:
+            self.projected.append(int(logits_to_keep.sum()))
+            return self.inner(idx, logits_to_keep=logits_to_keep)
         if torch.is_tensor(logits_to_keep):
             kept = logits_to_keep.numel()
         else:
