@@ -78,14 +78,19 @@ class RandomLoader:
 
 
 def rss_bytes():
-    """Resident memory of this process now (Linux), else its peak so far."""
+    """Resident memory of this process now (Linux), else its peak so far (macOS), else None
+    (Windows has neither /proc nor the resource module)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
+        pass
+    try:
         import resource
-        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    except ImportError:
+        return None
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
 
 
 def bench_training(args, config, device, device_type, autocast_ctx):
@@ -212,8 +217,12 @@ def bench_loader(args, tmp):
     for _ in range(n):
         loader.next_batch()
     dt = time.perf_counter() - t0
-    return {"us_per_batch": dt / n * 1e6, "batches": n,
-            "rss_added_mib": (rss_bytes() - before) / 2**20, "shard_tokens": 10_000_000}
+    after = rss_bytes()
+    added = None
+    if before is not None and after is not None:
+        added = (after - before) / 2**20
+    return {"us_per_batch": dt / n * 1e6, "batches": n, "rss_added_mib": added,
+            "shard_tokens": 10_000_000}
 
 
 def bench_save(args, config, device, tmp):

@@ -152,3 +152,21 @@ def test_bench_optimizer_rows():
     assert row["adamw_ms"] > 0 and row["muon_ms"] > 0
     assert bench.steps_to_reach([0, 10, 20, 30], [5.0, 4.0, 3.5, 3.0], 3.6) == 20
     assert bench.steps_to_reach([0, 10], [5.0, 4.0], 3.0) is None
+
+
+def test_resident_memory_is_none_where_neither_proc_nor_resource_exists(monkeypatch):
+    """Windows: no /proc and no resource module; the loader row then shows n/a."""
+    import builtins
+
+    import bench
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    assert bench.rss_bytes() > 0
+    monkeypatch.setattr(builtins, "open", no_proc)
+    monkeypatch.setitem(sys.modules, "resource", None)
+    assert bench.rss_bytes() is None and bench.fmt(None) == "n/a"
