@@ -705,6 +705,26 @@ def gib(n):
     return f"{n / 2**30:.1f} GiB"
 
 
+def with_optimizer_state(model, optimizer):
+    """The optimizer's state made (AdamW makes it on its first step): a step over zero gradients,
+    so that an estimate sees the steady state."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+
+
+def estimated_step(model, optimizer, x, y, autocast_ctx, counted=contextlib.nullcontext()):
+    """The training step the estimates measure: forward under autocast and backward (inside
+    ``counted``), clipping, the optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    with counted:
+        with autocast_ctx:
+            _, loss = model(x, y)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
 def step_memory(make_model, make_optimizer, T, vocab, device, autocast_ctx):
     """A function B -> the peak tensor memory of one training step of B sequences of T tokens (the
     forward under autocast, backward, clipping, an optimizer step whose state exists already), as
@@ -717,9 +737,7 @@ def step_memory(make_model, make_optimizer, T, vocab, device, autocast_ctx):
     with mode, torch.device(device):
         model = make_model()
         optimizer = make_optimizer(model)
-        for p in model.parameters():  # AdamW makes its state on its first step
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
+        with_optimizer_state(model, optimizer)
     known = {}
 
     def peak(B):
@@ -730,12 +748,7 @@ def step_memory(make_model, make_optimizer, T, vocab, device, autocast_ctx):
             tracker = MemTracker()
             tracker.track_external(model, optimizer)
             with tracker:
-                optimizer.zero_grad(set_to_none=True)
-                with autocast_ctx:
-                    _, loss = model(x, x)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
+                estimated_step(model, optimizer, x, x, autocast_ctx)
         snapshot = tracker.get_tracker_snapshot("peak")
         kind = torch.device(device).type
         known[B] = max(v["Total"] for d, v in snapshot.items() if d.type == kind)

@@ -565,13 +565,7 @@ def estimate_step(model, optimizer, autocast_ctx, B, T, vocab):
     tracker, flops, roofline = MemTracker(), FlopCounterMode(display=False), Roofline()
     tracker.track_external(model, optimizer)
     with tracker, roofline:
-        optimizer.zero_grad(set_to_none=True)
-        with flops:
-            with autocast_ctx:
-                _, loss = model(x, y)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        rundir.estimated_step(model, optimizer, x, y, autocast_ctx, counted=flops)
     peak = tracker.get_tracker_snapshot("peak")
     device = next(d for d in peak if str(d).startswith("cuda"))
     by_op = {str(k): v for k, v in flops.get_flop_counts()["Global"].items()}
@@ -594,10 +588,7 @@ def gpt_for_estimates(config):
     model = tg.GPT(config).to("cuda")
     optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
     autocast_ctx, dtype = common.autocast_for("auto", "cuda")
-    # AdamW makes its state on its first step: a step over zero gradients
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
+    rundir.with_optimizer_state(model, optimizer)
     return model, optimizer, autocast_ctx, dtype
 
 
