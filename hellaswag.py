@@ -554,7 +554,7 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
             avgs.append(avg_loss)
             if bar is not None:
                 bar.update(len(batch))
-        # one read back for all the passes: the device never waits for the host between two of them
+        # the losses read back once for all the passes (a mask's x[mask] reads only its count)
         losses = {}
         if rows:
             losses = dict(zip(rows, zip(*torch.stack([torch.cat(sums), torch.cat(avgs)]).tolist())))
