@@ -459,9 +459,7 @@ def _pack(rows, batch_tokens, slack=SPAN_SLACK, body=0.0, exact=False):
         for r in rows:
             by_example.setdefault(r[0], []).append(r)
         return list(by_example.values())
-    order = sorted(rows, key=lambda r: (r[2], r[3], r[0], r[1]))
-    if exact:
-        order = sorted(rows, key=lambda r: (r[4], r[0], r[1]))
+    order = sorted(rows, key=lambda r: (r[4], r[0], r[1]) if exact else (r[2], r[3], r[0], r[1]))
     batches, cur = [], None
     for row in order:
         _, _, lo, hi, width = row
@@ -546,7 +544,7 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
             tokens, mask, positions = _batch_tensors(rendered, batch, device, full_logits, exact)
             with dtype_ctx:
                 logits = model_logits(model, tokens, positions, use_kwarg)
-            # positions are the union of the rows' scored spans: none can be missing, no read back
+            # positions are the rows' scored spans (or their union): none missing, no read back
             sum_loss, avg_loss = completion_losses(logits, tokens, mask, positions,
                                                    check_positions=False)
             rows += [(i, j) for i, j, *_ in batch]

@@ -35,7 +35,7 @@ import rundir
 from common import (DTYPES, LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED,
                     OneLineParser, UsageError, add_flags, auto_or, autocast_for, bounded,
                     device_type_of, enable_tf32, exit_process, flag_dest, one_line, print0, rank,
-                    resolve_device, run_cli, torch_dtype, write_new_dir)
+                    resolve_device, resolve_dtype, run_cli, torch_dtype, write_new_dir)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 
 # ===== Run settings =====
@@ -595,6 +595,8 @@ def setup_distributed(args):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(args.device)
+    if args.fsdp and resolve_dtype(args.dtype, device) == "fp16":
+        raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
     if distributed and device.startswith("cuda"):
         if local_rank >= torch.cuda.device_count():
             raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s)"
@@ -718,7 +720,7 @@ def restore_checkpoint(ckpt, raw_model, optimizer, scaler, train_loader):
     dcp.set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
     for group, values in zip(optimizer.param_groups, kept):
         group.update(values)
-    if ckpt.get("scaler"):  # saved in fp16 (a resume in fp16 from bf16 starts a new scale)
+    if ckpt.get("scaler"):  # saved in fp16 (from bf16: a new scale)
         scaler.load_state_dict(ckpt["scaler"])
     train_loader.load_state_dict(ckpt["loader"])
     rundir.set_rng_state(ckpt["rng"])
@@ -737,10 +739,8 @@ def train(args, ckpt=None):
         config = GPTConfig(**ckpt["config"])
 
     autocast_ctx, dtype = autocast_for(args.dtype, proc.device_type)
-    if args.fsdp and dtype == "fp16":
-        raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
     fit = {}
-    if args.micro_batch_size == "auto":  # the largest B that fits in memory
+    if args.micro_batch_size == "auto":  # the largest B that fits
         args.micro_batch_size, fit = rundir.auto_micro_batch(
             lambda: GPT(config), lambda m: make_optimizer(m, args, proc.device_type), args,
             proc.device, proc.world_size, autocast_ctx, config.vocab_size, proc.agree)
@@ -760,8 +760,7 @@ def train(args, ckpt=None):
                                  ": shorten them, or turn samples off with --sample_every 0")
     run_config = {**vars(args), "device": proc.device, "world_size": proc.world_size,
                   "grad_accum_steps": grad_accum_steps, "autocast_dtype": dtype,
-                  "compile": use_compile,
-                  "val_tokens": val_tokens, **fit, "model": asdict(config),
+                  "compile": use_compile, "val_tokens": val_tokens, **fit, "model": asdict(config),
                   "provenance": rundir.provenance(proc.device)}
     print0(rundir.format_run_config(run_config, RUN_SETTINGS))
 
