@@ -786,15 +786,20 @@ def largest_fitting(peak, candidates, budget, of_what):
     return best, peak(best)
 
 
-def confirm_micro_batch(model, candidates, B, T, vocab, device, autocast_ctx, agree):
+def forked_rng(device):
+    """torch.random.fork_rng over the CPU's generator and device's: they are as they were after."""
+    dev = torch.device(device)
+    return torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0],
+                                 device_type=dev.type)
+
+
+def confirm_micro_batch(model, candidates, B, T, device, autocast_ctx, agree):
     """B, or the next smaller candidate until one real forward and backward of B x T tokens fits
     on every rank (the estimate leaves out fragmentation and the kernels' workspaces); the model
     is left without gradients. Random generators are left as they were."""
-    dev = torch.device(device)
-    forked = [] if dev.type == "cpu" else [dev.index or 0]  # the CPU generator is always forked
     while True:
         fits = True
-        with torch.random.fork_rng(devices=forked, device_type=dev.type):
+        with forked_rng(device):
             try:
                 x = torch.zeros(B, T, dtype=torch.long, device=device)
                 with autocast_ctx:
@@ -827,7 +832,7 @@ def auto_micro_batch(make_model, make_optimizer, args, device, world_size, autoc
     peak = step_memory(make_model, make_optimizer, T, vocab, device, autocast_ctx)
     B, estimate = largest_fitting(peak, candidates, budget, of_what)
     if str(device).startswith("cuda"):
-        confirmed = confirm_micro_batch(make_model().to(device), candidates, B, T, vocab, device,
+        confirmed = confirm_micro_batch(make_model().to(device), candidates, B, T, device,
                                         autocast_ctx, agree)
         if confirmed != B:
             B, estimate = confirmed, peak(confirmed)
@@ -843,10 +848,8 @@ def measure_micro_step(make_model, make_optimizer, B, T, vocab, device, autocast
     model = make_model().to(device)
     optimizer = make_optimizer(model)
     x = torch.zeros(B, T, dtype=torch.long, device=device)
-    dev = torch.device(device)
     seconds = []
-    with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0],
-                               device_type=dev.type):
+    with forked_rng(device):
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             with autocast_ctx:

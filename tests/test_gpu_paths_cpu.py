@@ -80,12 +80,12 @@ def test_auto_micro_batch_halves_until_a_real_step_fits():
     random generator moved."""
     agreed, rng = [], torch.get_rng_state()
     model = Hungry(limit=5)
-    B = rundir.confirm_micro_batch(model, [1, 2, 4, 8, 16], 16, 4, 10, "cpu",
+    B = rundir.confirm_micro_batch(model, [1, 2, 4, 8, 16], 16, 4, "cpu",
                                    contextlib.nullcontext(), lambda ok: agreed.append(ok) or ok)
     assert B == 4 and agreed == [False, False, True]
     assert model.w.grad is None and torch.equal(torch.get_rng_state(), rng)
     with pytest.raises(common.UsageError, match="even -B 1 runs out of memory"):
-        rundir.confirm_micro_batch(Hungry(limit=0), [1, 2], 2, 4, 10, "cpu",
+        rundir.confirm_micro_batch(Hungry(limit=0), [1, 2], 2, 4, "cpu",
                                    contextlib.nullcontext(), lambda ok: ok)
 
 
