@@ -4,7 +4,8 @@
 - files written safely: atomic_write (never a truncated file), umask, dir_lock (one process
   per folder);
 - command lines: OneLineParser, HelpFormatter, the bounded argparse types, print0 and exit_process;
-- device, dtype and TF32: resolve_device, resolve_dtype, autocast_for, enable_tf32.
+- device, dtype and TF32: resolve_device, resolve_dtype, autocast_for, Precision, enable_tf32;
+- the process's place in a run under torchrun: Proc (rank, world size, master, agree).
 
 Nothing here trains, downloads or starts anything at import; torch is imported only where needed.
 """
@@ -544,3 +545,49 @@ def enable_tf32(device_type):
         import torch
 
         torch.set_float32_matmul_precision("high")
+
+
+class Precision:
+    """What a --dtype means on a device, resolved once: its name (fp32, bf16, fp16), torch's dtype
+    for autocast (None: fp32), the autocast context, and whether fp16's loss scaler is on."""
+
+    def __init__(self, flag, device):
+        self.autocast, self.name = autocast_for(flag, device)
+        self.dtype = torch_dtype(self.name)
+        self.scaler = self.name == "fp16"  # bf16 has fp32's range: no loss scaling
+
+    def __repr__(self):
+        return self.name
+
+
+# ===== The process's place in a run: rank, world size, the collective that agrees ===============
+class Proc:
+    """This process in the run: torchrun's RANK, LOCAL_RANK and WORLD_SIZE (one process without
+    it), the device its collectives use, and agree(), the AND of a flag over every process."""
+
+    def __init__(self, device="cpu", environ=None):
+        environ = os.environ if environ is None else environ
+        self.distributed = "RANK" in environ and "WORLD_SIZE" in environ  # under torchrun
+        self.rank = int(environ.get("RANK", 0))
+        self.local_rank = int(environ.get("LOCAL_RANK", 0))
+        self.world_size = int(environ.get("WORLD_SIZE", 1))
+        self.master = self.rank == 0
+        self.device = device
+        self.long_wait_group = None
+
+    def agree(self, ok, long_wait=False):
+        """ok on every rank (a barrier too); long_wait: a gloo group waits 48 h (data prep)."""
+        if self.world_size == 1:
+            return bool(ok)
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor(float(ok), device="cpu" if long_wait else self.device)
+        if long_wait and self.long_wait_group is None:
+            hours48 = datetime.timedelta(hours=48)
+            self.long_wait_group = dist.new_group(backend="gloo", timeout=hours48)
+        group = self.long_wait_group if long_wait else None
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return flag.item() == 1.0

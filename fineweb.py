@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
-from common import (DiskFullError, HelpFormatter, OneLineParser, UsageError, atomic_write,
+from common import (DiskFullError, Proc, HelpFormatter, OneLineParser, UsageError, atomic_write,
                     dir_lock, hub_unreachable, one_line)
 
 # ===== constants (train_gpt2.py relies on the shard names and the default data root) ==============
@@ -902,14 +902,17 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
 
 
 def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", inputs=None,
-                    text_column="text", inputs_given=False, master=True,
-                    agree=lambda ok, long_wait=False: ok, print0=print, vocab_size=GPT2_VOCAB_SIZE):
+                    text_column="text", inputs_given=False, proc=None, print0=print,
+                    vocab_size=GPT2_VOCAB_SIZE):
     """Make sure data_root holds train and val shards a run can open, prepared on first use from
     `inputs` or FineWeb-Edu `name` (the train_tokens + val_tokens a run needs unless that is most of
     the sample; an unfinished prep is finished), checked against their manifest. inputs_given:
-    inputs passed for a folder with shards (a warning). Every rank calls it; agree(ok, long_wait) is
-    the AND of ok over the ranks (long_wait: the wait for the master's prep, maybe hours); only
-    `master` prepares and prints. Raises DataPrepError; returns prep_status(data_root)."""
+    inputs passed for a folder with shards (a warning). Every rank calls it with its proc
+    (common.Proc; None: one process), whose agree(ok, long_wait) is the AND of ok over the ranks
+    (long_wait: the wait for the master's prep, maybe hours); only the master prepares and prints.
+    Raises DataPrepError; returns prep_status(data_root)."""
+    proc = proc or Proc()
+    master, agree = proc.master, proc.agree
     data_root = os.path.abspath(os.path.expanduser(str(data_root)))
     try:
         status = prep_status(data_root)

@@ -4,7 +4,7 @@ Each example has a context and four candidate endings. Every ending is appended 
 ``" " + ending``) and scored by the cross-entropy of its tokens given everything before them:
 ``acc`` picks the ending with the lowest *summed* loss, ``acc_norm`` the lowest *mean* loss.
 
-A library (``train_gpt2.py`` takes :func:`evaluate` and :func:`load_hf_model` from it) and a CLI
+A library (``train_gpt2.py`` takes :func:`evaluate` from it) and a CLI
 that scores OpenAI's GPT-2 through transformers' own ``GPT2LMHeadModel``, an implementation
 independent of ours (ours: ``python train_gpt2.py eval --checkpoint log/model_19072.pt``)::
 
@@ -26,8 +26,9 @@ import sys
 import time
 
 import fineweb
+from openai_gpt2 import OPENAI_MODELS, load_hf_model
 from common import (DTYPES, NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write,
-                    autocast, autocast_for, device_type_of, enable_tf32, hub_unreachable, one_line,
+                    autocast, autocast_for, device_type_of, enable_tf32, one_line,
                     resolve_device, run_cli, torch_dtype)
 
 # ---------------------------------------------------------------------------
@@ -189,19 +190,19 @@ def download(split, data_dir=None):
     return path
 
 
-def ready_on_every_rank(master=True, agree=lambda ok: ok, split="val"):
+def ready_on_every_rank(proc, split="val"):
     """Training's first use: the master downloads the split, then the other ranks find its file.
     True when every rank has it; else False after a warning from each rank that has not (HellaSwag
-    is then off). agree(ok) -> whether ok is true on every rank (also a barrier)."""
+    is then off). proc: the process's place in the run (common.Proc)."""
     ok = True
     for masters_turn in (True, False):
-        if master == masters_turn:
+        if proc.master == masters_turn:
             try:
                 download(split)
             except HellaSwagUnavailable as e:
                 print(f"warning: HellaSwag evaluation turned off: {e}", flush=True)
                 ok = False
-        ok = agree(ok)
+        ok = proc.agree(ok)
     return ok
 
 
@@ -385,9 +386,15 @@ def model_logits(model, idx, positions=None, use_kwarg=True):
     ``logits_to_keep`` (transformers' GPT2LMHeadModel.forward and our GPT.forward); a model that
     can't be asked (``use_kwarg=False``) or returns every position anyway (transformers < 4.53)
     is sliced here: same values, only slower."""
+    import torch
+
     R, N = idx.shape
     if positions is None:
         logits = _model_logits(model(idx))
+    elif use_kwarg and takes_logits_mask(model) and positions.dim() == 1:
+        keep = torch.zeros(R, N, dtype=torch.bool, device=idx.device)  # the same (ascending)
+        keep[:, positions.to(idx.device)] = True  # positions of every row, as a mask
+        return _model_logits(model(idx, logits_to_keep=keep)).view(R, positions.numel(), -1)
     else:
         logits = _model_logits(model(idx, logits_to_keep=positions) if use_kwarg else model(idx))
         if positions.dim() == 2 and logits.dim() == 2:  # (K, V): the mask's kept positions
@@ -601,7 +608,7 @@ def _load_split_subset(split, limit, rank, world_size, data_dir):
     return examples
 
 
-def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, rank=0, world_size=1,
+def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, proc=None,
              autocast_dtype=None, data_dir=None, progress=False, device_type=None):
     """HellaSwag accuracy of ``model`` on ``split``: ``{"n", "correct", "correct_norm", "acc",
     "acc_norm"}``. Example ``i`` (after ``limit``) is scored on rank ``i % world_size``; with an
@@ -613,7 +620,9 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, rank=
 
     if split == "test":
         raise ValueError("the HellaSwag test split has no public labels; use split='val'")
-    world_size = max(int(world_size), 1)
+    rank, world_size = 0, 1
+    if proc is not None:
+        rank, world_size = proc.rank, max(int(proc.world_size), 1)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     rendered = _rendered_subset(split, limit, rank, world_size, data_dir)
@@ -656,38 +665,7 @@ def summary(name, device, dtype, split, res, seconds):
 # ---------------------------------------------------------------------------
 # CLI: OpenAI's GPT-2 through transformers
 
-OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CHECKPOINT_HINT = "our checkpoints: python train_gpt2.py eval --checkpoint log/model_19072.pt"
-
-
-def hub_name(name):
-    """The hub repository for ``name``: OpenAI's short names map to ``openai-community/<name>``."""
-    return f"openai-community/{name}" if name in OPENAI_MODELS else name
-
-
-def load_hf_model(name):
-    """transformers' own ``GPT2LMHeadModel`` (fp32, eval mode) from a hub name or a local
-    save_pretrained directory; a one-line UsageError if it can't be loaded, in seconds when the
-    hub is out of reach (its client would retry for minutes)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    local = os.path.isdir(name)
-    source = name if local else hub_name(name)
-    offline = not local and hub_unreachable()  # then only a copy in the local cache can load
-    why = "the hub is unreachable and it is not in the local cache"
-    try:
-        if offline and not isinstance(try_to_load_from_cache(source, "config.json"), str):
-            raise LookupError(why)
-        from transformers import GPT2LMHeadModel
-        model = GPT2LMHeadModel.from_pretrained(source, local_files_only=offline)
-    except Exception as e:  # not cached, an unknown name, not a model directory, damaged weights
-        if not offline:
-            first = str(e).strip().splitlines()
-            why = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
-        message = (f"could not load GPT-2 model {name!r} from {source} ({why}); offline, pass a "
-                   f"local directory written by GPT2LMHeadModel.save_pretrained")
-        raise UsageError(one_line(message, 10_000)) from None
-    return model.float().eval()
 
 
 def build_parser():

@@ -6,22 +6,22 @@ GPT-2 (124M) pretraining on FineWeb-Edu token shards, in one flat, importable fi
     torchrun --standalone --nproc_per_node=8 train_gpt2.py   # the same recipe on a node of 8 GPUs
     python train_gpt2.py sample|export|eval --help           # use a checkpoint
 
-Read top to bottom: the run settings, the model, the data loader, optimizers and schedules, the
-distributed set-up, evaluation, `train()` (the whole run in one function), the commands. rundir.py
-keeps a run safe (checkpoint files, the log dir, log.txt, signals); common.py holds what the three
-command lines share (one-line errors, device and dtype).
+Read top to bottom: the model config, the model, the data loader, optimizers and schedules, the
+distributed set-up, evaluation, checkpoints, `train()` (the whole run in one loop), and the command
+line, whose settle() turns the flags into one frozen Run before any work. Beside this file:
+settings.py (the flags, presets, checks and the settled Run), rundir.py (the run directory:
+checkpoint files, the log dir, log.txt, stop signals), metrics.py (the step line, MFU, W&B, the
+profiler), openai_gpt2.py (OpenAI's weights in, transformers out) and common.py (what the three
+command lines share).
 """
 
-import argparse
-import datetime
 import math
-import os
 import random
 import re
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -31,95 +31,15 @@ import torch.nn.functional as F
 
 import fineweb
 import hellaswag
+import openai_gpt2
 import rundir
-from common import (DTYPES, LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED,
-                    OneLineParser, UsageError, add_flags, auto_or, autocast_for, bounded,
-                    device_type_of, enable_tf32, exit_process, flag_dest, one_line, print0, rank,
-                    resolve_device, resolve_dtype, run_cli, torch_dtype, write_new_dir)
+import settings
+from common import (Precision, Proc, UsageError, enable_tf32, exit_process, one_line, print0,
+                    resolve_device, run_cli, write_new_dir)
 from fineweb import EOT, GPT2_VOCAB_SIZE
+from metrics import Metrics, Profiler
 
-# ===== Run settings =====
-# Every training flag once: (flags, default, type, meaning), made argparse arguments by add_flags.
-# A --preset, then a resumed checkpoint, change the defaults (parse_args); --help shows them.
-FRACTION = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
-SHARED = [  # the flags that the sample and eval commands take too
-    ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
-    ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
-    ("--dtype", "auto", list(DTYPES), "auto: bf16, or fp16 on GPUs without it, fp32 on a CPU"),
-]
-THIS_INVOCATION = "this invocation (never taken from a resumed checkpoint)"
-RUN_SETTINGS = {
-    "model": [
-        ("--preset", "gpt2", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"],
-         "a model shape with its run settings"),
-        ("--n_layer", None, POSITIVE_INT, "transformer blocks"),
-        ("--n_head", None, POSITIVE_INT, "attention heads"),
-        ("--n_embd", None, POSITIVE_INT, "embedding width"),
-        ("--block_size", None, POSITIVE_INT, "context length"),
-        ("--n_kv_head", None, POSITIVE_INT, "key/value heads (GQA; 1: MQA)"),
-        ("--dropout", 0.0, FRACTION, "dropout in training"),
-        ("--bias", True, bool, "biases in Linear and LayerNorm"),
-    ],
-    "optimisation": [
-        ("--optimizer", "adamw", ["adamw", "muon"], "muon: Muon for the blocks' matrices"),
-        ("--muon_lr", None, LEARNING_RATE, "Muon's peak LR (default: --max_lr)"),
-        ("--muon_momentum", 0.95, FRACTION, "Muon's Nesterov momentum"),
-        ("--muon_ns_steps", 5, bounded(int, 1, 99, what="in 1..99"), "Newton-Schulz steps"),
-        ("--muon_adjust_lr", "match_rms_adamw", ["match_rms_adamw", "original"],
-         "match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr"),
-        ("--max_lr", 6e-4, LEARNING_RATE, "peak learning rate"),
-        ("--min_lr_ratio", 0.1, bounded(float, 0, 1, what="in [0, 1]"), "final LR / max_lr"),
-        ("--warmup_steps", 715, NONNEG_INT, "linear warmup steps"),
-        ("--max_steps", 19073, POSITIVE_INT, "optimizer steps (19073 x 2^19 = 10B tokens)"),
-        ("--weight_decay", 0.1, NONNEG, "AdamW's weight decay (matmuls, embeddings)"),
-        ("--grad_clip", 1.0, NONNEG, "clip the gradient norm to this (0: off)"),
-        ("--total_batch_size", 524288, POSITIVE_INT, "tokens per step, a multiple of B*T*ranks"),
-        ("--batch_ramp_tokens", 0, NONNEG_INT, "GPT-3's batch ramp over the first N tokens"),
-        ("--batch_ramp_start", 32768, POSITIVE_INT, "first batch of the ramp, in tokens"),
-        ("-B --micro_batch_size", 64, auto_or(POSITIVE_INT),
-         "sequences a forward pass, per process; auto: most that fit"),
-        ("-T --sequence_length", 1024, POSITIVE_INT, "tokens per sequence"),
-    ],
-    "evaluation, sampling, checkpoints (every 0: off)": [
-        ("--eval_every", 250, NONNEG_INT, "val loss every N steps and at the end"),
-        ("--val_tokens", 10_485_760, POSITIVE_INT, "val loss over the first N val tokens"),
-        ("--val_steps", None, POSITIVE_INT, "instead: N batches of B*T tokens per process"),
-        ("--sample_every", 250, NONNEG_INT, "samples every N steps (not 0) and at the end"),
-        ("--sample_prompt", "Hello, I'm a language model,", str, "prompt for the samples"),
-        ("--num_samples", 4, POSITIVE_INT, "samples per sampling block"),
-        ("--sample_tokens", 32, POSITIVE_INT, "new tokens per sample"),
-        ("--hellaswag_every", 250, NONNEG_INT, "HellaSwag every N steps and at the end"),
-        ("--hellaswag_limit", None, POSITIVE_INT, "only the first N HellaSwag val examples"),
-        ("--save_every", 5000, NONNEG_INT, "checkpoint every N steps; the last is saved"),
-        ("--keep_last", 0, NONNEG_INT, "keep only the newest N model_*.pt (0: all)"),
-    ],
-    "data": [
-        ("--seed", 1337, SEED, "seed for init, data order and sampling"),
-        ("--data_root", fineweb.DEFAULT_DATA_ROOT, str, "shard folder; rank 0 prepares it"),
-        ("--fineweb_name", "sample-10BT", list(fineweb.NAMES), "FineWeb-Edu sample to prepare"),
-        ("--input", None, {"nargs": "+", "metavar": "PATH"}, "prepare it from these files"),
-        ("--text_column", "text", str, "text field of --input .jsonl/.parquet files"),
-    ],
-    THIS_INVOCATION: [
-        ("--log_dir", "log", str, "where log.txt, run_config.json and model_*.pt go"),
-        ("--resume", None, {"metavar": "latest|PATH"}, "continue from a checkpoint"),
-        ("--overwrite", False, bool, "start afresh: delete log.txt and model_*.pt"),
-        ("--stop_step", None, POSITIVE_INT, "leave after N steps, saved, on --max_steps' schedule"),
-        *SHARED,
-        ("--compile", None, bool, "torch.compile (default: on CUDA only)"),
-        ("--fsdp", False, bool, "shard the model across torchrun processes (FSDP2)"),
-        ("--peak_flops", None, POSITIVE, "peak bf16 FLOP/s of one GPU, for the MFU"),
-        ("--profile", None, {"nargs": "?", "const": "continue", "choices": ["continue", "exit"]},
-         "torch.profiler over a few steps: a trace in <log_dir>/profile/"),
-        ("--profile_schedule", "1,1,3", rundir.profile_schedule, "WAIT,WARMUP,ACTIVE steps"),
-        ("--wandb_project", None, str, "also log to this Weights & Biases project"),
-        ("--wandb_run_name", None, str, "W&B run name"),
-    ],
-}
-DEFAULTS = {flag_dest(f): default for group in RUN_SETTINGS.values() for f, default, *_ in group}
-SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "bias")
-
-# ===== Model config and presets =====
+# ===== Model config =====
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # the longest sequence
@@ -147,38 +67,23 @@ class GPTConfig:
             raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
                              f"1..{self.vocab_size}")
 
-# The GPT-2 paper's shapes (Table 2), and one for CPUs
-MODEL_PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),  # ~7M, mostly the embedding
-}
 
-# Run settings a preset changes: the GPT-3 paper's LR (Table 2.1), a micro-batch that fits 80 GB
-RUN_PRESETS = {
-    "gpt2": {},
-    "gpt2-medium": dict(max_lr=3e-4, micro_batch_size=32),
-    "gpt2-large": dict(max_lr=2.5e-4, micro_batch_size=16),
-    "gpt2-xl": dict(max_lr=2e-4, micro_batch_size=8),
-    # the CPU demo: ~300k tokens, ~5 minutes at ~1k tokens/s
-    "tiny": dict(max_lr=2e-3, warmup_steps=15, max_steps=150, total_batch_size=2048,
-                 micro_batch_size=8, sequence_length=256, eval_every=50, val_tokens=16384,
-                 sample_every=50, hellaswag_every=0, save_every=0,
-                 data_root=os.path.join(fineweb.REPO_DIR, "edu_fineweb_tiny")),
-}
-
-def model_config_from_args(args):
-    """The GPTConfig the flags ask for: the preset's shape, changed by any shape flag given."""
-    shape = {**MODEL_PRESETS[args.preset], "dropout": args.dropout}
-    for k in SHAPE_FLAGS:
+def model_config(args, ckpt=None):
+    """The GPTConfig a run trains: a resumed checkpoint's, --init_from's (read from its
+    config.json), or the preset's shape changed by any shape flag given."""
+    if ckpt is not None:
+        return GPTConfig(**ckpt["config"])
+    if args.init_from:
+        return GPTConfig(**openai_gpt2.pretrained_config(args.init_from), dropout=args.dropout)
+    shape = {**settings.MODEL_PRESETS[args.preset], "dropout": args.dropout}
+    for k in settings.SHAPE_FLAGS:
         if getattr(args, k) is not None:
             shape[k] = getattr(args, k)
     try:
         return GPTConfig(**shape)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
 
 # ===== The model =====
 class KVCache:
@@ -259,7 +164,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 class GPT(nn.Module):
-    masked_logits_to_keep = True  # see forward
+    masked_logits_to_keep = True  # forward takes a (B, T) bool mask as logits_to_keep
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -274,7 +179,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
         # 0 for real tokens, -inf for padding ids, added in the lm_head matmul: padding is never
-        # sampled. A buffer, not a parameter: the state dict stays GPT-2's
+        # predicted. A buffer, not a parameter: the state dict stays GPT-2's
         real = torch.arange(config.vocab_size) < config.real_vocab_size
         self.register_buffer("vocab_mask", torch.where(real, 0.0, float("-inf")), persistent=False)
         self.apply(self._init_weights)
@@ -297,8 +202,10 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
-        With a kv_cache, idx continues the cached sequence. logits_to_keep as in transformers, or
-        a (B, T) bool mask: logits (K, vocab_size) at its K True positions."""
+        With a kv_cache, idx continues the cached sequence. logits_to_keep: the last N positions'
+        logits only (sampling needs one), or a (B, T) bool mask: logits (K, vocab_size) at its K
+        True positions (HellaSwag's scored tokens): the vocab matmul is most of a small model's
+        work."""
         B, T = idx.size()
         past = kv_cache.pos if kv_cache is not None else 0
         if past + T > self.config.block_size:
@@ -311,22 +218,15 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.pos += T
 
-        if not isinstance(logits_to_keep, int) or logits_to_keep > 0:  # the vocab matmul is most
-            if targets is not None:  # of a small model's work: scoring and sampling need few
-                raise ValueError("targets need every position's logits: leave logits_to_keep 0")
-            if isinstance(logits_to_keep, int):
-                x = x[:, -logits_to_keep:]
-            elif logits_to_keep.dim() == 2:  # (K, C): the mask's K positions
-                x = x[logits_to_keep]
-            else:
-                x = x[:, logits_to_keep]
+        if isinstance(logits_to_keep, torch.Tensor):
+            x = x[logits_to_keep]  # (K, C)
+        elif logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]  # (B, logits_to_keep, C)
+        if targets is not None and x.shape[:2] != (B, T):
+            raise ValueError("targets need every position's logits: leave logits_to_keep 0")
         x = self.transformer.ln_f(x)
-        if torch.is_grad_enabled():
-            # -inf in the matmul: an in-place write's backward would copy the gradient
-            logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
-        else:  # no autograd: writing the padding columns in place is cheaper
-            logits = self.lm_head(x)
-            logits[..., self.config.real_vocab_size:] = float("-inf")
+        # -inf added to the padding ids' logits in the matmul itself: they are never predicted
+        logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
@@ -335,28 +235,9 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
         """OpenAI's GPT-2 through transformers (gpt2 .. gpt2-xl, or a save_pretrained dir), the
-        vocab padded to 50304 with zero, masked rows."""
-        hf = hellaswag.load_hf_model(name_or_dir)  # transformers' own; one line if it fails
-        hc = hf.config
-        standard = (hc.activation_function == "gelu_new" and hc.layer_norm_epsilon == 1e-5
-                    and hc.n_inner in (None, 4 * hc.n_embd)
-                    and not getattr(hc, "scale_attn_by_inverse_layer_idx", False)
-                    and not getattr(hc, "reorder_and_upcast_attn", False))
-        if hc.model_type != "gpt2" or not standard:
-            raise UsageError(f"{name_or_dir}: not a standard GPT-2 architecture")
-
-        padded_vocab = math.ceil(hc.vocab_size / 64) * 64
-        config = GPTConfig(block_size=hc.n_positions, vocab_size=padded_vocab, n_layer=hc.n_layer,
-                           n_head=hc.n_head, n_embd=hc.n_embd, real_vocab_size=hc.vocab_size,
-                           dropout=dropout)
-        sd = {}
-        for k, v in hf.state_dict().items():
-            if k.endswith(rundir.CONV1D_WEIGHTS):
-                v = v.t()  # HF's Conv1D is (in, out); nn.Linear wants (out, in)
-            if k in ("transformer.wte.weight", "lm_head.weight"):  # zero padding rows: masked
-                v = F.pad(v, (0, 0, 0, padded_vocab - hc.vocab_size))
-            sd[k] = v
-        model = cls(config)
+        vocab padded to 50304 with zero, masked rows (openai_gpt2.py)."""
+        config, sd = openai_gpt2.pretrained_state_dict(name_or_dir)
+        model = cls(GPTConfig(**config, dropout=dropout))
         try:
             model.load_state_dict(sd)  # strict: GPT-2's names and shapes, one to one
         except RuntimeError as e:
@@ -497,6 +378,32 @@ class DataLoaderLite:
         self.position += B * T * self.num_processes
         return x, y
 
+
+def make_loaders(run, proc):
+    """The run's train and val DataLoaderLites, their shards prepared on first use (rank 0
+    prepares, the others wait), with a word where the data falls short of the run."""
+    status = fineweb.ensure_prepared(
+        run.data_root, train_tokens=run.max_steps * run.total_batch_size,
+        val_tokens=run.val_tokens, name=run.fineweb_name, inputs=run.input,
+        text_column=run.text_column, proc=proc, vocab_size=run.model.real_vocab_size)
+    train_loader, val_loader = (
+        DataLoaderLite(run.micro_batch_size, run.sequence_length, proc.rank, proc.world_size,
+                       split, run.data_root, run.seed, run.model.real_vocab_size)
+        for split in ("train", "val"))
+    if not status.has_manifest:
+        print0(f"warning: {run.data_root} has no manifest.json: its shards were not written by "
+               f"fineweb.py (or lost their record), so they are not checked against a prep")
+    reads, held = run.max_steps * run.total_batch_size, train_loader.epoch_tokens
+    if reads > held:
+        print0(f"note: the run reads {reads:,} train tokens and {run.data_root} holds "
+               f"{held:,}: it passes over them {reads / held:.1f} times")
+    targets = val_loader.epoch_tokens - 1
+    if run.eval_every > 0 and run.val_tokens > targets + 1:  # ==: a prep's own val size
+        print0(f"warning: the val loss is asked over {run.val_tokens:,} tokens but the val shards "
+               f"hold {targets:,} targets: it is taken over those")
+    return train_loader, val_loader
+
+
 # ===== Optimizers (AdamW, or Muon + AdamW) and schedules (the LR, the batch ramp) =====
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
               adjust_lr_fn="match_rms_adamw"):
@@ -534,13 +441,14 @@ class CombinedOptimizer:
         for opt, state in zip(self.optimizers, state_dict["optimizers"], strict=True):
             opt.load_state_dict(state)
 
-def make_optimizer(model, args, device_type, verbose=False):
+def make_optimizer(model, run, verbose=False):
     """The run's optimizer: AdamW, or (--optimizer muon) Muon for the blocks' matrices."""
     muon = None
-    if args.optimizer == "muon":
-        muon = dict(lr=args.muon_lr, momentum=args.muon_momentum, ns_steps=args.muon_ns_steps,
-                    adjust_lr_fn=args.muon_adjust_lr)
-    return model.configure_optimizers(args.weight_decay, args.max_lr, device_type, verbose, muon)
+    if run.optimizer == "muon":
+        muon = dict(lr=run.muon_lr, momentum=run.muon_momentum, ns_steps=run.muon_ns_steps,
+                    adjust_lr_fn=run.muon_adjust_lr)
+    return model.configure_optimizers(run.weight_decay, run.max_lr, run.device_type, verbose,
+                                      muon)
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
     """Linear warmup to max_lr, cosine decay to min_lr at max_steps, then constant."""
@@ -561,71 +469,75 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
     size = start + (total_batch_size - start) * tokens_seen / ramp_tokens
     return max(unit, int(size) // unit * unit)
 
+
+@dataclass(frozen=True)
+class Schedule:
+    """The run's LR and batch size by step, from its flags; unit: the tokens of one micro-step on
+    all ranks (B * T * world size), which every batch is a multiple of."""
+    max_lr: float
+    min_lr: float
+    warmup_steps: int
+    max_steps: int
+    total_batch_size: int
+    ramp_tokens: int
+    ramp_start: int
+    unit: int
+
+    @classmethod
+    def of(cls, run):
+        return cls(run.max_lr, run.max_lr * run.min_lr_ratio, run.warmup_steps, run.max_steps,
+                   run.total_batch_size, run.batch_ramp_tokens, run.batch_ramp_start,
+                   run.micro_batch_size * run.sequence_length * run.world_size)
+
+    def lr(self, step):
+        return get_lr(step, self.max_lr, self.min_lr, self.warmup_steps, self.max_steps)
+
+    def batch_size(self, tokens_seen):
+        return batch_size_at(tokens_seen, self.ramp_tokens, self.total_batch_size, self.unit,
+                             self.ramp_start)
+
+
 # ===== Distributed: this process in the run, FSDP =====
-@dataclass
-class Proc:
-    """This process in the run (torchrun's RANK, LOCAL_RANK, WORLD_SIZE) and its device."""
-    distributed: bool  # launched by torchrun, with a process group
-    rank: int
-    local_rank: int
-    world_size: int
-    device: str
-    long_wait_group: object = None
-
-    def __post_init__(self):
-        self.master = self.rank == 0
-        self.device_type = device_type_of(self.device)  # 'cuda', not 'cuda:3': for autocast
-
-    def agree(self, ok, long_wait=False):
-        """ok on every rank (a barrier too); long_wait: a gloo group waits 48 h (data prep)."""
-        flag = torch.tensor(float(ok), device="cpu" if long_wait else self.device)
-        if self.world_size > 1 and long_wait and self.long_wait_group is None:
-            hours48 = datetime.timedelta(hours=48)
-            self.long_wait_group = dist.new_group(backend="gloo", timeout=hours48)
-        if self.world_size > 1:
-            group = self.long_wait_group if long_wait else None
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return flag.item() == 1.0
-
 def setup_distributed(args):
-    """A Proc from torchrun's environment (or one process), its process group up."""
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if args.fsdp and not distributed:
+    """This process's Proc (torchrun's environment, or one process), on its device, with its
+    process group up and TF32 on for CUDA's fp32 matmuls."""
+    proc = Proc()
+    if args.fsdp and not proc.distributed:
         raise UsageError("--fsdp shards the model across processes: launch with torchrun")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(args.device)
-    if args.fsdp and resolve_dtype(args.dtype, device) == "fp16":
-        raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
-    if distributed and device.startswith("cuda"):
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s)"
-                             f" here: ask torchrun for at most that many processes per node",
+    if proc.distributed and device.startswith("cuda"):
+        if proc.local_rank >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK {proc.local_rank} but only {torch.cuda.device_count()} "
+                             f"GPU(s) here: ask torchrun for at most that many processes per node",
                              rank_specific=True)
-        device = f"cuda:{local_rank}"
+        device = f"cuda:{proc.local_rank}"
         torch.cuda.set_device(device)
-    if distributed:
+    if proc.distributed:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return Proc(distributed, rank(), local_rank, world_size, device)
+    enable_tf32(device)
+    proc.device = device
+    return proc
 
-def shard_model(raw_model, dtype):
+def shard_model(raw_model, precision):
     """FSDP2 on every block, then on the root (embeddings, tied lm_head, ln_f); in place."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch 2.5 kept FSDP2 under _composable
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy()
-    if dtype == "bf16":  # bf16 compute and all-gathers, fp32 gradient reduction and master weights
+    if precision.name == "bf16":  # bf16 compute and all-gathers; fp32 reductions and master weights
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in raw_model.transformer.h:
         fully_shard(block, mp_policy=mp)
     fully_shard(raw_model, mp_policy=mp)
 
-# ===== Evaluation: val loss, samples =====
+
+# ===== Evaluation: val loss, HellaSwag, samples =====
 @torch.no_grad()
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
-    """Mean loss over the first n_tokens targets of the split, all ranks together: the same tokens
-    for any B and process count."""
+    """Mean loss over the first n_tokens targets of the split (at most all it holds), all ranks
+    together: the same tokens for any B and process count."""
+    n_tokens = min(n_tokens, loader.epoch_tokens - 1)
     was_training = model.training
     model.eval()
     loader.reset()
@@ -676,7 +588,21 @@ def due(every, step, last_step=False):
     """Whether an every-N block (val, HellaSwag, samples, checkpoint) runs now."""
     return every > 0 and (last_step or step % every == 0)
 
-# ===== Checkpoints: what one holds (rundir.py handles the files) =====
+
+def hellaswag_accuracy(raw_model, run, proc):
+    """HellaSwag's acc_norm of the model, its examples split over the ranks; None (with a warning)
+    when the data went away since the run started: the run goes on without it."""
+    try:
+        res = hellaswag.evaluate(raw_model, run.device, limit=run.hellaswag_limit, proc=proc,
+                                 device_type=run.device_type, autocast_dtype=run.precision.dtype)
+    except hellaswag.HellaSwagUnavailable as e:
+        print0(f"warning: HellaSwag evaluation turned off: {e}")
+        return None
+    print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
+    return res["acc_norm"]
+
+
+# ===== Keeping a run safe: checkpoints (rundir.py handles the files), the step's read-back =====
 @dataclass
 class TrainState:
     """Where a run stands, besides the weights, optimizer, loader and random generators."""
@@ -685,163 +611,193 @@ class TrainState:
     val_loss: float | None = None  # the latest val loss
     args: dict | None = None  # the run's flags: a resume takes those not given again
 
-def save_checkpoint(path, raw_model, optimizer, scaler, state, train_loader, keep_last, proc,
-                    collective=True):
-    """model_{step}.pt, all an exact resume needs. Every rank calls it (FSDP gathers), rank 0
-    writes. collective=False, after a failure that may be this rank's alone: False if not saved."""
-    from torch.distributed.checkpoint import state_dict as dcp
-    # unsharded, on the CPU, keyed by parameter name: the same from a plain, DDP or FSDP model
-    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    checkpoint = {
-        "model": dcp.get_model_state_dict(raw_model, options=options),
-        "optimizer": dcp.get_optimizer_state_dict(raw_model, optimizer, options=options),
-        "scaler": scaler.state_dict(),  # fp16's loss scale ({} in bf16 and fp32)
-        "config": asdict(raw_model.config),
-        "step": state.step,
-        "tokens_seen": state.tokens_seen,
-        "val_loss": state.val_loss,
-        "loader": train_loader.state_dict(),  # where the next batch starts
-        "rng": rundir.rng_state(),  # python, numpy, torch (and CUDA) generators
-        "args": state.args,
-        "provenance": rundir.provenance(proc.device),  # the code and machine
-    }
-    return rundir.write_checkpoint(path, checkpoint, keep_last, proc.master,
-                                   proc.agree if collective else None)
 
-def restore_checkpoint(ckpt, raw_model, optimizer, scaler, train_loader):
-    """Load a checkpoint into the model (FSDP: each rank its shard), optimizer, loss scaler, loader
-    and random generators; returns its TrainState."""
-    from torch.distributed.checkpoint import state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True)
-    dcp.set_model_state_dict(raw_model, ckpt["model"], options=options)
-    # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags
-    kept = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g}
-            for g in optimizer.param_groups]
-    dcp.set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
-    for group, values in zip(optimizer.param_groups, kept):
-        group.update(values)
-    if ckpt.get("scaler"):  # saved in fp16 (from bf16: a new scale)
-        scaler.load_state_dict(ckpt["scaler"])
-    train_loader.load_state_dict(ckpt["loader"])
-    rundir.set_rng_state(ckpt["rng"])
-    return TrainState(ckpt["step"], ckpt["tokens_seen"], ckpt["val_loss"], ckpt["args"])
+class Checkpointer:
+    """A run's checkpoints, built once from the parts an exact resume needs (the raw model, the
+    optimizer, the loss scaler, the train loader, the TrainState): it restores them from a
+    checkpoint, saves model_{step}.pt every --save_every steps, at this invocation's last step and
+    when a stop signal says so, and after a failure keeps the last finished step."""
+
+    def __init__(self, run, proc, raw_model, optimizer, scaler, train_loader):
+        self.run, self.proc, self.raw_model = run, proc, raw_model
+        self.optimizer, self.scaler, self.train_loader = optimizer, scaler, train_loader
+        self.state = TrainState(args=settings.flags_of(run))  # a new run's
+        self.last_saved = -1  # the step of the newest checkpoint this run has, -1: none
+
+    def restore(self, ckpt):
+        """Load ckpt (or nothing, for None) into the parts (FSDP: each rank its shard); returns
+        the TrainState the run goes on from."""
+        if ckpt is None:
+            return self.state
+        from torch.distributed.checkpoint import state_dict as dcp
+        options = dcp.StateDictOptions(full_state_dict=True)
+        dcp.set_model_state_dict(self.raw_model, ckpt["model"], options=options)
+        # the kernel choice belongs to this machine, and Muon's LR ratio to this invocation's flags
+        groups = self.optimizer.param_groups
+        kept = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g} for g in groups]
+        dcp.set_optimizer_state_dict(self.raw_model, self.optimizer, ckpt["optimizer"],
+                                     options=options)
+        for group, values in zip(self.optimizer.param_groups, kept):
+            group.update(values)
+        if ckpt.get("scaler"):  # saved in fp16 (from bf16: a new scale)
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.train_loader.load_state_dict(ckpt["loader"])
+        rundir.set_rng_state(ckpt["rng"])
+        self.state.step, self.state.tokens_seen = ckpt["step"], ckpt["tokens_seen"]
+        self.state.val_loss = ckpt["val_loss"]
+        self.last_saved = self.state.step
+        print0(f"resumed from {self.run.resume} at step {self.state.step + 1}")
+        return self.state
+
+    def save(self, step, stopping=False):
+        """model_{step}.pt if one is due: every --save_every steps, at this invocation's last
+        step, or when the run is stopping. Every rank calls it (FSDP gathers), rank 0 writes."""
+        last = step == self.run.end_step - 1
+        if last or stopping or (step > 0 and due(self.run.save_every, step)):
+            self.write(step)
+            print0(f"saved {self.path(step)}")
+
+    def keep_last_step(self):
+        """After a failure: the last finished step saved if it is not yet, without a collective
+        (the failure may be this rank's alone). FSDP must gather its shards to save: there the
+        newest checkpoint stays the last."""
+        if self.state.step > self.last_saved and not (self.run.fsdp and self.proc.world_size > 1):
+            self.write(self.state.step, collective=False)
+
+    def path(self, step):
+        return rundir.checkpoint_path(self.run.log_dir, step)
+
+    def newest(self):
+        """The path of the run's newest checkpoint, or None."""
+        return self.path(self.last_saved) if self.last_saved >= 0 else None
+
+    def write(self, step, collective=True):
+        """model_{step}.pt, all an exact resume needs. collective=False: False if not saved."""
+        from torch.distributed.checkpoint import state_dict as dcp
+        # unsharded, on the CPU, keyed by parameter name: the same from a plain, DDP or FSDP model
+        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = self.state
+        checkpoint = {
+            "model": dcp.get_model_state_dict(self.raw_model, options=options),
+            "optimizer": dcp.get_optimizer_state_dict(self.raw_model, self.optimizer,
+                                                      options=options),
+            "scaler": self.scaler.state_dict(),  # fp16's loss scale ({} in bf16 and fp32)
+            "config": asdict(self.raw_model.config),
+            "step": step,
+            "tokens_seen": state.tokens_seen,
+            "val_loss": state.val_loss,
+            "loader": self.train_loader.state_dict(),  # where the next batch starts
+            "rng": rundir.rng_state(),  # python, numpy, torch (and CUDA) generators
+            "args": state.args,
+            "provenance": self.run.provenance,  # the code and machine
+        }
+        saved = rundir.write_checkpoint(self.path(step), checkpoint, self.run.keep_last,
+                                        self.proc, collective)
+        if saved:
+            self.last_saved = step
+        return saved
+
+
+def model_from_checkpoint(ckpt, path, device="cpu"):
+    """The GPT a checkpoint holds, in fp32; a UsageError if its config and weights disagree. On
+    device "meta" only that check, which allocates nothing."""
+    try:
+        with torch.device(device):
+            model = GPT(GPTConfig(**ckpt["config"]))
+        model.load_state_dict(ckpt["model"], assign=device == "meta")
+    except (TypeError, ValueError, RuntimeError) as e:  # an unknown key, a shape the weights lack
+        raise UsageError(f"{path}: its config and weights disagree ({one_line(e, 200)})") from None
+    return model
+
+
+def check_step(loss_accum, norm, scaler, stop, proc):
+    """The step's one read-back, before its update is applied: (loss, gradient norm, whether every
+    rank goes on, whether the fp16 scaler skips this update). The loss is the mean over ranks; a
+    stop signal on any rank stops them all after this step. A loss or norm that is not finite
+    stops the run here, so a diverged step never reaches the weights (an fp16 overflow is not
+    that: the scaler skips the update and halves its scale, until below 1)."""
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+        norm = norm.full_tensor()
+    go_on = torch.tensor(float(stop.signum is None), device=loss_accum.device)
+    if proc.world_size > 1:
+        dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+        loss_accum /= proc.world_size
+        dist.all_reduce(go_on, op=dist.ReduceOp.MIN)
+    loss, norm, go_on = torch.stack([loss_accum, norm.float(), go_on]).tolist()
+    skipped = scaler.is_enabled() and not math.isfinite(norm) and scaler.get_scale() >= 1
+    if not (math.isfinite(loss) and (math.isfinite(norm) or skipped)):
+        raise UsageError(f"the loss is {loss} and the gradient norm {norm}: the run diverged and "
+                         f"stopped before this update (lower --max_lr or raise --warmup_steps, "
+                         f"and resume)")
+    return loss, norm, go_on == 1.0, skipped
+
 
 # ===== train(): the whole run =====
-def train(args, ckpt=None):
+def train(run, proc, ckpt=None):
     """One run, start to end; returns the exit status (0, or 128 + the signal that stopped it)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    proc = setup_distributed(args)
-    pretrained, config = None, model_config_from_args(args)
-    if args.init_from:
-        pretrained = GPT.from_pretrained(args.init_from, dropout=args.dropout)
-        config = pretrained.config
-    if ckpt is not None:
-        config = GPTConfig(**ckpt["config"])
-
-    autocast_ctx, dtype = autocast_for(args.dtype, proc.device_type)
-    fit = {}
-    if args.micro_batch_size == "auto":  # the largest B that fits
-        args.micro_batch_size, fit = rundir.auto_micro_batch(
-            lambda: GPT(config), lambda m: make_optimizer(m, args, proc.device_type), args,
-            proc.device, proc.world_size, autocast_ctx, config.vocab_size, proc.agree)
-
-    # each rank runs micro-steps of B*T tokens, accumulated into steps of total_batch_size
-    B, T = args.micro_batch_size, args.sequence_length
-    grad_accum_steps = rundir.accumulation_steps(args, proc.world_size, config.block_size)
-    unit = B * T * proc.world_size  # tokens of a micro-step on all ranks
-    val_tokens = args.val_tokens if args.val_steps is None else args.val_steps * unit
-    end = rundir.end_step(args)  # the run stops before this step (--stop_step)
-    use_compile = proc.device_type == "cuda" if args.compile is None else args.compile
-    enable_tf32(proc.device_type)  # TF32 for fp32 matmuls
-    enc = fineweb.get_encoding()
-    if args.sample_every > 0:
-        rundir.check_prompt_fits(len(encode_prompt(enc, args.sample_prompt)), args.sample_tokens,
-                                 config.block_size, ("--sample_prompt", "--sample_tokens"),
-                                 ": shorten them, or turn samples off with --sample_every 0")
-    run_config = {**vars(args), "device": proc.device, "world_size": proc.world_size,
-                  "grad_accum_steps": grad_accum_steps, "autocast_dtype": dtype,
-                  "compile": use_compile, "val_tokens": val_tokens, **fit, "model": asdict(config),
-                  "provenance": rundir.provenance(proc.device)}
-    print0(rundir.format_run_config(run_config, RUN_SETTINGS))
-
+    print0(run.describe())
     # one run per log dir (a lock, released however the run ends); stop signals caught
-    claim = rundir.claim_log_dir(args, ckpt, run_config, proc.master, proc.agree)
-    stop = rundir.StopSignals()  # SIGTERM, SIGINT, SIGUSR1: finish the step, save, exit
-    state, step, last_saved, stopped_by = TrainState(args=vars(args)), None, -1, None
+    claim = rundir.claim_log_dir(run, ckpt, proc)
+    stop = rundir.StopSignals(proc)  # SIGTERM, SIGINT, SIGUSR1: finish the step, save, exit
+    step, stopped_by = None, None
     try:
         # ---- the data, prepared on first use (by rank 0; the others wait)
-        status = fineweb.ensure_prepared(
-            args.data_root, train_tokens=args.max_steps * args.total_batch_size,
-            val_tokens=val_tokens, name=args.fineweb_name, inputs=args.input,
-            text_column=args.text_column, master=proc.master, agree=proc.agree, print0=print0,
-            vocab_size=config.real_vocab_size)
-        train_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "train", args.data_root,
-                                      args.seed, config.real_vocab_size)
-        val_loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "val", args.data_root,
-                                    args.seed, config.real_vocab_size)
-        val_tokens = rundir.usable_val_tokens(args, status, train_loader.epoch_tokens,
-                                              val_loader.epoch_tokens, val_tokens)
+        train_loader, val_loader = make_loaders(run, proc)
 
         # ---- the model (raw: unwrapped, uncompiled: for saving, HellaSwag, samples)
-        torch.manual_seed(args.seed)
-        np.random.seed(args.seed)
-        random.seed(args.seed)
-        raw_model = (GPT(config) if pretrained is None else pretrained).to(proc.device)
+        torch.manual_seed(run.seed)
+        np.random.seed(run.seed)
+        random.seed(run.seed)
+        if run.init_from:
+            raw_model = GPT.from_pretrained(run.init_from, dropout=run.dropout)
+        else:
+            raw_model = GPT(run.model)
+        raw_model.to(run.device)
         print0(f"model: {raw_model.get_num_params():,} parameters")
-        if args.fsdp:
-            shard_model(raw_model, dtype)
-        optimizer = make_optimizer(raw_model, args, proc.device_type, verbose=proc.master)
+        if run.fsdp:
+            shard_model(raw_model, run.precision)
+        optimizer = make_optimizer(raw_model, run, verbose=proc.master)
         # fp16: the loss scaled up so that small gradients do not underflow
-        scaler = torch.amp.GradScaler(proc.device_type, enabled=dtype == "fp16")
-        if ckpt is not None:
-            state = restore_checkpoint(ckpt, raw_model, optimizer, scaler, train_loader)
-            state.args, last_saved, ckpt = vars(args), state.step, None  # free its tensors
-            print0(f"resumed from {args.resume} at step {state.step + 1}")
-        model = torch.compile(raw_model) if use_compile else raw_model
-        ddp = proc.distributed and not args.fsdp  # FSDP reduce-scatters every micro-step
+        scaler = torch.amp.GradScaler(run.device_type, enabled=run.precision.scaler)
+        checkpointer = Checkpointer(run, proc, raw_model, optimizer, scaler, train_loader)
+        state = checkpointer.restore(ckpt)
+        ckpt = None  # free its tensors
+        model = torch.compile(raw_model) if run.compile else raw_model
+        ddp = proc.distributed and not run.fsdp  # FSDP reduce-scatters every micro-step
         if ddp:
-            model = DDP(model, device_ids=[proc.local_rank] if proc.device_type == "cuda" else None)
-
-        metrics = rundir.Metrics(args, proc.device, proc.world_size, state.step + 1, end, config,
-                                 raw_model.get_num_params(non_embedding=True), run_config)
-        profiler = rundir.Profiler(args, proc.device_type, proc.rank)
-        hellaswag_on = args.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc.master,
-                                                                                  proc.agree)
+            model = DDP(model, device_ids=[proc.local_rank] if run.device_type == "cuda" else None)
+        metrics = Metrics(run, proc, state.step + 1, raw_model.get_num_params(non_embedding=True))
+        profiler = Profiler(run, proc)
+        hellaswag_on = run.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc)
+        enc = fineweb.get_encoding()
 
         # ============================== training ==============================
-        for step in range(state.step + 1, args.max_steps + 1):
+        for step in range(state.step + 1, run.max_steps + 1):
             stop.allow_interrupts(True)  # a stop signal from here on: at once
-            last_step = step == args.max_steps  # the final model: evaluated, not trained
-            if step == end and not last_step:
+            last_step = step == run.max_steps  # the final model: evaluated, not trained
+            if step == run.end_step and not last_step:
                 break
 
             # once in a while: the val loss of the model after `step` updates
-            if due(args.eval_every, step, last_step):
-                state.val_loss = evaluate_loss(model, val_loader, val_tokens, proc.device,
-                                               autocast_ctx, proc.world_size)
+            if due(run.eval_every, step, last_step):
+                state.val_loss = evaluate_loss(model, val_loader, run.val_tokens, run.device,
+                                               run.precision.autocast, proc.world_size)
                 print0(f"validation loss: {state.val_loss:.4f}")
                 metrics.log(step, "val", state.val_loss)
 
             # once in a while: HellaSwag, on the raw model, split over the ranks
-            if hellaswag_on and due(args.hellaswag_every, step, last_step):
-                try:
-                    res = hellaswag.evaluate(raw_model, proc.device, limit=args.hellaswag_limit,
-                                             rank=proc.rank, world_size=proc.world_size,
-                                             device_type=proc.device_type,
-                                             autocast_dtype=torch_dtype(dtype))
-                except hellaswag.HellaSwagUnavailable as e:  # the data went away
-                    print0(f"warning: HellaSwag evaluation turned off: {e}")
-                    hellaswag_on = False
-                else:
-                    print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}="
-                           f"{res['acc_norm']:.4f}")
-                    metrics.log(step, "hella", res["acc_norm"])
+            if hellaswag_on and due(run.hellaswag_every, step, last_step):
+                acc_norm = hellaswag_accuracy(raw_model, run, proc)
+                hellaswag_on = acc_norm is not None  # None: the data went away
+                if hellaswag_on:
+                    metrics.log(step, "hella", acc_norm)
 
             # once in a while: samples, each rank with its own seed
-            if step > 0 and due(args.sample_every, step, last_step):
-                texts = sample_texts(raw_model, enc, args.sample_prompt, args.num_samples,
-                                     args.sample_tokens, proc.device, autocast_ctx,
-                                     args.seed + proc.rank, top_k=50)
+            if step > 0 and due(run.sample_every, step, last_step):
+                texts = sample_texts(raw_model, enc, run.sample_prompt, run.num_samples,
+                                     run.sample_tokens, run.device, run.precision.autocast,
+                                     run.seed + proc.rank, top_k=50)
                 for i, text in enumerate(texts):
                     print(f"rank {proc.rank} sample {i}: {' '.join(text.split())}", flush=True)
             if last_step:
@@ -850,82 +806,55 @@ def train(args, ckpt=None):
             # one optimizer step: gradients accumulated over the micro-steps, clipped, applied
             stop.allow_interrupts(False)  # from here on: after this step, saved
             t0 = time.time()
-            batch_size = batch_size_at(state.tokens_seen, args.batch_ramp_tokens,
-                                       args.total_batch_size, unit, args.batch_ramp_start)
-            micro_steps = batch_size // unit  # grad_accum_steps, fewer in a batch ramp
+            batch_size = run.schedule.batch_size(state.tokens_seen)  # tokens, all ranks
+            micro_steps = batch_size // run.schedule.unit  # grad_accum_steps, fewer in a ramp
             optimizer.zero_grad(set_to_none=True)
-            loss_accum = torch.zeros((), device=proc.device)
+            loss_accum = torch.zeros((), device=run.device)
             for micro_step in range(micro_steps):
                 x, y = train_loader.next_batch()
-                x, y = x.to(proc.device), y.to(proc.device)
+                x, y = x.to(run.device), y.to(run.device)
                 if ddp:  # all-reduce the gradients once, on the last micro-step
                     model.require_backward_grad_sync = micro_step == micro_steps - 1
-                with autocast_ctx:
+                with run.precision.autocast:
                     _, loss = model(x, y)
                 loss = loss / micro_steps  # a mean over B*T tokens each: their sum is the step's
                 loss_accum += loss.detach()
                 scaler.scale(loss).backward()
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                  args.grad_clip or float("inf"))
-            if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
-                norm = norm.full_tensor()
-            # one read-back a step: the loss (mean over ranks), the norm, whether all ranks go on
-            go_on = torch.tensor(float(stop.signum is None), device=proc.device)
-            if proc.world_size > 1:
-                dist.all_reduce(loss_accum, op=dist.ReduceOp.SUM)  # gloo has no AVG: sum, divide
-                loss_accum /= proc.world_size
-                dist.all_reduce(go_on, op=dist.ReduceOp.MIN)
-            loss_value, norm_value, go_on = torch.stack([loss_accum, norm.float(), go_on]).tolist()
-            # fp16: inf or nan gradients skip the update and halve the scale (below 1: diverged)
-            overflow = scaler.is_enabled() and not math.isfinite(norm_value)
-            skipped = overflow and scaler.get_scale() >= 1
-            if not (math.isfinite(loss_value) and (math.isfinite(norm_value) or skipped)):
-                raise UsageError(rundir.divergence(loss_value, norm_value))
-            lr = get_lr(step, args.max_lr, args.max_lr * args.min_lr_ratio, args.warmup_steps,
-                        args.max_steps)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip or math.inf)
+            # the one read-back: loss and norm (diverged: stop), whether every rank goes on
+            loss, norm, go_on, skipped = check_step(loss_accum, norm, scaler, stop, proc)
+            lr = run.schedule.lr(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's: --muon_lr / --max_lr
-            scaler.step(optimizer)  # optimizer.step() unless skipped
+            scaler.step(optimizer)  # optimizer.step(), unless fp16 overflowed
             scaler.update()
-            if proc.device_type == "cuda":
+            if run.device_type == "cuda":
                 torch.cuda.synchronize()  # dt: the GPU's work, not just the launches
             dt = time.time() - t0
             state.step, state.tokens_seen = step, state.tokens_seen + batch_size
-            metrics.report_step(step, loss_value, lr, norm_value, dt, batch_size, skipped=skipped)
+            metrics.report_step(step, loss, lr, norm, dt, batch_size, skipped=skipped)
             if profiler.step():
                 break  # --profile exit
 
             # a checkpoint every --save_every steps, at the end, and when a signal says stop
-            if step == end - 1 or not go_on or (step > 0 and due(args.save_every, step)):
-                path = rundir.checkpoint_path(args.log_dir, step)
-                save_checkpoint(path, raw_model, optimizer, scaler, state, train_loader,
-                                args.keep_last, proc)
-                last_saved = step
-                print0(f"saved {path}")
+            checkpointer.save(step, stopping=not go_on)
             if not go_on:
                 stopped_by = stop.signum or signal.SIGTERM  # another rank's signal: the same exit
                 print0(f"stopped by {signal.Signals(stopped_by).name} after step {step}: continue"
-                       f" with python train_gpt2.py --resume latest --log_dir {args.log_dir}")
+                       f" with python train_gpt2.py --resume latest --log_dir {run.log_dir}")
                 break
 
         metrics.finish()  # W&B uploads: can fail after all
-        last = rundir.checkpoint_path(args.log_dir, last_saved) if last_saved >= 0 else None
-        print0(metrics.summary(last))
-        if args.fsdp:
+        print0(metrics.summary(checkpointer.newest()))
+        if run.fsdp:
             raw_model.reshard()  # FSDP keeps the root's parameters gathered after an eval
         proc.agree(True)  # all ranks done with collectives before the process group goes
     except (Exception, rundir.Stopped) as e:
         if step is None:  # before the first step: nothing trained to keep
             raise
-        # keep the last finished step, without a collective: the failure may be this rank's alone
-        # (FSDP must gather its shards to save: its last checkpoint stays the newest)
-        if state.step > last_saved and not (args.fsdp and proc.world_size > 1):
-            if save_checkpoint(rundir.checkpoint_path(args.log_dir, state.step), raw_model,
-                               optimizer, scaler, state, train_loader, args.keep_last, proc,
-                               False):
-                last_saved = state.step
-        return rundir.report_failure(e, step, args.log_dir, last_saved)  # or raised
+        checkpointer.keep_last_step()  # without a collective: the failure may be this rank's
+        return rundir.report_failure(e, step, run.log_dir, checkpointer.last_saved, proc)
     finally:
         stop.restore()
         claim.close()
@@ -933,87 +862,79 @@ def train(args, ckpt=None):
         return 128 + stopped_by
     return 0
 
-# ===== The command line: training's flags, the sample / export / eval commands =====
-def parse_args(argv=None):
-    """The run's settings and the checkpoint it resumes (or None). A flag's value is the first of:
-    the command line, the checkpoint (but not for THIS_INVOCATION), the preset, RUN_SETTINGS."""
-    # a pre-pass for --preset alone: --help shows its defaults
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--preset")
-    shown_preset = pre.parse_known_args(argv)[0].preset
-    if shown_preset not in MODEL_PRESETS:
-        shown_preset = "gpt2"  # the real parse names a bad --preset
-    shown = {**DEFAULTS, **RUN_PRESETS[shown_preset], **MODEL_PRESETS[shown_preset],
-             "preset": shown_preset}
-    given = vars(build_parser(shown).parse_args(argv))
-    given = {k: v for k, v in given.items() if v is not None}
 
-    settings = {**DEFAULTS, **RUN_PRESETS[given.get("preset", "gpt2")]}
-    if "input" in given:  # local text is not FineWeb-Edu: it gets a folder of its own
-        settings["data_root"] = fineweb.LOCAL_DATA_ROOT
-    rundir.check_pairs(given)
-    ckpt = None
-    if "resume" in given:  # every flag not given again comes from the checkpoint
-        log_dir = given.get("log_dir", settings["log_dir"])
-        given["resume"], ckpt = rundir.find_resume_checkpoint(given["resume"], log_dir, print0)
-        this_invocation = {flag_dest(entry[0]) for entry in RUN_SETTINGS[THIS_INVOCATION]}
-        for k, v in ckpt["args"].items():
-            if k in settings and k not in this_invocation:
-                settings[k] = v
-        if "val_tokens" in given:  # the same number two ways: the one given now wins
-            settings["val_steps"] = None
-    settings.update(given)
-    args = argparse.Namespace(**settings)
-
-    asked_shape = None
+# ===== The command line: the run settled from its flags; plan, sample, export, eval =====
+def settle(argv, confirm=True):
+    """The Run the training flags ask for, worked out once, before any work, and frozen: the flags
+    with the preset and a resumed checkpoint as overlays, checked (settings.py); this process's
+    place, device and precision; the model config; -B auto fitted (on CUDA confirmed by a real
+    step, unless confirm=False: plan); the counts that follow and the schedule. Returns (run, proc,
+    the checkpoint to resume or None)."""
+    args, given, ckpt = settings.read_flags(argv)
+    asked_shape = asdict(model_config(args))
+    lrs = None
     if ckpt is not None:
         model_from_checkpoint(ckpt, args.resume, "meta")  # its config and weights agree
-        asked_shape = asdict(model_config_from_args(args))
-    for warning in rundir.check_flags(args, set(given), ckpt, SHAPE_FLAGS, asked_shape, get_lr):
+        lrs = tuple(get_lr(ckpt["step"] + 1, f["max_lr"], f["max_lr"] * f["min_lr_ratio"],
+                           f["warmup_steps"], f["max_steps"])
+                    for f in ({**vars(args), **ckpt["args"]}, vars(args)))  # then, now
+    for warning in settings.check_flags(args, given, ckpt, asked_shape, lrs):
         print0(f"warning: {warning}")
-    return args, ckpt
+    config = model_config(args, ckpt)
+    if args.sample_every > 0:
+        n_prompt = len(encode_prompt(fineweb.get_encoding(), args.sample_prompt))
+        settings.check_prompt_fits(n_prompt, args.sample_tokens, config.block_size,
+                                   ("--sample_prompt", "--sample_tokens"),
+                                   ": shorten them, or turn samples off with --sample_every 0")
 
-CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
-COMMAND_FLAGS = {  # the commands' meaning, then their flags
-    "sample": ["text from a checkpoint or from OpenAI's GPT-2", *SHARED, CHECKPOINT,
-               ("--prompt", "Hello, I'm a language model,", str, "text to continue"),
-               ("--num_samples", 4, POSITIVE_INT, "independent samples"),
-               ("--max_new_tokens", 64, POSITIVE_INT, "new tokens per sample"),
-               ("--top_k", 50, POSITIVE_INT, "the k likeliest tokens (1: greedy)"),
-               ("--temperature", 1.0, NONNEG, "softmax temperature (0: greedy)"),
-               ("--seed", 1337, SEED, "sampling seed"),
-               ("--no_kv_cache", False, {"action": "store_true"}, "recompute it all each token")],
-    "export": ["a checkpoint as a transformers GPT2LMHeadModel directory",
-               ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
-               ("--out", None, {"required": True}, "a new (or empty) directory to write")],
-    "eval": ["HellaSwag acc and acc_norm of a checkpoint or of OpenAI's GPT-2", *SHARED,
-             CHECKPOINT,
-             ("--limit", None, POSITIVE_INT, "only the first N examples"),
-             ("--batch_tokens", 8192, NONNEG_INT, "tokens a pass (0: one example)"),
-             ("--hellaswag_dir", None, str, "folder of hellaswag_val.jsonl, if not hellaswag.py's"),
-             ("--data_dir", None, {"dest": "hellaswag_dir", "help": argparse.SUPPRESS}, "")],
-}
+    proc = setup_distributed(args)
+    precision = Precision(args.dtype, proc.device)
+    if args.fsdp and precision.scaler:
+        raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
+    run = settings.derive(args, proc, precision, config, args.micro_batch_size)
+    if run.micro_batch_size == "auto":
+        B, fit = auto_micro_batch(run, proc, confirm)
+        run = settings.derive(args, proc, precision, config, B, fit)
+    return replace(run, schedule=Schedule.of(run)), proc, ckpt
 
-def build_parser(shown=DEFAULTS, command=None):
-    """The parser of the training flags (RUN_SETTINGS group by group), or of a command's."""
-    if command is not None:
-        meaning, *flags = COMMAND_FLAGS[command]
-        p = OneLineParser(prog=f"train_gpt2.py {command}", description=f"{command}: {meaning}")
-        add_flags(p, flags)
-        return p
-    commands = "\n".join(f"  {c:8} {flags[0]}" for c, flags in COMMAND_FLAGS.items())
-    commands += "\n  plan     the run these flags make (memory, compute, time); nothing written"
-    p = OneLineParser(prog="train_gpt2.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-                      usage="%(prog)s [plan] [flags]  |  %(prog)s {sample,export,eval} [flags]",
-                      description="Pretrain GPT-2 on FineWeb-Edu shards, on one GPU or under "
-                                  f"torchrun.\n\ncommands (COMMAND --help):\n{commands}")
-    for title, entries in RUN_SETTINGS.items():
-        add_flags(p.add_argument_group(title), entries, shown)
-    return p
 
-def model_from_checkpoint(ckpt, path, device="cpu"):
-    """The GPT a checkpoint holds, in fp32 (a UsageError if its config and weights disagree)."""
-    return rundir.model_from_checkpoint(ckpt, path, lambda c: GPT(GPTConfig(**c)), device)
+def auto_micro_batch(run, proc, confirm=True):
+    """-B auto: the largest micro-batch whose training step, counted on fake tensors, fits this
+    device's memory; on CUDA (confirm) a real step must fit too. Returns it and the run config's
+    record of the choice."""
+    with settings.fake_tensors(run.device) as mode:
+        model = GPT(run.model)
+        optimizer = make_optimizer(model, run)
+    peak = settings.step_memory(model, optimizer, mode, run)
+    B, fit = settings.fit_micro_batch(peak, run)
+    if confirm and run.device_type == "cuda":
+        candidates = settings.micro_batch_candidates(run, run.world_size)
+        B = settings.confirm_micro_batch(GPT(run.model).to(run.device), candidates, B, run, proc)
+        fit["micro_batch_estimate_gib"] = round(peak(B) / 2**30, 2)
+    budget, of_what = settings.memory_budget(run.device)
+    micro_steps = run.total_batch_size // (B * run.sequence_length * run.world_size)
+    print0(f"-B auto: {B} (a step's estimated peak {settings.gib(peak(B))} of the "
+           f"{settings.gib(budget)} usable of {of_what}); micro-steps a step: {micro_steps}")
+    return B, fit
+
+
+def plan_main(argv):
+    """What a run with these flags would take, worked out without writing anything: the run
+    config it prints, then its size, memory, compute and time."""
+    run, proc, _ = settle(argv, confirm=False)
+    with settings.fake_tensors(run.device) as mode:
+        model = GPT(run.model)
+        optimizer = make_optimizer(model, run)
+    peak = settings.step_memory(model, optimizer, mode, run)
+    seconds = None
+    if not run.peak_flops:  # no GPU peak to go by: a few micro-steps of one sequence, measured
+        model = GPT(run.model).to(run.device)
+        seconds = settings.measure_micro_step(model, make_optimizer(model, run), 1, run)
+    print0(run.describe())
+    print0(settings.plan_report(run, peak, model.get_num_params(),
+                                model.get_num_params(non_embedding=True), seconds))
+    return 0
+
 
 def model_for_command(args):
     """(GPT in eval mode, device, autocast, dtype name) of --checkpoint or --init_from."""
@@ -1024,61 +945,49 @@ def model_for_command(args):
         model = model_from_checkpoint(rundir.open_checkpoint(args.checkpoint), args.checkpoint)
     else:
         model = GPT.from_pretrained(args.init_from)
-    ctx, dtype = autocast_for(args.dtype, device)
-    return model.to(device).eval(), device, ctx, dtype
+    return model.to(device).eval(), device, Precision(args.dtype, device)
 
 def sample_main(args):
-    model, device, ctx, _ = model_for_command(args)
+    model, device, precision = model_for_command(args)
     enc = fineweb.get_encoding()
-    rundir.check_prompt_fits(len(encode_prompt(enc, args.prompt)), args.max_new_tokens,
+    settings.check_prompt_fits(len(encode_prompt(enc, args.prompt)), args.max_new_tokens,
                              model.config.block_size, ("--prompt", "--max_new_tokens"))
     texts = sample_texts(model, enc, args.prompt, args.num_samples, args.max_new_tokens, device,
-                         ctx, args.seed, temperature=args.temperature, top_k=args.top_k,
-                         use_cache=not args.no_kv_cache)
+                         precision.autocast, args.seed, temperature=args.temperature,
+                         top_k=args.top_k, use_cache=not args.no_kv_cache)
     for i, text in enumerate(texts):
         print(f"--- sample {i}\n{text}")
     return 0
 
 def export_main(args):
     ckpt = rundir.open_checkpoint(args.checkpoint)
-    write_new_dir(args.out, "--out",
-                  lambda tmp: rundir.export_hf(model_from_checkpoint(ckpt, args.checkpoint), tmp))
+    model = model_from_checkpoint(ckpt, args.checkpoint)
+    write_new_dir(args.out, "--out", lambda tmp: openai_gpt2.export_hf(model, tmp))
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
 def eval_main(args):
-    model, device, _, dtype = model_for_command(args)  # a bad checkpoint: before a download
+    model, device, precision = model_for_command(args)  # a bad checkpoint: before a download
     hellaswag.download("val", args.hellaswag_dir)
     t0 = time.perf_counter()
     res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
                              data_dir=args.hellaswag_dir, progress=True,
-                             autocast_dtype=torch_dtype(dtype))
+                             autocast_dtype=precision.dtype)
     seconds = time.perf_counter() - t0
-    print(hellaswag.summary(args.checkpoint or args.init_from, device, dtype, "val", res, seconds))
-    return 0
-
-def plan_main(args, ckpt=None):
-    """What a run with these flags would take, worked out without writing anything."""
-    config = model_config_from_args(args)
-    if args.init_from in MODEL_PRESETS:
-        config = GPTConfig(**MODEL_PRESETS[args.init_from])
-    if ckpt is not None:
-        config = GPTConfig(**ckpt["config"])
-    device = resolve_device(args.device)
-    autocast_ctx, dtype = autocast_for(args.dtype, device)
-    print0(rundir.plan(args, RUN_SETTINGS, config, lambda: GPT(config),
-                       lambda m: make_optimizer(m, args, device_type_of(device)), device,
-                       autocast_ctx, dtype))
+    print(hellaswag.summary(args.checkpoint or args.init_from, device, precision.name, "val", res,
+                            seconds))
     return 0
 
 COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
 
+
 def run(argv):
     if argv and argv[0] in COMMANDS:
-        return COMMANDS[argv[0]](build_parser(command=argv[0]).parse_args(argv[1:]))
+        return COMMANDS[argv[0]](settings.build_parser(command=argv[0]).parse_args(argv[1:]))
     if argv and argv[0] == "plan":  # the training flags
-        return plan_main(*parse_args(argv[1:]))
-    return train(*parse_args(argv))
+        return plan_main(argv[1:])
+    return train(*settle(argv))
+
 
 def main(argv=None):
     """The exit status of a command or a run; what a user can fix is one error line."""
@@ -1087,6 +996,7 @@ def main(argv=None):
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     exit_process(main())

@@ -1,0 +1,687 @@
+"""A run's settings: every training flag once (default, type, meaning), the presets, and how the
+command line, a --preset and a resumed checkpoint become one frozen Run before any work: the flag
+checks (one line each), what is derived (device, precision, micro-batch, accumulation, the end
+step), the micro-batch that fits (-B auto, estimated on fake tensors), the printed run config, and
+the plan command's report.
+
+train_gpt2.py's settle() builds the Run with these parts; nothing changes it afterwards.
+"""
+
+import argparse
+import contextlib
+import glob
+import math
+import os
+import time
+from dataclasses import asdict, fields, make_dataclass
+
+import torch
+
+import fineweb
+import rundir
+from common import (DTYPES, LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED,
+                    OneLineParser, UsageError, add_flags, auto_or, bounded, device_type_of,
+                    flag_dest, print0)
+from metrics import flops_per_token, format_eta, peak_flops, profile_schedule
+
+# ===== The flags, once ============================================================================
+# Every training flag once: (flags, default, type, meaning), made argparse arguments by add_flags.
+# A --preset, then a resumed checkpoint, change the defaults (read_flags); --help shows them.
+FRACTION = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
+SHARED = [  # the flags that the sample and eval commands take too
+    ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
+    ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
+    ("--dtype", "auto", list(DTYPES), "auto: bf16, or fp16 on GPUs without it, fp32 on a CPU"),
+]
+THIS_INVOCATION = "this invocation (never taken from a resumed checkpoint)"
+RUN_SETTINGS = {
+    "model": [
+        ("--preset", "gpt2", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"],
+         "a model shape with its run settings"),
+        ("--n_layer", None, POSITIVE_INT, "transformer blocks"),
+        ("--n_head", None, POSITIVE_INT, "attention heads"),
+        ("--n_embd", None, POSITIVE_INT, "embedding width"),
+        ("--block_size", None, POSITIVE_INT, "context length"),
+        ("--n_kv_head", None, POSITIVE_INT, "key/value heads (GQA; 1: MQA)"),
+        ("--dropout", 0.0, FRACTION, "dropout in training"),
+        ("--bias", True, bool, "biases in Linear and LayerNorm"),
+    ],
+    "optimisation": [
+        ("--optimizer", "adamw", ["adamw", "muon"], "muon: Muon for the blocks' matrices"),
+        ("--muon_lr", None, LEARNING_RATE, "Muon's peak LR (default: --max_lr)"),
+        ("--muon_momentum", 0.95, FRACTION, "Muon's Nesterov momentum"),
+        ("--muon_ns_steps", 5, bounded(int, 1, 99, what="in 1..99"), "Newton-Schulz steps"),
+        ("--muon_adjust_lr", "match_rms_adamw", ["match_rms_adamw", "original"],
+         "match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr"),
+        ("--max_lr", 6e-4, LEARNING_RATE, "peak learning rate"),
+        ("--min_lr_ratio", 0.1, bounded(float, 0, 1, what="in [0, 1]"), "final LR / max_lr"),
+        ("--warmup_steps", 715, NONNEG_INT, "linear warmup steps"),
+        ("--max_steps", 19073, POSITIVE_INT, "optimizer steps (19073 x 2^19 = 10B tokens)"),
+        ("--weight_decay", 0.1, NONNEG, "AdamW's weight decay (matmuls, embeddings)"),
+        ("--grad_clip", 1.0, NONNEG, "clip the gradient norm to this (0: off)"),
+        ("--total_batch_size", 524288, POSITIVE_INT, "tokens per step, a multiple of B*T*ranks"),
+        ("--batch_ramp_tokens", 0, NONNEG_INT, "GPT-3's batch ramp over the first N tokens"),
+        ("--batch_ramp_start", 32768, POSITIVE_INT, "first batch of the ramp, in tokens"),
+        ("-B --micro_batch_size", 64, auto_or(POSITIVE_INT),
+         "sequences a forward pass, per process; auto: most that fit"),
+        ("-T --sequence_length", 1024, POSITIVE_INT, "tokens per sequence"),
+    ],
+    "evaluation, sampling, checkpoints (every 0: off)": [
+        ("--eval_every", 250, NONNEG_INT, "val loss every N steps and at the end"),
+        ("--val_tokens", 10_485_760, POSITIVE_INT, "val loss over the first N val tokens"),
+        ("--val_steps", None, POSITIVE_INT, "instead: N batches of B*T tokens per process"),
+        ("--sample_every", 250, NONNEG_INT, "samples every N steps (not 0) and at the end"),
+        ("--sample_prompt", "Hello, I'm a language model,", str, "prompt for the samples"),
+        ("--num_samples", 4, POSITIVE_INT, "samples per sampling block"),
+        ("--sample_tokens", 32, POSITIVE_INT, "new tokens per sample"),
+        ("--hellaswag_every", 250, NONNEG_INT, "HellaSwag every N steps and at the end"),
+        ("--hellaswag_limit", None, POSITIVE_INT, "only the first N HellaSwag val examples"),
+        ("--save_every", 5000, NONNEG_INT, "checkpoint every N steps; the last is saved"),
+        ("--keep_last", 0, NONNEG_INT, "keep only the newest N model_*.pt (0: all)"),
+    ],
+    "data": [
+        ("--seed", 1337, SEED, "seed for init, data order and sampling"),
+        ("--data_root", fineweb.DEFAULT_DATA_ROOT, str, "shard folder; rank 0 prepares it"),
+        ("--fineweb_name", "sample-10BT", list(fineweb.NAMES), "FineWeb-Edu sample to prepare"),
+        ("--input", None, {"nargs": "+", "metavar": "PATH"}, "prepare it from these files"),
+        ("--text_column", "text", str, "text field of --input .jsonl/.parquet files"),
+    ],
+    THIS_INVOCATION: [
+        ("--log_dir", "log", str, "where log.txt, run_config.json and model_*.pt go"),
+        ("--resume", None, {"metavar": "latest|PATH"}, "continue from a checkpoint"),
+        ("--overwrite", False, bool, "start afresh: delete log.txt and model_*.pt"),
+        ("--stop_step", None, POSITIVE_INT, "leave after N steps, saved, on --max_steps' schedule"),
+        *SHARED,
+        ("--compile", None, bool, "torch.compile (default: on CUDA only)"),
+        ("--fsdp", False, bool, "shard the model across torchrun processes (FSDP2)"),
+        ("--peak_flops", None, POSITIVE, "peak bf16 FLOP/s of one GPU, for the MFU"),
+        ("--profile", None, {"nargs": "?", "const": "continue", "choices": ["continue", "exit"]},
+         "torch.profiler over a few steps: a trace in <log_dir>/profile/"),
+        ("--profile_schedule", "1,1,3", profile_schedule, "WAIT,WARMUP,ACTIVE steps"),
+        ("--wandb_project", None, str, "also log to this Weights & Biases project"),
+        ("--wandb_run_name", None, str, "W&B run name"),
+    ],
+}
+DEFAULTS = {flag_dest(f): default for group in RUN_SETTINGS.values() for f, default, *_ in group}
+SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "bias")
+
+# ===== Presets: a model shape with its run settings =============================================
+# The GPT-2 paper's shapes (Table 2), and one for CPUs
+MODEL_PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),  # ~7M, mostly the embedding
+}
+
+# Run settings a preset changes: the GPT-3 paper's LR (Table 2.1), a micro-batch that fits 80 GB
+RUN_PRESETS = {
+    "gpt2": {},
+    "gpt2-medium": dict(max_lr=3e-4, micro_batch_size=32),
+    "gpt2-large": dict(max_lr=2.5e-4, micro_batch_size=16),
+    "gpt2-xl": dict(max_lr=2e-4, micro_batch_size=8),
+    # the CPU demo: ~300k tokens, ~5 minutes at ~1k tokens/s
+    "tiny": dict(max_lr=2e-3, warmup_steps=15, max_steps=150, total_batch_size=2048,
+                 micro_batch_size=8, sequence_length=256, eval_every=50, val_tokens=16384,
+                 sample_every=50, hellaswag_every=0, save_every=0,
+                 data_root=os.path.join(fineweb.REPO_DIR, "edu_fineweb_tiny")),
+}
+
+CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
+COMMAND_FLAGS = {  # the commands' meaning, then their flags
+    "sample": ["text from a checkpoint or from OpenAI's GPT-2", *SHARED, CHECKPOINT,
+               ("--prompt", "Hello, I'm a language model,", str, "text to continue"),
+               ("--num_samples", 4, POSITIVE_INT, "independent samples"),
+               ("--max_new_tokens", 64, POSITIVE_INT, "new tokens per sample"),
+               ("--top_k", 50, POSITIVE_INT, "the k likeliest tokens (1: greedy)"),
+               ("--temperature", 1.0, NONNEG, "softmax temperature (0: greedy)"),
+               ("--seed", 1337, SEED, "sampling seed"),
+               ("--no_kv_cache", False, {"action": "store_true"}, "recompute it all each token")],
+    "export": ["a checkpoint as a transformers GPT2LMHeadModel directory",
+               ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
+               ("--out", None, {"required": True}, "a new (or empty) directory to write")],
+    "eval": ["HellaSwag acc and acc_norm of a checkpoint or of OpenAI's GPT-2", *SHARED,
+             CHECKPOINT,
+             ("--limit", None, POSITIVE_INT, "only the first N examples"),
+             ("--batch_tokens", 8192, NONNEG_INT, "tokens a pass (0: one example)"),
+             ("--hellaswag_dir", None, str, "folder of hellaswag_val.jsonl, if not hellaswag.py's"),
+             ("--data_dir", None, {"dest": "hellaswag_dir", "help": argparse.SUPPRESS}, "")],
+}
+
+def build_parser(shown=DEFAULTS, command=None):
+    """The parser of the training flags (RUN_SETTINGS group by group, --help showing `shown`'s
+    defaults: a preset's), or of a command's."""
+    if command is not None:
+        meaning, *flags = COMMAND_FLAGS[command]
+        p = OneLineParser(prog=f"train_gpt2.py {command}", description=f"{command}: {meaning}")
+        add_flags(p, flags)
+        return p
+    commands = "\n".join(f"  {c:8} {flags[0]}" for c, flags in COMMAND_FLAGS.items())
+    commands += "\n  plan     the run these flags make (memory, compute, time); nothing written"
+    p = OneLineParser(prog="train_gpt2.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+                      usage="%(prog)s [plan] [flags]  |  %(prog)s {sample,export,eval} [flags]",
+                      description="Pretrain GPT-2 on FineWeb-Edu shards, on one GPU or under "
+                                  f"torchrun.\n\ncommands (COMMAND --help):\n{commands}")
+    for title, entries in RUN_SETTINGS.items():
+        add_flags(p.add_argument_group(title), entries, shown)
+    return p
+
+
+def read_flags(argv=None):
+    """(the flags as a Namespace, the names of those given on the command line, the checkpoint
+    resumed or None). A flag's value is the first of: the command line, the checkpoint (but not
+    for THIS_INVOCATION), the preset, RUN_SETTINGS."""
+    # a pre-pass for --preset alone: --help shows its defaults
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--preset")
+    shown_preset = pre.parse_known_args(argv)[0].preset
+    if shown_preset not in MODEL_PRESETS:
+        shown_preset = "gpt2"  # the real parse names a bad --preset
+    shown = {**DEFAULTS, **RUN_PRESETS[shown_preset], **MODEL_PRESETS[shown_preset],
+             "preset": shown_preset}
+    given = vars(build_parser(shown).parse_args(argv))
+    given = {k: v for k, v in given.items() if v is not None}
+
+    settings = {**DEFAULTS, **RUN_PRESETS[given.get("preset", "gpt2")]}
+    if "input" in given:  # local text is not FineWeb-Edu: it gets a folder of its own
+        settings["data_root"] = fineweb.LOCAL_DATA_ROOT
+    check_pairs(given)
+    ckpt = None
+    if "resume" in given:  # every flag not given again comes from the checkpoint
+        log_dir = given.get("log_dir", settings["log_dir"])
+        given["resume"], ckpt = rundir.find_resume_checkpoint(given["resume"], log_dir, print0)
+        this_invocation = {flag_dest(entry[0]) for entry in RUN_SETTINGS[THIS_INVOCATION]}
+        for k, v in ckpt["args"].items():
+            if k in settings and k not in this_invocation:
+                settings[k] = v
+        if "val_tokens" in given:  # the same number two ways: the one given now wins
+            settings["val_steps"] = None
+    settings.update(given)
+    return argparse.Namespace(**settings), set(given), ckpt
+
+
+# ===== The run, settled: the flags and everything derived from them, frozen ======================
+# What settle() works out before any work, beside the flags (some of which it resolves in place:
+# --device to this process's, -B auto, --compile, --val_tokens from --val_steps, --peak_flops from
+# the GPU's name).
+DERIVED = {
+    "device_type": "cpu, cuda or mps: what autocast, fused AdamW and synchronize take",
+    "world_size": "processes in the run",
+    "precision": "--dtype resolved: its name, torch dtype, autocast and loss scaler",
+    "grad_accum_steps": "micro-steps per optimizer step (fewer during a batch ramp)",
+    "end_step": "the step this invocation stops before (--max_steps, or --stop_step)",
+    "micro_batch_fit": "-B auto's estimated peak and memory budget (GiB), or None",
+    "model": "the GPTConfig",
+    "schedule": "the LR and batch-size schedule",
+    "provenance": "the code, torch, Python and device behind the run's numbers",
+}
+
+
+def as_dict(run):
+    """The run as run_config.json keeps it: every flag, then what was derived (the schedule is the
+    flags'; the precision by its name; the model config and provenance as dicts)."""
+    d = {}
+    for f in fields(run):
+        value = getattr(run, f.name)
+        if f.name == "schedule":
+            continue
+        if f.name == "micro_batch_fit":
+            d.update(value or {})
+            continue
+        if f.name == "precision":
+            value = value.name
+        elif f.name == "model":
+            value = asdict(value)
+        d[f.name] = value
+    return d
+
+
+def describe(run):
+    """The run config as a run prints it at its start, and plan before its report."""
+    return format_run_config(as_dict(run), RUN_SETTINGS)
+
+
+Run = make_dataclass("Run", [*DEFAULTS, *DERIVED], frozen=True,
+                     namespace={"as_dict": as_dict, "describe": describe})
+Run.__doc__ = "A run's settings, settled: every flag of RUN_SETTINGS, then DERIVED; frozen."
+
+
+def flags_of(run):
+    """The run's flags ({dest: value}, -B resolved): what a checkpoint keeps for a resume."""
+    return {k: getattr(run, k) for k in DEFAULTS}
+
+
+def derive(args, proc, precision, config, micro_batch_size, micro_batch_fit=None):
+    """The Run of the flags (args) on this process (proc): its device, the precision and model
+    config settle() resolved, and every count that follows. With micro_batch_size "auto" the
+    counts that need it (accumulation steps, --val_steps' tokens) are None: settle() fits -B with
+    the model, then derives again. The schedule is settle()'s to add."""
+    device_type = device_type_of(proc.device)
+    flags = {**vars(args), "device": proc.device, "micro_batch_size": micro_batch_size}
+    if args.compile is None:  # compiled where it pays: CUDA
+        flags["compile"] = device_type == "cuda"
+    if args.peak_flops is None and device_type == "cuda":
+        flags["peak_flops"] = peak_flops(torch.cuda.get_device_name(proc.device))
+    grad_accum_steps = None
+    if micro_batch_size != "auto":
+        grad_accum_steps = accumulation_steps(argparse.Namespace(**flags), proc.world_size,
+                                              config.block_size)
+        if args.val_steps is not None:  # the same number two ways: kept as tokens
+            unit = micro_batch_size * args.sequence_length * proc.world_size
+            flags["val_tokens"] = args.val_steps * unit
+    return Run(**flags, device_type=device_type, world_size=proc.world_size,
+               precision=precision, grad_accum_steps=grad_accum_steps, end_step=end_step(args),
+               micro_batch_fit=micro_batch_fit, model=config, schedule=None,
+               provenance=rundir.provenance(proc.device))
+
+
+# ===== The printed run config ====================================================================
+# The parts of a run that can be off: (what turns it off, whether it is off given the run's
+# settings, the settings that matter only while it is on). The printed run config leaves those out
+# while their part is off; check_flags warns of any given on the command line then.
+OFF_PARTS = [
+    ("--eval_every 0", lambda c: c["eval_every"] <= 0, ("val_tokens", "val_steps")),
+    ("--sample_every 0", lambda c: c["sample_every"] <= 0,
+     ("sample_prompt", "num_samples", "sample_tokens")),
+    ("--hellaswag_every 0", lambda c: c["hellaswag_every"] <= 0, ("hellaswag_limit",)),
+    ("no --batch_ramp_tokens", lambda c: c["batch_ramp_tokens"] <= 0, ("batch_ramp_start",)),
+    ("no --profile", lambda c: not c["profile"], ("profile_schedule",)),
+    ("no --wandb_project", lambda c: not c["wandb_project"], ("wandb_run_name",)),
+    ("no --optimizer muon", lambda c: c["optimizer"] != "muon",
+     ("muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr")),
+]
+CONFIG_WIDTH = 100
+CONFIG_INDENT = "    "  # a group's lines after its first
+
+
+def format_run_config(run_config, settings):
+    """The run config in short, in lines of at most CONFIG_WIDTH columns: each group of flags in
+    settings ({title: [(flags, ...)]}) with the values this run uses (not None or False, nor the
+    settings of a part that is off: OFF_PARTS), then what the run worked out, then each dict in it
+    (the model's config, the provenance). save_run_config keeps all of it."""
+    groups = {title.split(" (")[0]: [flag_dest(e[0]) for e in entries]
+              for title, entries in settings.items()}
+    shown = {k for names in groups.values() for k in names}
+    groups["this run"] = [k for k, v in run_config.items()
+                          if k not in shown and not isinstance(v, dict)]
+    unused = set()
+    for _, is_off, keys in OFF_PARTS:
+        if is_off(run_config):
+            unused.update(keys)
+
+    lines = ["run config:"]
+    for title, names in groups.items():
+        items = [f"{k}={run_config[k]}" for k in names if k not in unused
+                 and run_config[k] is not None and run_config[k] is not False]
+        if items:  # a group with nothing set is left out
+            lines += wrap_items(f"  {title}:", items)
+    for key, value in run_config.items():
+        if isinstance(value, dict):
+            title = "GPTConfig" if key == "model" else key
+            lines += wrap_items(f"  {title}:", [f"{k}={v}" for k, v in value.items()])
+    return "\n".join(lines)
+
+
+def wrap_items(head, items):
+    """head, then the items space-separated, in lines of CONFIG_WIDTH at most: an item that does
+    not fit moves whole to a line of its own, one longer than that is broken (break_text). The
+    head's line keeps at least the first piece of its first item (a reader finds "title: k=v")."""
+    lines, line = [], head
+    for item in items:
+        if len(line) + 1 + len(item) > CONFIG_WIDTH and line != head:
+            lines.append(line)
+            line = ""
+        start = line + " " if line else CONFIG_INDENT
+        pieces = break_text(item, CONFIG_WIDTH - len(start), CONFIG_WIDTH - len(CONFIG_INDENT))
+        for piece in pieces[:-1]:
+            lines.append(start + piece)
+            start = CONFIG_INDENT
+        line = start + pieces[-1]
+    lines.append(line)
+    return lines
+
+
+def break_text(text, first, width):
+    """text in pieces, the first of at most `first` characters and the others of `width`, each
+    broken after the last space, '/' or ',' in its second half (a long path stays readable), or
+    else at the limit."""
+    pieces, limit = [], first
+    while len(text) > limit:
+        cut = max(text.rfind(c, 0, limit) for c in " /,") + 1
+        if cut <= limit // 2:
+            cut = limit
+        pieces.append(text[:cut].rstrip(" "))
+        text, limit = text[cut:].lstrip(" "), width
+    return pieces + [text]
+
+
+# ===== Flag checks: what argparse cannot check alone, all before any work ========================
+# the flags that decide which tokens each step sees and at which LR: a change on resume is stated
+SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_batch_size",
+                  "batch_ramp_tokens", "batch_ramp_start", "seed")
+
+
+def check_prompt_fits(n_prompt, n_new, block_size, flags, hint=""):
+    """A UsageError when a prompt of n_prompt tokens and n_new more do not fit the model."""
+    if n_prompt + n_new > block_size:
+        raise UsageError(f"{flags[0]} ({n_prompt} tokens) + {flags[1]} ({n_new}) exceeds the "
+                         f"model's block_size {block_size}{hint}")
+
+
+def accumulation_steps(args, world_size, block_size):
+    """Micro-steps per optimizer step, or a UsageError saying what does not fit."""
+    B, T = args.micro_batch_size, args.sequence_length
+    if T > block_size:
+        raise UsageError(f"-T {T} is longer than the model's block_size {block_size}")
+    unit = B * T * world_size
+    if args.total_batch_size % unit != 0:
+        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by "
+                         f"B*T*world_size = {B}*{T}*{world_size} = {unit}: make it a multiple, "
+                         f"or change -B")
+    return args.total_batch_size // unit
+
+
+def end_step(args):
+    """The step the run stops before: --max_steps, or --stop_step when that comes first."""
+    if args.stop_step is None:
+        return args.max_steps
+    return min(args.max_steps, args.stop_step)
+
+
+def check_pairs(given):
+    """Flags that cannot be given together, given ({dest: value}): checked before a resume reads its
+    checkpoint."""
+    for a, b in (("val_tokens", "val_steps"), ("resume", "overwrite"), ("resume", "init_from")):
+        if given.get(a) and given.get(b):
+            raise UsageError(f"--{a} and --{b} do not go together: give one")
+
+
+def check_flags(args, given, ckpt=None, asked_shape=None, lrs=None):
+    """One-line UsageErrors for flags that cannot work together, or (ckpt) with the checkpoint
+    resumed; returns warnings for settings that work but look like mistakes. given: the flags on
+    the command line; asked_shape: the model config the flags describe; lrs: the LR of the next
+    step on the checkpoint's schedule and on the one asked now."""
+    shape = sorted(f"--{k}" for k in SHAPE_FLAGS if k in given)
+    if args.init_from and shape:
+        raise UsageError(f"--init_from takes the model's shape from the weights: drop "
+                         f"{', '.join(shape)}")
+    for key in ("log_dir", "data_root"):  # found now, not mid-run
+        path = getattr(args, key)
+        if not path:
+            raise UsageError(f"--{key} is empty: give a folder")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--{key} {path} is a file, not a folder")
+
+    warnings = []
+    if args.warmup_steps >= args.max_steps:
+        warnings.append(f"--warmup_steps {args.warmup_steps} >= --max_steps {args.max_steps}: "
+                        f"the LR never leaves warmup")
+    if args.init_from and "preset" in given:
+        warnings.append(f"--init_from {args.init_from}: --preset {args.preset} gives only run "
+                        f"settings, not the shape")
+    if "input" in given and glob.glob(os.path.join(args.data_root, "*.npy")):
+        warnings.append(f"--input has no effect: {args.data_root} already holds shards (use "
+                        f"another --data_root to prepare one from it)")
+
+    # flags given for a part of the run that is off: stated, not dropped in silence
+    for why, is_off, keys in OFF_PARTS:
+        unused = sorted(f"--{k}" for k in keys if k in given)
+        if unused and is_off(vars(args)):
+            verb = "has" if len(unused) == 1 else "have"
+            warnings.append(f"{', '.join(unused)} {verb} no effect with {why}")
+
+    if ckpt is None:
+        return warnings
+    return warnings + check_resumed_flags(args, given, ckpt, asked_shape, lrs)
+
+
+def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
+    """check_flags' part for a resumed run: the flags against the checkpoint they continue."""
+    # a block switched on now: its settings, maybe the checkpoint's zeros, must be usable
+    for on, keys in ((args.eval_every, ["val_tokens"]),
+                     (args.sample_every, ["num_samples", "sample_tokens"])):
+        values = [getattr(args, k) for k in keys]
+        if on and any(v is not None and v < 1 for v in values):
+            shown = ", ".join(f"--{k} {v}" for k, v in zip(keys, values))
+            raise UsageError(f"{args.resume} has {shown}: give positive values now that this "
+                             f"block is on")
+
+    # the model's shape is the checkpoint's: shape flags (and -T, --preset) given now must agree
+    saved, step = ckpt["args"], ckpt["step"]
+    asked = {**asked_shape, "sequence_length": args.sequence_length, "preset": args.preset}
+    had = {**ckpt["config"], "sequence_length": saved.get("sequence_length"),
+           "preset": saved.get("preset")}
+    checked = set(SHAPE_FLAGS) | {"dropout", "sequence_length", "preset"}
+    differ = sorted(k for k in checked & set(given) if asked[k] != had[k])
+    if differ:
+        had_s = ", ".join(f"{k}={had[k]}" for k in differ)
+        asked_s = ", ".join(f"{k}={asked[k]}" for k in differ)
+        raise UsageError(f"{args.resume} holds a model trained with {had_s}; the flags ask for "
+                         f"{asked_s} (a resumed run needs no shape flags)")
+    if args.optimizer != saved["optimizer"]:
+        kind = saved["optimizer"]
+        raise UsageError(f"{args.resume} holds {kind} optimizer state but --optimizer "
+                         f"{args.optimizer} was given: resume with --optimizer {kind} (or without "
+                         f"the flag), or start a new run")
+
+    # nothing left but the final evaluation (a checkpoint of step max_steps - 1) is fine
+    if step + 1 >= end_step(args) and step + 1 != args.max_steps:
+        stop = f" / --stop_step {args.stop_step}" if args.stop_step else ""
+        raise UsageError(f"{args.resume} is at step {step}: --max_steps {args.max_steps}{stop} "
+                         f"leave nothing to train")
+
+    warnings = []
+    for k in SCHEDULE_FLAGS:
+        if k in given and k in saved and getattr(args, k) != saved[k]:
+            warnings.append(f"--{k} is {getattr(args, k)} now but was {saved[k]} in the "
+                            f"checkpoint")
+    then, now = lrs
+    if not math.isclose(then, now, rel_tol=1e-9):
+        warnings.append(f"the schedule changed: step {step + 1} gets LR {now:.4e} (the "
+                        f"checkpoint's schedule would give {then:.4e})")
+    return warnings
+
+
+# ===== The micro-batch that fits: -B auto, and the plan command's memory figure ==================
+# Tensor memory is what the estimate counts; the CUDA context, cuBLAS's workspaces and the
+# allocator's slack come on top: a fifth of a GPU is left for them. On a CPU (or Apple's unified
+# memory) half of the machine's memory is left to the system, the data and Python.
+USABLE_GPU_MEMORY, USABLE_HOST_MEMORY = 0.8, 0.5
+
+
+def memory_budget(device):
+    """(bytes a training step may use on device, what that is of) or a UsageError if unknown."""
+    if str(device).startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        return USABLE_GPU_MEMORY * props.total_memory, f"{props.name}'s {gib(props.total_memory)}"
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return USABLE_HOST_MEMORY * total, f"this machine's {gib(total)}"
+    raise UsageError("-B auto: this system does not say how much memory it has: give -B N")
+
+
+def gib(n):
+    return f"{n / 2**30:.1f} GiB"
+
+
+def with_optimizer_state(model, optimizer):
+    """The optimizer's state made (AdamW makes it on its first step): a step over zero gradients,
+    so that an estimate sees the steady state."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+
+
+def estimated_step(model, optimizer, x, y, autocast_ctx, counted=contextlib.nullcontext()):
+    """The training step the estimates measure: forward under autocast and backward (inside
+    ``counted``), clipping, the optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    with counted:
+        with autocast_ctx:
+            _, loss = model(x, y)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+@contextlib.contextmanager
+def fake_tensors(device):
+    """Tensors made inside are FakeTensors on `device`: shapes, dtypes and devices, no memory (a
+    model of any size is built in an instant). Yields the mode, for step_memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode, torch.device(device):
+        yield mode
+
+
+def step_memory(model, optimizer, mode, run):
+    """A function B -> the peak tensor memory of one training step of B sequences of the run's T
+    tokens (the forward under autocast, backward, clipping, an optimizer step whose state exists
+    already), as torch's MemTracker counts it on the fake tensors of `mode` (model and optimizer
+    made inside fake_tensors): nothing is allocated, and one model serves every B asked."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with mode, torch.device(run.device):
+        with_optimizer_state(model, optimizer)
+    known = {}
+
+    def peak(B):
+        if B in known:
+            return known[B]
+        with mode, torch.device(run.device):
+            x = torch.randint(0, run.model.vocab_size, (B, run.sequence_length))
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+            with tracker:
+                estimated_step(model, optimizer, x, x, run.precision.autocast)
+        snapshot = tracker.get_tracker_snapshot("peak")
+        known[B] = max(v["Total"] for d, v in snapshot.items() if d.type == run.device_type)
+        return known[B]
+
+    return peak
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def micro_batch_candidates(args, world_size):
+    """The micro-batches that divide the step's sequences per process, ascending."""
+    T, total = args.sequence_length, args.total_batch_size
+    if total % (T * world_size):
+        raise UsageError(f"--total_batch_size {total} is not a multiple of T*world_size = "
+                         f"{T}*{world_size}: a step must be whole sequences on every process")
+    return divisors(total // (T * world_size))
+
+
+def largest_fitting(peak, candidates, budget, of_what):
+    """(B, its estimate): the largest of candidates (ascending) whose step fits in budget bytes,
+    by bisection (memory grows with B); a UsageError if none does."""
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if peak(candidates[mid]) <= budget:
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        raise UsageError(f"-B auto: even -B 1 needs about {gib(peak(candidates[0]))}, more than "
+                         f"the {gib(budget)} usable of {of_what}: a smaller model or -T")
+    return best, peak(best)
+
+
+def forked_rng(device):
+    """torch.random.fork_rng over the CPU's generator and device's: they are as they were after."""
+    dev = torch.device(device)
+    return torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0],
+                                 device_type=dev.type)
+
+
+def confirm_micro_batch(model, candidates, B, run, proc):
+    """B, or the next smaller candidate until one real forward and backward of B x T tokens fits
+    on every rank (the estimate leaves out fragmentation and the kernels' workspaces); the model
+    is left without gradients. Random generators are left as they were."""
+    while True:
+        fits = True
+        with forked_rng(run.device):
+            try:
+                x = torch.zeros(B, run.sequence_length, dtype=torch.long, device=run.device)
+                with run.precision.autocast:
+                    _, loss = model(x, x)
+                loss.backward()
+            except torch.OutOfMemoryError:
+                fits = False
+        x = loss = None
+        model.zero_grad(set_to_none=True)
+        if run.device_type == "cuda":
+            torch.cuda.empty_cache()
+        if proc.agree(fits):
+            return B
+        smaller = [c for c in candidates if c <= B // 2]
+        if not smaller:
+            raise UsageError(f"-B auto: even -B {B} runs out of memory here: a smaller model or -T")
+        B = smaller[-1]
+
+
+def fit_micro_batch(peak, run):
+    """-B auto: the largest micro-batch that divides the step's sequences per rank and whose
+    estimated step (peak) fits this device's memory; returns it and the run config's record of
+    the choice. On CUDA, settle() confirms it with a real step (confirm_micro_batch)."""
+    if run.fsdp:
+        raise UsageError("-B auto estimates a whole model per GPU, not FSDP's shards: give -B N")
+    candidates = micro_batch_candidates(run, run.world_size)
+    budget, of_what = memory_budget(run.device)
+    B, estimate = largest_fitting(peak, candidates, budget, of_what)
+    return B, {"micro_batch_estimate_gib": round(estimate / 2**30, 2),
+               "memory_budget_gib": round(budget / 2**30, 2)}
+
+
+def measure_micro_step(model, optimizer, B, run, repeats=3):
+    """(fastest, slowest) seconds of a few real micro-steps (forward, backward, optimizer step) of
+    B x T tokens on the run's device, after one to warm up; random generators are left as they
+    were."""
+    x = torch.zeros(B, run.sequence_length, dtype=torch.long, device=run.device)
+    seconds = []
+    with forked_rng(run.device):
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            with run.precision.autocast:
+                _, loss = model(x, x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss.item()  # waits for the device
+            seconds.append(time.perf_counter() - t0)
+    return min(seconds[1:]), max(seconds[1:])
+
+
+def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None):
+    """The plan command's report of a settled run (under torchrun: per process): its size, batch,
+    memory, compute and time, worked out before anything is written. peak: step_memory's; seconds:
+    measure_micro_step's (fastest, slowest) of one sequence, where no peak FLOP/s is known."""
+    T, total, B = run.sequence_length, run.total_batch_size, run.micro_batch_size
+    budget, of_what = memory_budget(run.device)
+    step_flops = flops_per_token(run.model, n_params_non_embedding, T) * total
+    steps = run.end_step
+    if run.peak_flops:  # compiled GPT-2 training runs reach about 30-50% of a GPU's peak
+        fast = steps * step_flops / (run.world_size * run.peak_flops * 0.5)
+        slow, how = fast * 0.5 / 0.3, f"at 50% to 30% MFU of {run.peak_flops / 1e12:.0f} TFLOP/s"
+    else:  # measured at -B 1 and scaled: no peak to go by
+        sequences = B * run.grad_accum_steps
+        fast, slow = (steps * sequences * t for t in seconds)
+        how = f"from 3 micro-steps of 1 sequence measured on {run.device}, times {sequences}"
+    fits = ""
+    if peak(B) > budget:
+        fits = ": it does not fit, -B auto picks one that does"
+    return "\n".join([
+        f"plan: {n_params:,} parameters on {run.world_size} x {run.device} in {run.precision}",
+        f"  tokens: {steps:,} steps x {total:,} = {steps * total:,}",
+        f"  batch: -B {B} x -T {T} x {run.world_size} process(es), {run.grad_accum_steps} "
+        f"micro-step(s) a step",
+        f"  memory: a step's estimated peak {gib(peak(B))} per process,",
+        f"    of {gib(budget)} usable of {of_what}{fits}",
+        f"  compute: {step_flops / 1e12:,.1f} TFLOP a step (6N + attention), "
+        f"{steps * step_flops / 1e18:,.2f} EFLOP in all",
+        f"  time: {format_eta(fast)} to {format_eta(slow)} ({how})"])
