@@ -34,7 +34,9 @@ import torch
 
 import common
 import fineweb
+import metrics
 import rundir
+import settings
 import train_gpt2 as tg
 
 
@@ -114,9 +116,9 @@ def bench_training(args, config, device, device_type, autocast_ctx):
         torch.cuda.reset_peak_memory_stats(device)
     dt = timed(step, device_type, args.warmup, args.steps)
     tokens = args.micro_batch_size * args.sequence_length * accum
-    flops = rundir.flops_per_token(config, model.get_num_params(non_embedding=True),
+    flops = metrics.flops_per_token(config, model.get_num_params(non_embedding=True),
                                args.sequence_length)
-    peak = args.peak_flops or (rundir.peak_flops(torch.cuda.get_device_name(device))
+    peak = args.peak_flops or (metrics.peak_flops(torch.cuda.get_device_name(device))
                                if device_type == "cuda" else None)
     row = {"tokens_per_sec": tokens / dt, "ms_per_step": dt * 1000, "tokens_per_step": tokens,
            "mfu": flops * tokens / dt / peak if peak else None,
@@ -235,7 +237,7 @@ def bench_save(args, config, device, tmp):
     x = torch.randint(0, fineweb.GPT2_VOCAB_SIZE, (1, 16), device=device)
     model(x, x)[1].backward()
     optimizer.step()
-    proc = tg.Proc(False, 0, 0, 1, device)
+    proc = common.Proc(False, 0, 0, 1, device)
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=False)  # an fp32 run's
     loader = types.SimpleNamespace(state_dict=lambda: {"position": 0})
     seconds = []
@@ -325,9 +327,9 @@ def reference_loop(args, device, data_root, log_dir, max_steps):
     class, seed, init, AdamW groups, data order, gradient accumulation, clipping and LR schedule as
     train_gpt2.train() with train_flags(), and per step the loss read with .item(), a printed line
     and a line appended to log.txt."""
-    settings = {**tg.DEFAULTS, **tg.RUN_PRESETS[args.preset]}
-    max_lr, B, T = settings["max_lr"], args.micro_batch_size, args.sequence_length
-    min_lr, accum = max_lr * settings["min_lr_ratio"], args.grad_accum
+    flags = {**settings.DEFAULTS, **settings.RUN_PRESETS[args.preset]}
+    max_lr, B, T = flags["max_lr"], args.micro_batch_size, args.sequence_length
+    min_lr, accum = max_lr * flags["min_lr_ratio"], args.grad_accum
     device_type = device.split(":")[0]
     autocast_ctx, _ = common.autocast_for(args.dtype, device_type)
 
@@ -336,11 +338,11 @@ def reference_loop(args, device, data_root, log_dir, max_steps):
     tokens = torch.tensor(np.load(shard).astype(np.int64))
     position = 0
 
-    torch.manual_seed(settings["seed"])
-    model = tg.GPT(tg.GPTConfig(**tg.MODEL_PRESETS[args.preset])).to(device)
+    torch.manual_seed(flags["seed"])
+    model = tg.GPT(tg.GPTConfig(**settings.MODEL_PRESETS[args.preset])).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2],
-               "weight_decay": settings["weight_decay"]},
+               "weight_decay": flags["weight_decay"]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=max_lr, betas=(0.9, 0.95), eps=1e-8,
                                   fused=device_type == "cuda")
@@ -360,7 +362,7 @@ def reference_loop(args, device, data_root, log_dir, max_steps):
             loss = loss / accum
             loss_accum += loss.detach()
             loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings["grad_clip"])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), flags["grad_clip"])
         lr = tg.get_lr(step, max_lr, min_lr, 1, max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -623,7 +625,7 @@ ESTIMATE_METHOD = [
     "attention: the flash kernel, as CUDA's SDPA takes it on an H100 (a CPU build of torch would "
     "decompose it into the math path, which stores (B, H, T, T) attention matrices)",
     "FLOPs: torch's FlopCounterMode over forward + backward, against 6N (N: non-embedding "
-    "parameters) and rundir.flops_per_token (6N + 12*L*H*Q*T, the MFU column's formula)",
+    "parameters) and metrics.flops_per_token (6N + 12*L*H*Q*T, the MFU column's formula)",
     "roofline: each aten op of the step takes at least max(FLOPs / 989 TFLOP/s, bytes read and "
     "written / 3.35 TB/s) on an H100 SXM; summed with no overlap and no fusion: a lower bound on "
     "eager's step time. MFU ceiling = flops_per_token x tokens / (that time x 989 TFLOP/s): "
@@ -759,7 +761,7 @@ def run_gpu_estimate(args):
         print(f"error: --suite gpu-estimate --compile builds inductor's kernels, and {problem}",
               file=sys.stderr)
         return 1
-    config = tg.GPTConfig(**tg.MODEL_PRESETS[args.preset])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[args.preset])
     T = args.sequence_length or config.block_size
     if T > config.block_size:
         print(f"error: -T {T} exceeds the {args.preset} block size {config.block_size}",
@@ -926,7 +928,7 @@ def compare_optimizers(args, device):
     curves.
 
     The run's step lines go to stderr, so that the table (or --json) is all that stdout holds."""
-    tiny = tg.RUN_PRESETS["tiny"]
+    tiny = settings.RUN_PRESETS["tiny"]
     with tempfile.TemporaryDirectory() as tmp:
         inputs = args.compare_input
         if not inputs:
@@ -1119,7 +1121,8 @@ LONG_BY_FLAG = ("parity", "train_loop")
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(tg.MODEL_PRESETS), help="model shape")
+    p.add_argument("--preset", default="tiny", choices=sorted(settings.MODEL_PRESETS),
+                   help="model shape")
     p.add_argument("-B", "--micro_batch_size", type=int, default=None,
                    help="sequences per forward (default: 64 on CUDA, 8 elsewhere)")
     p.add_argument("-T", "--sequence_length", type=int, default=None,
@@ -1241,7 +1244,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     device_type = device.split(":")[0]
-    config = tg.GPTConfig(**tg.MODEL_PRESETS[args.preset])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[args.preset])
     args.micro_batch_size = args.micro_batch_size or (64 if device_type == "cuda" else 8)
     args.sequence_length = args.sequence_length or config.block_size
     if args.sequence_length > config.block_size:

@@ -14,6 +14,7 @@ import torch
 
 import common
 import hellaswag
+import openai_gpt2
 import rundir
 import train_gpt2 as tg
 from helpers import (REPO, assert_one_line_error, hf_gpt2, run_args, run_cli, tiny_model,
@@ -107,7 +108,7 @@ def test_export_roundtrip_logits(tmp_path):
 def test_a_failed_export_leaves_nothing_and_a_retry_works(reference, tmp_path, monkeypatch):
     ckpt = rundir.find_checkpoints(reference)[-1]
     out = tmp_path / "hf"
-    real_export = rundir.export_hf
+    real_export = openai_gpt2.export_hf
 
     def export_hf(model, out_dir):
         open(os.path.join(out_dir, "config.json"), "w").write("{")

@@ -12,7 +12,9 @@ import re
 import pytest
 import torch
 
+import metrics
 import rundir
+import settings
 import train_gpt2 as tg
 from helpers import (BF16_LOSS_TOL, DIST_FLAGS, GPU_SHAPE, assert_same_log, bf16_train_step,
                      fused_vs_plain_adamw, hellaswag_batched_vs_one_per_forward_bf16,
@@ -144,7 +146,7 @@ def test_cli_end_to_end_on_cuda(data, tmp_path, monkeypatch):
     monkeypatch.setenv("HELLASWAG_DIR", str(tmp_path / "hs"))
     log = str(tmp_path / "log")
     # an unknown GPU has no MFU by default: give it a peak so the column is still checked
-    peak = [] if rundir.peak_flops(torch.cuda.get_device_name()) else ["--peak_flops", "1e15"]
+    peak = [] if metrics.peak_flops(torch.cuda.get_device_name()) else ["--peak_flops", "1e15"]
     r = run_cli(*run_args(data, log, "--device", "cuda", "--hellaswag_every", "5", *peak))
     assert r.returncode == 0, r.stderr
     assert " autocast_dtype=bf16" in r.stdout and " compile=True" in r.stdout  # CUDA defaults
@@ -198,7 +200,7 @@ def test_gpt2_124m_compiled_memory_and_mfu(record_property):
     args = argparse.Namespace(micro_batch_size=64, sequence_length=1024, grad_accum=1,
                               compile=True, compile_mode=None, foreach_adamw=False,
                               peak_flops=None, warmup=3, steps=3)
-    config = tg.GPTConfig(**tg.MODEL_PRESETS["gpt2"])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS["gpt2"])
     row = bench.bench_training(args, config, "cuda", "cuda",
                                torch.autocast("cuda", dtype=torch.bfloat16))
     for key in ("tokens_per_sec", "ms_per_step", "mfu", "peak_mem_gib"):

@@ -34,9 +34,9 @@ def test_preset_defaults_and_overrides():
     assert args.data_root == os.path.join(REPO, "edu_fineweb10B") and args.log_dir == "log"
     tiny, _ = tg.parse_args(["--preset", "tiny", "--max_steps", "7"])
     assert tiny.sequence_length == 256 and tiny.max_steps == 7 and tiny.warmup_steps == 15
-    assert tg.model_config_from_args(tiny).n_layer == 4
+    assert tg.model_config(tiny).n_layer == 4
     two_layers, _ = tg.parse_args(["--preset", "tiny", "--n_layer", "2"])
-    assert tg.model_config_from_args(two_layers).n_layer == 2
+    assert tg.model_config(two_layers).n_layer == 2
 
 
 def flag_helps(text):

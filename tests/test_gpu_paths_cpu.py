@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import common
-import rundir
+import metrics
+import settings
 from helpers import (BF16_LOSS_TOL, GPU_SHAPE, bf16_train_step, fused_vs_plain_adamw,
                      hellaswag_batched_vs_one_per_forward_bf16, kv_cache_vs_recompute_bf16,
                      random_batch, run_args, run_cli, tiny_model)
@@ -58,7 +59,7 @@ def test_bf16_hellaswag_batched_equals_one_per_forward_on_cpu(tmp_path):
     ("NVIDIA GeForce RTX 4090", None),
 ])
 def test_peak_flops_by_gpu_name(name, flops):
-    assert rundir.peak_flops(name) == flops
+    assert metrics.peak_flops(name) == flops
 
 
 class Hungry(torch.nn.Module):
@@ -80,12 +81,12 @@ def test_auto_micro_batch_halves_until_a_real_step_fits():
     random generator moved."""
     agreed, rng = [], torch.get_rng_state()
     model = Hungry(limit=5)
-    B = rundir.confirm_micro_batch(model, [1, 2, 4, 8, 16], 16, 4, "cpu",
+    B = settings.confirm_micro_batch(model, [1, 2, 4, 8, 16], 16, 4, "cpu",
                                    contextlib.nullcontext(), lambda ok: agreed.append(ok) or ok)
     assert B == 4 and agreed == [False, False, True]
     assert model.w.grad is None and torch.equal(torch.get_rng_state(), rng)
     with pytest.raises(common.UsageError, match="even -B 1 runs out of memory"):
-        rundir.confirm_micro_batch(Hungry(limit=0), [1, 2], 2, 4, "cpu",
+        settings.confirm_micro_batch(Hungry(limit=0), [1, 2], 2, 4, "cpu",
                                    contextlib.nullcontext(), lambda ok: ok)
 
 

@@ -9,7 +9,9 @@ import threading
 import pytest
 import torch
 
-import rundir
+import metrics
+import openai_gpt2
+import settings
 import train_gpt2 as tg
 from helpers import assert_one_line_error, hf_gpt2, run_cli, tiny_model
 
@@ -26,7 +28,7 @@ def hf_param_count(n_layer, n_head, n_embd, n_positions=1024, vocab=50257):
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"])
 def test_presets_match_hf_parameter_counts(name):
-    config = tg.GPTConfig(**tg.MODEL_PRESETS[name])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[name])
     with torch.device("meta"):
         model = tg.GPT(config)
     padding = (config.vocab_size - config.real_vocab_size) * config.n_embd
@@ -130,7 +132,7 @@ def test_flops_per_token_124m():
         n = tg.GPT(config).get_num_params(non_embedding=True)
     # by hand: wte 50304*768 + 12 blocks * (12*768^2 + 13*768) + final LN 2*768
     assert n == 50304 * 768 + 12 * (12 * 768 ** 2 + 13 * 768) + 2 * 768 == 123_689_472
-    assert rundir.flops_per_token(config, n, 1024) == 6 * 123_689_472 + 12 * 12 * 12 * 64 * 1024
+    assert metrics.flops_per_token(config, n, 1024) == 6 * 123_689_472 + 12 * 12 * 12 * 64 * 1024
 
 
 # --------------------------------------------------------------------------------------- generation
@@ -334,7 +336,7 @@ def test_from_pretrained_matches_hf(tmp_path, vocab):
 def test_export_refuses_non_gpt2_architectures(tmp_path, kw, message):
     import common
     with pytest.raises(common.UsageError, match=message):
-        rundir.export_hf(tiny_model(**kw), str(tmp_path / "out"))
+        openai_gpt2.export_hf(tiny_model(**kw), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 

@@ -10,8 +10,9 @@ import types
 
 import pytest
 
+import metrics
 import rundir
-import train_gpt2 as tg
+import settings
 from helpers import assert_one_line_error, run_args, run_cli, series
 
 
@@ -53,7 +54,7 @@ def tiny_metrics(tmp_path, device="cpu", preset="tiny", first_step=0, end=6, wan
                                  peak_flops=None, wandb_project=wandb_project,
                                  wandb_run_name=None, preset=preset)
     config = types.SimpleNamespace(n_layer=2, n_head=2, n_embd=64)
-    return rundir.Metrics(args, device, 1, first_step, end, config, 100_000, {"max_steps": end})
+    return metrics.Metrics(args, device, 1, first_step, end, config, 100_000, {"max_steps": end})
 
 
 def test_metrics_log_txt_step_lines_wandb_and_summary(tmp_path, capsys, monkeypatch):
@@ -147,7 +148,7 @@ def test_a_long_run_on_the_cpu_warns_once(tmp_path, capsys, device, preset, end,
         metrics.report_step(step, 10.0, 1e-4, 1.0, 1.25, 64)
     out = capsys.readouterr().out
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]
-    eta = rundir.format_eta((end - 2) * 1.25)  # from step 1, the first timed one
+    eta = metrics.format_eta((end - 2) * 1.25)  # from step 1, the first timed one
     expected = [f"warning: on the CPU this run takes about {eta} (from the first steps); for a "
                 f"run of minutes use --preset tiny"]
     assert warnings == (expected if warned else []), out
@@ -157,7 +158,7 @@ def test_a_long_run_on_the_cpu_warns_once(tmp_path, capsys, device, preset, end,
 
 def run_config(**changes):
     """A run config as train_gpt2 makes it: the flags' defaults, what the run worked out."""
-    config = {**tg.DEFAULTS, "device": "cpu", "world_size": 1, "grad_accum_steps": 8,
+    config = {**settings.DEFAULTS, "device": "cpu", "world_size": 1, "grad_accum_steps": 8,
               "autocast_dtype": "fp32", "compile": False, **changes}
     config["model"] = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
     config["provenance"] = {"code": f"git {'0123abcd' * 5} (dirty)", "torch": "2.13.0+cpu",
@@ -169,10 +170,10 @@ def test_run_config_shows_only_the_parts_in_use(tmp_path):
     """Muon's settings only with --optimizer muon, the batch ramp's only when it is on, profiling's
     only with --profile, W&B's only with a project, the evaluation's and sampling's only when on;
     run_config.json keeps every setting."""
-    default = rundir.format_run_config(run_config(), tg.RUN_SETTINGS)
+    default = settings.format_run_config(run_config(), settings.RUN_SETTINGS)
     on = run_config(optimizer="muon", batch_ramp_tokens=10_000, profile="exit",
                     wandb_project="proj", wandb_run_name="first", eval_every=0, sample_every=0)
-    changed = rundir.format_run_config(on, tg.RUN_SETTINGS)
+    changed = settings.format_run_config(on, settings.RUN_SETTINGS)
     for setting in ("muon_momentum=0.95", "muon_ns_steps=5", "batch_ramp_start=32768",
                     "profile_schedule=1,1,3", "wandb_project=proj", "wandb_run_name=first"):
         assert f" {setting}" not in default and f" {setting}" in changed, setting
@@ -186,11 +187,11 @@ def test_run_config_shows_only_the_parts_in_use(tmp_path):
 
 
 def test_off_parts_name_flags_and_every_muon_flag():
-    flags = set(tg.DEFAULTS)
-    for _, _, keys in rundir.OFF_PARTS:
+    flags = set(settings.DEFAULTS)
+    for _, _, keys in settings.OFF_PARTS:
         assert set(keys) <= flags, keys
-    muon = [keys for why, _, keys in rundir.OFF_PARTS if "muon" in why]
-    assert muon == [tuple(k for k in tg.DEFAULTS if k.startswith("muon_"))]
+    muon = [keys for why, _, keys in settings.OFF_PARTS if "muon" in why]
+    assert muon == [tuple(k for k in settings.DEFAULTS if k.startswith("muon_"))]
 
 
 def test_run_config_lines_fit_100_columns():
@@ -199,18 +200,18 @@ def test_run_config_lines_fit_100_columns():
     deep = "/scratch/" + "a_rather_long_folder_name/" * 6 + "shards"
     prompt = "Once upon a time " * 8
     config = run_config(data_root=deep, sample_prompt=prompt)
-    text = rundir.format_run_config(config, tg.RUN_SETTINGS)
+    text = settings.format_run_config(config, settings.RUN_SETTINGS)
     lines = text.splitlines()
     assert all(len(line) <= 100 for line in lines), text
     assert lines[0] == "run config:" and all(line.startswith("  ") for line in lines[1:])
-    assert f"data_root={deep}" in text.replace("\n" + rundir.CONFIG_INDENT, "")
+    assert f"data_root={deep}" in text.replace("\n" + settings.CONFIG_INDENT, "")
     assert [line for line in lines if line.endswith("/")], text  # broken at a '/'
     assert f"sample_prompt={prompt.strip()}" in " ".join(line.strip() for line in lines)
     assert "  provenance: code=git 0123abcd" in text
 
 
 def test_eta_format():
-    assert rundir.format_eta(3725.9) == "1:02:05" and rundir.format_eta(59) == "0:00:59"
+    assert metrics.format_eta(3725.9) == "1:02:05" and metrics.format_eta(59) == "0:00:59"
 
 
 def test_profile_writes_a_trace_and_exits(data, tmp_path):

@@ -20,6 +20,7 @@ from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
 import rundir
+import settings
 import train_gpt2
 from helpers import REPO
 
@@ -122,7 +123,7 @@ def test_notebook_tolerates_missing_series(kernel_dir, tmp_path):
     them: plots the loss, picks the 350M baselines."""
     log_path = tmp_path / "log.txt"
     write_train(log_path, 120, np.random.default_rng(1))
-    config = asdict(train_gpt2.GPTConfig(**train_gpt2.MODEL_PRESETS["gpt2-medium"]))
+    config = asdict(train_gpt2.GPTConfig(**settings.MODEL_PRESETS["gpt2-medium"]))
     # config only, no weights
     torch.save({"config": config, "step": 119}, str(tmp_path / "model_00119.pt"))
 

@@ -23,7 +23,7 @@ from helpers import REPO
 README = os.path.join(REPO, "README.md")
 
 SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
-# train_gpt2.build_parser(command=...) builds each one's parser
+# train_gpt2.py's commands: settings.build_parser(command=...) builds each one's parser
 TRAIN_COMMANDS = ("sample", "export", "eval")
 TRAIN_PLAN = "plan"  # takes the training flags
 SHELL_INFOS = {"", "bash", "sh", "shell", "zsh", "console", "shell-session"}
@@ -321,8 +321,8 @@ def missing_names(code):
 
 def script_parser(script, command=None):
     if script == "train_gpt2.py":
-        import train_gpt2
-        return train_gpt2.build_parser(command=command)
+        import settings
+        return settings.build_parser(command=command)
     if script == "fineweb.py":
         import fineweb
         return fineweb.build_parser()

@@ -15,6 +15,7 @@ import torch
 import common
 import fineweb
 import rundir
+import settings
 import train_gpt2 as tg
 from helpers import (SHAPE_FLAGS, assert_one_line_error, hf_gpt2, log_of, resume_args, run_args,
                      run_cli, series, step_lines, write_corpus_jsonl, write_hellaswag)
@@ -48,11 +49,11 @@ def test_batch_size_ramp_schedule():
 
 def test_accumulation_steps():
     args, _ = tg.parse_args(["-B", "4", "-T", "32", "--total_batch_size", "1024"])
-    assert rundir.accumulation_steps(args, 2, 64) == 4
+    assert settings.accumulation_steps(args, 2, 64) == 4
     with pytest.raises(common.UsageError, match="not divisible"):
-        rundir.accumulation_steps(args, 3, 64)
+        settings.accumulation_steps(args, 3, 64)
     with pytest.raises(common.UsageError, match="block_size"):
-        rundir.accumulation_steps(args, 1, 16)
+        settings.accumulation_steps(args, 1, 16)
 
 
 def test_grad_accumulation_equals_big_batch(data, tmp_path):
@@ -217,9 +218,9 @@ def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
             title, line = line.strip().split(": ", 1)
             groups[title] = ""
         groups[title] += " " + line.strip()
-    titles = [t.split(" (")[0] for t in tg.RUN_SETTINGS]
+    titles = [t.split(" (")[0] for t in settings.RUN_SETTINGS]
     assert list(groups) == titles + ["this run", "GPTConfig", "provenance"]
-    for title, entries in zip(titles, tg.RUN_SETTINGS.values()):
+    for title, entries in zip(titles, settings.RUN_SETTINGS.values()):
         names = {common.flag_dest(e[0]) for e in entries}
         keys = re.findall(r" (\w+)=", groups[title])
         assert set(keys) <= names and len(keys) == len(set(keys)), title

@@ -46,7 +46,8 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import hellaswag  # noqa: E402
-import rundir  # noqa: E402
+import metrics  # noqa: E402
+import settings  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
 from conftest import write_hellaswag, write_shards  # noqa: E402
 from simcuda import inductor  # noqa: E402
@@ -372,31 +373,31 @@ def check_auto_batch(n_layer="1"):
     on the GPU); a tiny run with -B auto on the 16 GiB one. Fake tensors never run out of memory:
     the real step that confirms a choice is left out of the first part (tested on the CPU)."""
     estimates = {}
-    step_memory, confirm = rundir.step_memory, rundir.confirm_micro_batch
+    step_memory, confirm = settings.step_memory, settings.confirm_micro_batch
 
     def shared(*args):  # the same model, T and dtype on every GPU
         if "peak" not in estimates:
             estimates["peak"] = step_memory(*args)
         return estimates["peak"]
 
-    config = tg.GPTConfig(**{**tg.MODEL_PRESETS["gpt2"], "n_layer": int(n_layer)})
+    config = tg.GPTConfig(**{**settings.MODEL_PRESETS["gpt2"], "n_layer": int(n_layer)})
     args = argparse.Namespace(sequence_length=1024, total_batch_size=524288, fsdp=False,
                               optimizer="adamw", weight_decay=0.1, max_lr=6e-4)
     chosen = {}
-    rundir.step_memory = shared
-    rundir.confirm_micro_batch = lambda model, candidates, B, *args: B
+    settings.step_memory = shared
+    settings.confirm_micro_batch = lambda model, candidates, B, *args: B
     try:
         for gib in (16, 24, 40, 80):
             with simcuda.flash_attention_as_on_h100(), \
                     simcuda.SimulatedCUDA(total_memory=gib * 2**30):
                 ctx, _ = common.autocast_for("bf16", "cuda")
-                B, fit = rundir.auto_micro_batch(
+                B, fit = settings.auto_micro_batch(
                     lambda: tg.GPT(config), lambda m: tg.make_optimizer(m, args, "cuda"), args,
                     "cuda", 1, ctx, config.vocab_size, lambda ok: ok)
-                larger = [d for d in rundir.divisors(512) if d > B]
+                larger = [d for d in settings.divisors(512) if d > B]
                 chosen[gib] = {"B": B, "estimate": estimates["peak"](B),
                                "larger": estimates["peak"](larger[0]) if larger else None,
-                               "budget": rundir.USABLE_GPU_MEMORY * gib * 2**30, **fit}
+                               "budget": settings.USABLE_GPU_MEMORY * gib * 2**30, **fit}
         data, log = scratch()
         before = sorted(os.listdir(data))
         with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA():
@@ -404,7 +405,7 @@ def check_auto_batch(n_layer="1"):
                                 "--data_root", data, "--log_dir", log])
         plan_wrote = os.path.exists(log) or sorted(os.listdir(data)) != before
     finally:
-        rundir.step_memory, rundir.confirm_micro_batch = step_memory, confirm
+        settings.step_memory, settings.confirm_micro_batch = step_memory, confirm
 
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA(total_memory=16 * 2**30), \
             CheckpointsInMemory():
@@ -491,7 +492,7 @@ def check_distributed(kind):
 
 # ------------------------------------------------- estimates (bench.py --suite gpu-estimate)
 
-# H100 SXM: dense bf16 tensor-core peak (rundir.PEAK_BF16_FLOPS) and HBM3 bandwidth, from NVIDIA's
+# H100 SXM: dense bf16 tensor-core peak (metrics.PEAK_BF16_FLOPS) and HBM3 bandwidth, from NVIDIA's
 # datasheet
 H100_FLOPS, H100_BYTES_PER_S = 989e12, 3.35e12
 
@@ -565,7 +566,7 @@ def estimate_step(model, optimizer, autocast_ctx, B, T, vocab):
     tracker, flops, roofline = MemTracker(), FlopCounterMode(display=False), Roofline()
     tracker.track_external(model, optimizer)
     with tracker, roofline:
-        rundir.estimated_step(model, optimizer, x, y, autocast_ctx, counted=flops)
+        settings.estimated_step(model, optimizer, x, y, autocast_ctx, counted=flops)
     peak = tracker.get_tracker_snapshot("peak")
     device = next(d for d in peak if str(d).startswith("cuda"))
     by_op = {str(k): v for k, v in flops.get_flop_counts()["Global"].items()}
@@ -588,7 +589,7 @@ def gpt_for_estimates(config):
     model = tg.GPT(config).to("cuda")
     optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
     autocast_ctx, dtype = common.autocast_for("auto", "cuda")
-    rundir.with_optimizer_state(model, optimizer)
+    settings.with_optimizer_state(model, optimizer)
     return model, optimizer, autocast_ctx, dtype
 
 
@@ -597,7 +598,7 @@ def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
     any other attention kernel is an error, as the estimate assumes flash), per micro-batch
     size."""
     T = int(T)
-    config = tg.GPTConfig(**tg.MODEL_PRESETS[preset])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[preset])
     rows = {}
     with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA():
         model, optimizer, autocast_ctx, dtype = gpt_for_estimates(config)
@@ -608,7 +609,7 @@ def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
     for B, r in rows.items():
         r["tokens"] = B * T
         r["six_n"] = 6 * n_params * B * T
-        r["formula"] = rundir.flops_per_token(config, n_params, T) * B * T
+        r["formula"] = metrics.flops_per_token(config, n_params, T) * B * T
         r["matmul_flops"] = sum(v for k, v in r["flops_by_op"].items() if k in matmul)
     return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
             "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
@@ -657,7 +658,7 @@ def check_compiled(preset="gpt2", batch_sizes="16,32,64", T="1024"):
     if problem:
         raise RuntimeError(problem)
     T = int(T)
-    config = tg.GPTConfig(**tg.MODEL_PRESETS[preset])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[preset])
     rows = {}
     with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA(), \
             inductor.for_h100(scratch_dir()):
@@ -666,7 +667,7 @@ def check_compiled(preset="gpt2", batch_sizes="16,32,64", T="1024"):
         for B in (int(b) for b in batch_sizes.split(",")):
             rows[B] = compiled_step(model, optimizer, autocast_ctx, B, T, config.real_vocab_size)
             rows[B]["tokens"] = B * T
-            rows[B]["formula"] = rundir.flops_per_token(config, n_params, T) * B * T
+            rows[B]["formula"] = metrics.flops_per_token(config, n_params, T) * B * T
     return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
             "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
 
