@@ -182,9 +182,10 @@ def umask():
     return _fallback_umask
 
 
-def write_new_dir(path, flag, write):
-    """Fill a new (or empty) directory through write(tmp), tmp a folder beside it renamed to path
-    at the end: a failed write leaves nothing behind. flag names the path in errors."""
+@contextlib.contextmanager
+def new_dir(path, flag):
+    """A folder to fill in the body, renamed to path (a new or empty directory) when the body ends
+    without an error: a failed write leaves nothing behind. flag names the path in errors."""
     if not path:
         raise UsageError(f"{flag} is empty: give the directory to write")
     out = os.path.abspath(path)
@@ -196,7 +197,7 @@ def write_new_dir(path, flag, write):
     tmp = os.path.join(parent, f".{os.path.basename(out)}.{os.getpid()}.tmp")
     try:
         os.makedirs(tmp)
-        write(tmp)
+        yield tmp
         os.replace(tmp, out)
     except OSError as e:  # a read-only parent, a full disk
         raise UsageError(f"{flag} {path}: cannot write there ({one_line(e)})") from None

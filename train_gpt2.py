@@ -35,7 +35,7 @@ import openai_gpt2
 import rundir
 import settings
 from common import (Precision, Proc, UsageError, enable_tf32, exit_process, one_line, print0,
-                    resolve_device, run_cli, write_new_dir)
+                    new_dir, resolve_device, run_cli)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 from metrics import Metrics, Profiler
 
@@ -871,10 +871,10 @@ def settle(argv, confirm=True):
     step, unless confirm=False: plan); the counts that follow and the schedule. Returns (run, proc,
     the checkpoint to resume or None)."""
     args, given, ckpt = settings.read_flags(argv)
-    asked_shape = asdict(model_config(args))
-    lrs = None
-    if ckpt is not None:
+    asked_shape = lrs = None
+    if ckpt is not None:  # what the flags ask of the model and the schedule, against what it has
         model_from_checkpoint(ckpt, args.resume, "meta")  # its config and weights agree
+        asked_shape = asdict(model_config(args))
         lrs = tuple(get_lr(ckpt["step"] + 1, f["max_lr"], f["max_lr"] * f["min_lr_ratio"],
                            f["warmup_steps"], f["max_steps"])
                     for f in ({**vars(args), **ckpt["args"]}, vars(args)))  # then, now
@@ -962,7 +962,8 @@ def sample_main(args):
 def export_main(args):
     ckpt = rundir.open_checkpoint(args.checkpoint)
     model = model_from_checkpoint(ckpt, args.checkpoint)
-    write_new_dir(args.out, "--out", lambda tmp: openai_gpt2.export_hf(model, tmp))
+    with new_dir(args.out, "--out") as tmp:
+        openai_gpt2.export_hf(model, tmp)
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
