@@ -1,0 +1,79 @@
+"""The run settled before it starts: one frozen Run from the command line (the preset and a
+resumed checkpoint as overlays), printed once as the run config, saved as run_config.json, and
+the same block from `plan`; nothing changes it afterwards."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+import settings
+import train_gpt2 as tg
+from helpers import resume_args, run_args, run_cli
+
+
+def config_block(stdout):
+    """The printed run config: its "run config:" line and the indented lines after it."""
+    lines = stdout.splitlines()
+    start = lines.index("run config:")
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    return block
+
+
+def test_plan_prints_the_block_a_run_with_the_same_flags_prints(data, tmp_path):
+    flags = run_args(data, str(tmp_path / "log"), "--max_steps", "2", "--sample_every", "0",
+                     "-B", "auto")
+    planned = run_cli("plan", *flags)
+    assert planned.returncode == 0, planned.stderr
+    assert not os.path.exists(tmp_path / "log")  # plan writes nothing
+    trained = run_cli(*flags)
+    assert trained.returncode == 0, trained.stderr
+    block = config_block(trained.stdout)
+    assert config_block(planned.stdout) == block
+    assert any(" micro_batch_estimate_gib=" in line for line in block)  # -B auto, resolved once
+    assert "micro_batch_size=auto" not in "\n".join(block)
+
+
+def test_the_run_is_frozen_and_run_config_json_is_it(data, tmp_path):
+    log = str(tmp_path / "log")
+    flags = run_args(data, log, "--max_steps", "3", "--val_steps", "2", drop=["--val_tokens"])
+    run, proc, ckpt = tg.settle(flags)
+    assert ckpt is None and proc.world_size == 1 and proc.master
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.max_lr = 1.0
+    # everything derived is there before any work: device, precision, counts, schedule, model
+    assert run.device == "cpu" and run.device_type == "cpu" and run.precision.name == "fp32"
+    assert run.precision.scaler is False and run.precision.dtype is None
+    B, T = run.micro_batch_size, run.sequence_length
+    assert run.grad_accum_steps == run.total_batch_size // (B * T)
+    assert run.val_tokens == 2 * B * T  # --val_steps, as tokens
+    assert run.end_step == 3 and run.schedule.unit == B * T
+    assert run.schedule.lr(0) == tg.get_lr(0, run.max_lr, run.max_lr * run.min_lr_ratio,
+                                           run.warmup_steps, run.max_steps)
+    assert isinstance(run.model, tg.GPTConfig) and run.model.block_size >= T
+    assert set(settings.flags_of(run)) == set(settings.DEFAULTS)
+
+    r = run_cli(*flags)
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(log, "run_config.json")) as f:
+        saved = json.load(f)
+    expected = json.loads(json.dumps(run.as_dict(), default=str))
+    assert saved == expected
+    assert "\n".join(config_block(r.stdout)) == run.describe()
+
+
+def test_a_resumed_run_settles_from_its_checkpoint(data, tmp_path):
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--max_steps", "4", "--stop_step", "2", "-B", "auto"))
+    assert r.returncode == 0, r.stderr
+    first = json.load(open(os.path.join(log, "run_config.json")))
+    run, _, ckpt = tg.settle(resume_args(log))
+    assert ckpt["step"] == 1 and run.resume.endswith("model_00001.pt")
+    # the checkpoint's flags come back, -B as the first run resolved it (no new fit)
+    assert run.micro_batch_size == first["micro_batch_size"] and run.micro_batch_fit is None
+    assert run.max_steps == 4 and run.stop_step is None and run.end_step == 4
+    assert dataclasses.asdict(run.model) == first["model"]
