@@ -767,7 +767,7 @@ def train(run, proc, ckpt=None):
         ddp = proc.distributed and not run.fsdp  # FSDP reduce-scatters every micro-step
         if ddp:
             model = DDP(model, device_ids=[proc.local_rank] if run.device_type == "cuda" else None)
-        metrics = Metrics(run, proc, state.step + 1, raw_model.get_num_params(non_embedding=True))
+        meter = Metrics(run, proc, state.step + 1, raw_model.get_num_params(non_embedding=True))
         profiler = Profiler(run, proc)
         hellaswag_on = run.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc)
         enc = fineweb.get_encoding()
@@ -784,14 +784,14 @@ def train(run, proc, ckpt=None):
                 state.val_loss = evaluate_loss(model, val_loader, run.val_tokens, run.device,
                                                run.precision.autocast, proc.world_size)
                 print0(f"validation loss: {state.val_loss:.4f}")
-                metrics.log(step, "val", state.val_loss)
+                meter.log(step, "val", state.val_loss)
 
             # once in a while: HellaSwag, on the raw model, split over the ranks
             if hellaswag_on and due(run.hellaswag_every, step, last_step):
                 acc_norm = hellaswag_accuracy(raw_model, run, proc)
                 hellaswag_on = acc_norm is not None  # None: the data went away
                 if hellaswag_on:
-                    metrics.log(step, "hella", acc_norm)
+                    meter.log(step, "hella", acc_norm)
 
             # once in a while: samples, each rank with its own seed
             if step > 0 and due(run.sample_every, step, last_step):
@@ -833,7 +833,7 @@ def train(run, proc, ckpt=None):
                 torch.cuda.synchronize()  # dt: the GPU's work, not just the launches
             dt = time.time() - t0
             state.step, state.tokens_seen = step, state.tokens_seen + batch_size
-            metrics.report_step(step, loss, lr, norm, dt, batch_size, skipped=skipped)
+            meter.report_step(step, loss, lr, norm, dt, batch_size, skipped=skipped)
             if profiler.step():
                 break  # --profile exit
 
@@ -845,8 +845,8 @@ def train(run, proc, ckpt=None):
                        f" with python train_gpt2.py --resume latest --log_dir {run.log_dir}")
                 break
 
-        metrics.finish()  # W&B uploads: can fail after all
-        print0(metrics.summary(checkpointer.newest()))
+        meter.finish()  # W&B uploads: can fail after all
+        print0(meter.summary(checkpointer.newest()))
         if run.fsdp:
             raw_model.reshard()  # FSDP keeps the root's parameters gathered after an eval
         proc.agree(True)  # all ranks done with collectives before the process group goes
