@@ -67,7 +67,6 @@ class GPTConfig:
             raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
                              f"1..{self.vocab_size}")
 
-
 def model_config(args, ckpt=None):
     """The GPTConfig a run trains: a resumed checkpoint's, --init_from's (read from its
     config.json), or the preset's shape changed by any shape flag given."""
@@ -83,7 +82,6 @@ def model_config(args, ckpt=None):
         return GPTConfig(**shape)
     except ValueError as e:
         raise UsageError(str(e)) from None
-
 
 # ===== The model =====
 class KVCache:
@@ -378,7 +376,6 @@ class DataLoaderLite:
         self.position += B * T * self.num_processes
         return x, y
 
-
 def make_loaders(run, proc):
     """The run's train and val DataLoaderLites, their shards prepared on first use (rank 0
     prepares, the others wait), with a word where the data falls short of the run."""
@@ -402,7 +399,6 @@ def make_loaders(run, proc):
         print0(f"warning: the val loss is asked over {run.val_tokens:,} tokens but the val shards "
                f"hold {targets:,} targets: it is taken over those")
     return train_loader, val_loader
-
 
 # ===== Optimizers (AdamW, or Muon + AdamW) and schedules (the LR, the batch ramp) =====
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
@@ -469,7 +465,6 @@ def batch_size_at(tokens_seen, ramp_tokens, total_batch_size, unit, start=32768)
     size = start + (total_batch_size - start) * tokens_seen / ramp_tokens
     return max(unit, int(size) // unit * unit)
 
-
 @dataclass(frozen=True)
 class Schedule:
     """The run's LR and batch size by step, from its flags; unit: the tokens of one micro-step on
@@ -495,7 +490,6 @@ class Schedule:
     def batch_size(self, tokens_seen):
         return batch_size_at(tokens_seen, self.ramp_tokens, self.total_batch_size, self.unit,
                              self.ramp_start)
-
 
 # ===== Distributed: this process in the run, FSDP =====
 def setup_distributed(args):
@@ -530,7 +524,6 @@ def shard_model(raw_model, precision):
     for block in raw_model.transformer.h:
         fully_shard(block, mp_policy=mp)
     fully_shard(raw_model, mp_policy=mp)
-
 
 # ===== Evaluation: val loss, HellaSwag, samples =====
 @torch.no_grad()
@@ -588,7 +581,6 @@ def due(every, step, last_step=False):
     """Whether an every-N block (val, HellaSwag, samples, checkpoint) runs now."""
     return every > 0 and (last_step or step % every == 0)
 
-
 def hellaswag_accuracy(raw_model, run, proc):
     """HellaSwag's acc_norm of the model, its examples split over the ranks; None (with a warning)
     when the data went away since the run started: the run goes on without it."""
@@ -601,7 +593,6 @@ def hellaswag_accuracy(raw_model, run, proc):
     print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
     return res["acc_norm"]
 
-
 # ===== Keeping a run safe: checkpoints (rundir.py handles the files), the step's read-back =====
 @dataclass
 class TrainState:
@@ -610,7 +601,6 @@ class TrainState:
     tokens_seen: int = 0  # train tokens consumed so far (for the batch-size ramp)
     val_loss: float | None = None  # the latest val loss
     args: dict | None = None  # the run's flags: a resume takes those not given again
-
 
 class Checkpointer:
     """A run's checkpoints, built once from the parts an exact resume needs (the raw model, the
@@ -697,7 +687,6 @@ class Checkpointer:
             self.last_saved = step
         return saved
 
-
 def model_from_checkpoint(ckpt, path, device="cpu"):
     """The GPT a checkpoint holds, in fp32; a UsageError if its config and weights disagree. On
     device "meta" only that check, which allocates nothing."""
@@ -708,7 +697,6 @@ def model_from_checkpoint(ckpt, path, device="cpu"):
     except (TypeError, ValueError, RuntimeError) as e:  # an unknown key, a shape the weights lack
         raise UsageError(f"{path}: its config and weights disagree ({one_line(e, 200)})") from None
     return model
-
 
 def check_step(loss_accum, norm, scaler, stop, proc):
     """The step's one read-back, before its update is applied: (loss, gradient norm, whether every
@@ -730,7 +718,6 @@ def check_step(loss_accum, norm, scaler, stop, proc):
                          f"stopped before this update (lower --max_lr or raise --warmup_steps, "
                          f"and resume)")
     return loss, norm, go_on == 1.0, skipped
-
 
 # ===== train(): the whole run =====
 def train(run, proc, ckpt=None):
@@ -862,7 +849,6 @@ def train(run, proc, ckpt=None):
         return 128 + stopped_by
     return 0
 
-
 # ===== The command line: the run settled from its flags; plan, sample, export, eval =====
 def settle(argv, confirm=True):
     """The Run the training flags ask for, worked out once, before any work, and frozen: the flags
@@ -897,7 +883,6 @@ def settle(argv, confirm=True):
         run = settings.derive(args, proc, precision, config, B, fit)
     return replace(run, schedule=Schedule.of(run)), proc, ckpt
 
-
 def auto_micro_batch(run, proc, confirm=True):
     """-B auto: the largest micro-batch whose training step, counted on fake tensors, fits this
     device's memory; on CUDA (confirm) a real step must fit too. Returns it and the run config's
@@ -917,7 +902,6 @@ def auto_micro_batch(run, proc, confirm=True):
            f"{settings.gib(budget)} usable of {of_what}); micro-steps a step: {micro_steps}")
     return B, fit
 
-
 def plan_main(argv):
     """What a run with these flags would take, worked out without writing anything: the run
     config it prints, then its size, memory, compute and time."""
@@ -934,7 +918,6 @@ def plan_main(argv):
     print0(settings.plan_report(run, peak, model.get_num_params(),
                                 model.get_num_params(non_embedding=True), seconds))
     return 0
-
 
 def model_for_command(args):
     """(GPT in eval mode, device, autocast, dtype name) of --checkpoint or --init_from."""
@@ -981,14 +964,12 @@ def eval_main(args):
 
 COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
 
-
 def run(argv):
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](settings.build_parser(command=argv[0]).parse_args(argv[1:]))
     if argv and argv[0] == "plan":  # the training flags
         return plan_main(argv[1:])
     return train(*settle(argv))
-
 
 def main(argv=None):
     """The exit status of a command or a run; what a user can fix is one error line."""
@@ -997,7 +978,6 @@ def main(argv=None):
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     exit_process(main())

@@ -2,6 +2,7 @@
 for scoring, and the GPU names behind the MFU figure. tests/test_cuda.py runs the same checks
 (helpers.py) on CUDA."""
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,13 +82,15 @@ def test_auto_micro_batch_halves_until_a_real_step_fits():
     random generator moved."""
     agreed, rng = [], torch.get_rng_state()
     model = Hungry(limit=5)
-    B = settings.confirm_micro_batch(model, [1, 2, 4, 8, 16], 16, 4, "cpu",
-                                   contextlib.nullcontext(), lambda ok: agreed.append(ok) or ok)
+    run = SimpleNamespace(sequence_length=4, device="cpu", device_type="cpu",
+                          precision=SimpleNamespace(autocast=contextlib.nullcontext()))
+    proc = SimpleNamespace(agree=lambda ok: agreed.append(ok) or ok)
+    B = settings.confirm_micro_batch(model, [1, 2, 4, 8, 16], 16, run, proc)
     assert B == 4 and agreed == [False, False, True]
     assert model.w.grad is None and torch.equal(torch.get_rng_state(), rng)
     with pytest.raises(common.UsageError, match="even -B 1 runs out of memory"):
-        settings.confirm_micro_batch(Hungry(limit=0), [1, 2], 2, 4, "cpu",
-                                   contextlib.nullcontext(), lambda ok: ok)
+        settings.confirm_micro_batch(Hungry(limit=0), [1, 2], 2, run,
+                                     SimpleNamespace(agree=lambda ok: ok))
 
 
 def test_auto_micro_batch_on_the_cpu_says_what_it_chose(data, tmp_path):
