@@ -227,27 +227,29 @@ def bench_loader(args, tmp):
             "shard_tokens": 10_000_000}
 
 
-def bench_save(args, config, device, tmp):
-    """train_gpt2.save_checkpoint of the model with its AdamW state (one step taken), the way a run
-    saves (rank 0, fsync'ed, renamed into place): the median seconds and the file's size. The time
-    a preempted run needs inside its scheduler's kill window."""
-    torch.manual_seed(0)
-    model = tg.GPT(config).to(device)
-    optimizer = model.configure_optimizers(0.1, 6e-4, device.split(":")[0], verbose=False)
-    x = torch.randint(0, fineweb.GPT2_VOCAB_SIZE, (1, 16), device=device)
+def bench_save(args, device, tmp):
+    """train_gpt2.Checkpointer.write of the model with its optimizer state (one step taken), the
+    way a run saves (rank 0, fsync'ed, renamed into place), for the Run of bench's training flags
+    (train_flags) logging to tmp: the median seconds and the file's size. The time a preempted
+    run needs inside its scheduler's kill window."""
+    with contextlib.redirect_stdout(sys.stderr):  # a warning of settle's: not in --json's output
+        run, proc, _ = tg.settle(train_flags(args, device, tmp, tmp, max_steps=2))  # none run
+    torch.manual_seed(run.seed)
+    model = tg.GPT(run.model).to(run.device)
+    optimizer = tg.make_optimizer(model, run)
+    x = torch.randint(0, fineweb.GPT2_VOCAB_SIZE, (1, 16), device=run.device)
     model(x, x)[1].backward()
     optimizer.step()
-    proc = common.Proc(False, 0, 0, 1, device)
-    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=False)  # an fp32 run's
+    scaler = torch.amp.GradScaler(run.device_type, enabled=run.precision.scaler)  # as train()'s
     loader = types.SimpleNamespace(state_dict=lambda: {"position": 0})
+    checkpointer = tg.Checkpointer(run, proc, model, optimizer, scaler, loader)
     seconds = []
-    for i in range(min(3, args.steps)):  # a few: each writes the whole file
-        path = os.path.join(tmp, f"model_{i:05d}.pt")
+    for step in range(min(3, args.steps)):  # a few: each writes the whole file
         t0 = time.perf_counter()
-        tg.save_checkpoint(path, model, optimizer, scaler, tg.TrainState(step=i, args={}),
-                           loader, 0, proc)
+        checkpointer.write(step)
         seconds.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(seconds), "gib": os.path.getsize(path) / 2**30}
+    return {"seconds": statistics.median(seconds),
+            "gib": os.path.getsize(checkpointer.newest()) / 2**30}
 
 
 def write_token_shards(folder, tokens, seed=0):
@@ -325,24 +327,23 @@ class StepClock:
 def reference_loop(args, device, data_root, log_dir, max_steps):
     """A training loop written as build-nanogpt writes its own, for the parity row: the same GPT
     class, seed, init, AdamW groups, data order, gradient accumulation, clipping and LR schedule as
-    train_gpt2.train() with train_flags(), and per step the loss read with .item(), a printed line
-    and a line appended to log.txt."""
-    flags = {**settings.DEFAULTS, **settings.RUN_PRESETS[args.preset]}
-    max_lr, B, T = flags["max_lr"], args.micro_batch_size, args.sequence_length
-    min_lr, accum = max_lr * flags["min_lr_ratio"], args.grad_accum
-    device_type = device.split(":")[0]
-    autocast_ctx, _ = common.autocast_for(args.dtype, device_type)
+    train_gpt2.train() with train_flags() (its settings from the same settled Run), and per step
+    the loss read with .item(), a printed line and a line appended to log.txt."""
+    run, _, _ = tg.settle(train_flags(args, device, data_root, log_dir, max_steps))
+    max_lr, B, T = run.max_lr, run.micro_batch_size, run.sequence_length
+    min_lr, accum = max_lr * run.min_lr_ratio, run.grad_accum_steps
+    device_type, autocast_ctx = run.device_type, run.precision.autocast
 
     # one train shard, read whole into an int64 tensor; batches in order from its start
     shard = fineweb.list_shards(data_root, "train")[0]
     tokens = torch.tensor(np.load(shard).astype(np.int64))
     position = 0
 
-    torch.manual_seed(flags["seed"])
-    model = tg.GPT(tg.GPTConfig(**settings.MODEL_PRESETS[args.preset])).to(device)
+    torch.manual_seed(run.seed)
+    model = tg.GPT(run.model).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2],
-               "weight_decay": flags["weight_decay"]},
+               "weight_decay": run.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=max_lr, betas=(0.9, 0.95), eps=1e-8,
                                   fused=device_type == "cuda")
@@ -362,8 +363,8 @@ def reference_loop(args, device, data_root, log_dir, max_steps):
             loss = loss / accum
             loss_accum += loss.detach()
             loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), flags["grad_clip"])
-        lr = tg.get_lr(step, max_lr, min_lr, 1, max_steps)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
+        lr = tg.get_lr(step, max_lr, min_lr, run.warmup_steps, run.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
@@ -1301,7 +1302,7 @@ def main(argv=None):
             results["loader"] = bench_loader(args, tmp)
     if "save" in only:
         with tempfile.TemporaryDirectory(dir=os.getcwd()) as tmp:  # where log/ would be
-            results["save"] = bench_save(args, config, device, tmp)
+            results["save"] = bench_save(args, device, tmp)
     if "startup" in only:
         with tempfile.TemporaryDirectory() as tmp:
             results["startup"] = bench_startup(args, tmp)

@@ -392,9 +392,10 @@ def model_logits(model, idx, positions=None, use_kwarg=True):
     if positions is None:
         logits = _model_logits(model(idx))
     elif use_kwarg and takes_logits_mask(model) and positions.dim() == 1:
-        keep = torch.zeros(R, N, dtype=torch.bool, device=idx.device)  # the same (ascending)
-        keep[:, positions.to(idx.device)] = True  # positions of every row, as a mask
-        return _model_logits(model(idx, logits_to_keep=keep)).view(R, positions.numel(), -1)
+        kept, order = torch.unique(positions.to(idx.device), sorted=True, return_inverse=True)
+        keep = torch.zeros(R, N, dtype=torch.bool, device=idx.device)  # the same positions of
+        keep[:, kept] = True  # every row, as a mask; their logits put back in the order asked
+        return _model_logits(model(idx, logits_to_keep=keep)).view(R, kept.numel(), -1)[:, order]
     else:
         logits = _model_logits(model(idx, logits_to_keep=positions) if use_kwarg else model(idx))
         if positions.dim() == 2 and logits.dim() == 2:  # (K, V): the mask's kept positions

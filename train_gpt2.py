@@ -217,6 +217,9 @@ class GPT(nn.Module):
             kv_cache.pos += T
 
         if isinstance(logits_to_keep, torch.Tensor):
+            if logits_to_keep.dtype != torch.bool or logits_to_keep.shape != (B, T):
+                raise ValueError(f"logits_to_keep: an int or a ({B}, {T}) bool mask, not "
+                                 f"{tuple(logits_to_keep.shape)} {logits_to_keep.dtype}")
             x = x[logits_to_keep]  # (K, C)
         elif logits_to_keep > 0:
             x = x[:, -logits_to_keep:]  # (B, logits_to_keep, C)

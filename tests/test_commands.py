@@ -114,11 +114,11 @@ def test_a_failed_export_leaves_nothing_and_a_retry_works(reference, tmp_path, m
         open(os.path.join(out_dir, "config.json"), "w").write("{")
         path = os.path.join(out_dir, "model.safetensors")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-    monkeypatch.setattr(rundir, "export_hf", export_hf)
+    monkeypatch.setattr(openai_gpt2, "export_hf", export_hf)
     assert_one_line_error(run_cli("export", "--checkpoint", ckpt, "--out", str(out)),
                           "no space left")
     assert sorted(os.listdir(tmp_path)) == []  # no half-written folder, final name or temp one
-    monkeypatch.setattr(rundir, "export_hf", real_export)
+    monkeypatch.setattr(openai_gpt2, "export_hf", real_export)
     r = run_cli("export", "--checkpoint", ckpt, "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))

@@ -149,7 +149,7 @@ def test_cli_end_to_end_on_cuda(data, tmp_path, monkeypatch):
     peak = [] if metrics.peak_flops(torch.cuda.get_device_name()) else ["--peak_flops", "1e15"]
     r = run_cli(*run_args(data, log, "--device", "cuda", "--hellaswag_every", "5", *peak))
     assert r.returncode == 0, r.stderr
-    assert " autocast_dtype=bf16" in r.stdout and " compile=True" in r.stdout  # CUDA defaults
+    assert " precision=bf16" in r.stdout and " compile=True" in r.stdout  # CUDA defaults
     steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 8
     assert all(re.search(r"\| mfu \d+\.\d%", s) and re.search(r"\| mem \d+\.\dGiB", s)

@@ -142,7 +142,7 @@ def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children):
     micro-step, unscale_ before clipping, then the scaler's step and update; its state in the
     checkpoint; --fsdp refuses fp16 in one line."""
     r = passed(children, "fp16")
-    assert configured(r["stdout"], "autocast_dtype=fp16"), r["stdout"]
+    assert configured(r["stdout"], "precision=fp16"), r["stdout"]
     training = [f for f in r["forwards"] if f["training"] and f["grad"]]
     assert training and all((f["logits"], f["loss"]) == ("torch.float16", "torch.float32")
                             for f in training), training
@@ -189,21 +189,25 @@ def test_plan_works_out_the_recipe_on_an_h100_and_writes_nothing(children):
 
 def test_cli_on_cuda_prints_the_bf16_config_and_the_mfu_and_memory_columns(train):
     """The run config block: --device cuda in this invocation's flags, bf16 in what the run
-    worked out, eager (--no-compile); every step line has the MFU column (the peak looked up by
-    the simulated GPU's name) and the memory column."""
+    worked out, eager (--no-compile), the peak FLOP/s settled from the simulated GPU's name (an
+    H100 SXM's); every step line has the MFU column (by that peak) and the memory column."""
     out = train["stdout"]
     config = run_config(out)
     assert "device=cuda" in config["this invocation"], config
-    assert {"autocast_dtype=bf16", "world_size=1"} <= config["this run"], config
+    assert {"precision=bf16", "world_size=1"} <= config["this run"], config
+    peaks = [w.partition("=")[2] for words in config.values() for w in words
+             if w.startswith("peak_flops=")]
+    assert [float(p) for p in peaks] == [989e12], config
     assert not configured(out, "compile=True"), config
     steps = step_lines(out)
     assert len(steps) == 3 and all("| mfu " in s and "| mem " in s for s in steps), steps
 
 
 # the torch.cuda functions a single-process training run calls, and why: checking and picking the
-# device, --dtype auto's choice of bf16 where the GPU has it, the step time (synchronize), the MFU
-# column's GPU name, the memory column, the CUDA generators in checkpoints. A new one is a new
-# CUDA-only path: check it here, then add it.
+# device, --dtype auto's choice of bf16 where the GPU has it, the step time (synchronize), the
+# GPU's name (settle looks its peak FLOP/s up for the MFU column; the provenance names it), the
+# memory column, the CUDA generators in checkpoints. A new one is a new CUDA-only path: check it
+# here, then add it.
 EXPECTED_CUDA_CALLS = {"is_available", "device_count", "is_bf16_supported", "synchronize",
                        "get_device_name", "max_memory_allocated", "get_rng_state_all",
                        "set_rng_state_all"}

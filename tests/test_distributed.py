@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hellaswag
+import settings
 import train_gpt2 as tg
 from helpers import (DIST_FLAGS, REPO, assert_one_line_error, assert_same_log, dist_reference,
                      run_args, run_cli, series, step_lines, stop_then_resume, torchrun,
@@ -93,7 +94,7 @@ def test_two_processes_prepare_the_data_and_split_hellaswag(tmp_path, monkeypatc
     assert series(two)["train"][0] == [0, 1]
     # step 0 scores the freshly initialized model: the same number from hellaswag.evaluate
     torch.manual_seed(1337)
-    init = tg.GPT(tg.model_config(tg.parse_args(run_args(root, one))[0]))
+    init = tg.GPT(tg.model_config(settings.read_flags(run_args(root, one))[0]))
     assert hellaswag.evaluate(init, "cpu")["acc_norm"] == pytest.approx(a[1][0], abs=1e-4)
 
 

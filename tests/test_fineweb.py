@@ -940,13 +940,14 @@ def test_ensure_prepared_failure_is_one_line(tmp_path):
 
 
 class Ranks:
-    """agree() of one rank among several: the AND over all ranks is what the other ranks are set
-    to answer."""
+    """The proc of one rank among several (master or not): agree()'s AND over all ranks is what the
+    other ranks are set to answer."""
 
-    def __init__(self, others_ok=True, others_ok_after_prep=True):
-        self.others_ok, self.others_ok_after_prep, self.calls = others_ok, others_ok_after_prep, []
+    def __init__(self, master=True, others_ok=True, others_ok_after_prep=True):
+        self.master, self.calls = master, []
+        self.others_ok, self.others_ok_after_prep = others_ok, others_ok_after_prep
 
-    def __call__(self, ok, long_wait=False):
+    def agree(self, ok, long_wait=False):
         self.calls.append((ok, long_wait))
         return ok and (self.others_ok_after_prep if long_wait else self.others_ok)
 
@@ -954,19 +955,19 @@ class Ranks:
 def test_ensure_prepared_only_the_master_prepares(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "prepare", lambda *a, **k: pytest.fail("a non-master prepared"))
     root, printed = str(tmp_path / "data"), []
-    ranks = Ranks()  # rank 0 prepared: the long wait ends with every rank agreeing
-    ensure(root, printed, master=False, agree=ranks)
+    ranks = Ranks(master=False)  # rank 0 prepared: the long wait ends with every rank agreeing
+    ensure(root, printed, proc=ranks)
     assert ranks.calls == [(True, False), (False, False), (True, True)] and printed == []
-    ranks = Ranks(others_ok_after_prep=False)  # rank 0's prep failed
+    ranks = Ranks(master=False, others_ok_after_prep=False)  # rank 0's prep failed
     with pytest.raises(DataPrepError,
                        match=r"^data preparation failed on rank 0 \(see its message\)$"):
-        ensure(root, printed, master=False, agree=ranks)
+        ensure(root, printed, proc=ranks)
     # a shard check that failed on another rank (here the data is fine): every rank stops, none
     # prepares
     write_shards(root, "val", [100])
     write_shards(root, "train", [300])
     with pytest.raises(DataPrepError, match="the data check failed on another rank"):
-        ensure(root, printed, agree=Ranks(others_ok=False))
+        ensure(root, printed, proc=Ranks(others_ok=False))
 
 
 def test_ensure_prepared_takes_shards_with_no_manifest_as_they_are(data, monkeypatch):

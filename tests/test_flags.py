@@ -11,6 +11,7 @@ import torch
 
 import common
 import rundir
+import settings
 import train_gpt2 as tg
 from helpers import (REPO, SHAPE_FLAGS, assert_one_line_error, dir_bytes, newest_step,
                      resume_args, run_args, run_cli, write_corpus_jsonl)
@@ -23,8 +24,8 @@ def warnings_in(stdout, flag=""):
 # --------------------------------------------------------------------------------- defaults, --help
 
 def test_preset_defaults_and_overrides():
-    args, ckpt = tg.parse_args([])
-    assert ckpt is None
+    args, given, ckpt = settings.read_flags([])
+    assert ckpt is None and given == set()
     assert (args.max_lr, args.warmup_steps, args.max_steps, args.weight_decay) == \
         (6e-4, 715, 19073, 0.1)
     assert (args.total_batch_size, args.micro_batch_size, args.sequence_length) == \
@@ -32,10 +33,11 @@ def test_preset_defaults_and_overrides():
     assert (args.eval_every, args.sample_every, args.save_every, args.seed) == \
         (250, 250, 5000, 1337)
     assert args.data_root == os.path.join(REPO, "edu_fineweb10B") and args.log_dir == "log"
-    tiny, _ = tg.parse_args(["--preset", "tiny", "--max_steps", "7"])
+    tiny, given, _ = settings.read_flags(["--preset", "tiny", "--max_steps", "7"])
+    assert given == {"preset", "max_steps"}
     assert tiny.sequence_length == 256 and tiny.max_steps == 7 and tiny.warmup_steps == 15
     assert tg.model_config(tiny).n_layer == 4
-    two_layers, _ = tg.parse_args(["--preset", "tiny", "--n_layer", "2"])
+    two_layers, _, _ = settings.read_flags(["--preset", "tiny", "--n_layer", "2"])
     assert tg.model_config(two_layers).n_layer == 2
 
 
@@ -77,9 +79,9 @@ def test_help_shows_the_presets_defaults_each_once():
 
 
 def test_boolean_flags_have_a_no_form():
-    args, _ = tg.parse_args(["--no-fsdp", "--no-overwrite", "--no-bias", "--no-compile"])
+    args, _, _ = settings.read_flags(["--no-fsdp", "--no-overwrite", "--no-bias", "--no-compile"])
     assert (args.fsdp, args.overwrite, args.bias, args.compile) == (False, False, False, False)
-    args, _ = tg.parse_args(["--fsdp", "--overwrite", "--bias", "--compile"])
+    args, _, _ = settings.read_flags(["--fsdp", "--overwrite", "--bias", "--compile"])
     assert (args.fsdp, args.overwrite, args.bias, args.compile) == (True, True, True, True)
 
 
@@ -180,7 +182,7 @@ def test_sample_prompts_the_flag_check_accepts_also_sample(data, tmp_path, promp
     (["--muon_lr", "0.01"], "--muon_lr"),
 ])
 def test_flags_for_a_part_that_is_off_are_stated(capsys, flags, unused):
-    tg.parse_args(flags)
+    tg.settle(flags)  # the flag checks state them before any work
     out = capsys.readouterr().out
     assert [w for w in warnings_in(out, unused) if "no effect" in w], out
 

@@ -24,7 +24,7 @@ def test_fp16_tracks_fp32_and_resumes_exactly(data, tmp_path):
     for name, dtype in (("fp32", "fp32"), ("fp16", "fp16")):
         r = run_cli(*run_args(data, logs[name], *FP16_RUN, "--dtype", dtype))
         assert r.returncode == 0, r.stderr
-    assert " autocast_dtype=fp16 " in r.stdout.replace("\n", " ")
+    assert " precision=fp16 " in r.stdout.replace("\n", " ")
     r = run_cli(*run_args(data, logs["resumed"], *FP16_RUN, "--dtype", "fp16", "--stop_step", "20"))
     assert r.returncode == 0, r.stderr
     r = run_cli(*resume_args(logs["resumed"], "--dtype", "fp16"))  # --dtype: not inherited

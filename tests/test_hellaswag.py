@@ -70,6 +70,11 @@ def our_model(hf_model, tmp_path_factory):
     return model
 
 
+def rank_of(rank, world_size):
+    """The Proc of process ``rank`` of ``world_size`` under torchrun (no process group)."""
+    return common.Proc(environ={"RANK": str(rank), "WORLD_SIZE": str(world_size)})
+
+
 # --------------------------------------------------------------------------
 # rendering
 
@@ -196,7 +201,7 @@ def test_batched_equals_one_at_a_time(which, hf_model, our_model, data_dir):
                 for bt in (0, 400, 8192)}
         runs["full"] = hellaswag.score_examples(model, recs, "cpu", batch_tokens=0,
                                                 full_logits=True)
-    counted = Recorder(model)
+    counted = Recorder(model, masks=which == "ours")  # our GPT takes no 1-D positions
     with torch.no_grad():
         hellaswag.score_examples(counted, recs, "cpu", batch_tokens=400)
         passes_400 = len(counted.projected)
@@ -235,7 +240,8 @@ def test_our_gpt_and_hf_agree(hf_model, our_model, data_dir):
 
 class Recorder(torch.nn.Module):
     """Passes logits_to_keep through and records how many (row, position) pairs were projected;
-    masks=True: says it takes a bool mask (the inner model must, as our GPT does)."""
+    masks=True: says it takes a bool mask (the inner model must, as our GPT does; our GPT takes
+    an int or a mask only, so a Recorder around it says so)."""
 
     def __init__(self, inner, masks=False):
         super().__init__()
@@ -328,7 +334,7 @@ def test_evaluate_restores_train_mode_and_limit(hf_model, data_dir):
     write_jsonl(os.path.join(data_dir, "hellaswag_val.jsonl"), make_records(3, seed=9, **SHORT))
     assert hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir)["n"] == 3
     with pytest.raises(ValueError):
-        hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, rank=2, world_size=2)
+        hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, proc=rank_of(2, 2))
 
 
 def test_autocast_bf16_cpu_runs(hf_model, data_dir):
@@ -369,8 +375,8 @@ def test_rank_split_sums_to_full_count(hf_model, data_dir):
     limit = N_FIX - 5  # the limit applies to the full list, before the split
     full = hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, limit=limit)
     for world in (2, 3):
-        parts = [hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, limit=limit, rank=r,
-                                    world_size=world) for r in range(world)]
+        parts = [hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, limit=limit,
+                                    proc=rank_of(r, world)) for r in range(world)]
         assert [p["n"] for p in parts] == [len(range(r, limit, world)) for r in range(world)]
         for key in ("n", "correct", "correct_norm"):
             assert sum(p[key] for p in parts) == full[key]
@@ -382,6 +388,7 @@ _DDP_SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     import torch.multiprocessing as mp
     sys.path.insert(0, {repo!r})
+    import common
     import hellaswag
 
     class Bigram(torch.nn.Module):
@@ -401,8 +408,9 @@ _DDP_SCRIPT = textwrap.dedent("""
         dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                                 world_size=world)
         model = Bigram()
-        res = hellaswag.evaluate(model, "cpu", data_dir=data_dir, rank=rank, world_size=world,
-                                 limit=LIMIT, batch_tokens=0)
+        proc = common.Proc(environ={{"RANK": str(rank), "WORLD_SIZE": str(world)}})
+        res = hellaswag.evaluate(model, "cpu", data_dir=data_dir, proc=proc, limit=LIMIT,
+                                 batch_tokens=0)
         res["forwards"] = model.calls
         with open(os.path.join(out_dir, f"rank{{rank}}.json"), "w") as f:
             json.dump(res, f)

@@ -208,20 +208,31 @@ def test_decode_sample_stops_at_end_of_text(enc):
 
 
 def test_logits_to_keep_matches_full_logits_and_hf(tmp_path):
-    """transformers' logits_to_keep: an int keeps the last k positions, a 1-D tensor those."""
+    """logits_to_keep: an int keeps the last k positions (as transformers' does), a (B, T) bool
+    mask its K True positions as (K, vocab) logits, row by row (transformers' 1-D positions are
+    that mask with the same positions in every row)."""
     hf, path = hf_gpt2(tmp_path)
     ours = tg.GPT.from_pretrained(path).eval()
     idx = torch.randint(0, 50257, (2, 12))
     positions = torch.tensor([1, 5, 6, 11])
+    same = torch.zeros(idx.shape, dtype=torch.bool)
+    same[:, positions] = True
+    ragged = torch.zeros(idx.shape, dtype=torch.bool)  # other positions in each row
+    ragged[0, [0, 3, 11]] = True
+    ragged[1, [2, 5, 6, 7, 9]] = True
     with torch.no_grad():
         full, _ = ours(idx)
         last, _ = ours(idx, logits_to_keep=3)
-        some, _ = ours(idx, logits_to_keep=positions)
+        some, _ = ours(idx, logits_to_keep=same)
+        picked, _ = ours(idx, logits_to_keep=ragged)
+        hf_last = hf(idx, logits_to_keep=3).logits
         hf_some = hf(idx, logits_to_keep=positions).logits
-    assert last.shape == (2, 3, 50304) and some.shape == (2, 4, 50304)
+    assert last.shape == (2, 3, 50304) and some.shape == (8, 50304) and picked.shape == (8, 50304)
     torch.testing.assert_close(last, full[:, -3:])
-    torch.testing.assert_close(some, full[:, positions])
-    torch.testing.assert_close(some[..., :50257], hf_some, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(some.view(2, 4, -1), full[:, positions])
+    torch.testing.assert_close(picked, full[ragged])
+    torch.testing.assert_close(last[..., :50257], hf_last, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(some.view(2, 4, -1)[..., :50257], hf_some, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="logits_to_keep"):
         ours(idx, targets=idx, logits_to_keep=1)
 

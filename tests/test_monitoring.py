@@ -1,5 +1,6 @@
 """Seeing a run: log.txt, the step line, its ETA and the CPU warning, the summary at the end, the
 run config block, --profile traces, --wandb_project metrics."""
+import dataclasses
 import importlib.util
 import json
 import math
@@ -13,6 +14,7 @@ import pytest
 import metrics
 import rundir
 import settings
+import train_gpt2 as tg
 from helpers import assert_one_line_error, run_args, run_cli, series
 
 
@@ -49,12 +51,18 @@ def test_log_roundtrip_and_truncate(tmp_path):
 
 
 def tiny_metrics(tmp_path, device="cpu", preset="tiny", first_step=0, end=6, wandb_project=None):
-    """Metrics as train_gpt2 makes it, for a 2-layer model of width 64 writing to tmp_path."""
-    args = types.SimpleNamespace(log_dir=str(tmp_path), sequence_length=32, batch_ramp_tokens=0,
-                                 peak_flops=None, wandb_project=wandb_project,
-                                 wandb_run_name=None, preset=preset)
-    config = types.SimpleNamespace(n_layer=2, n_head=2, n_embd=64)
-    return metrics.Metrics(args, device, 1, first_step, end, config, 100_000, {"max_steps": end})
+    """Metrics as train_gpt2 makes it, for a 2-layer model of width 64 writing to tmp_path: the
+    Run settled from the flags on the CPU, then moved to `device` (this machine may lack it)."""
+    flags = ["--preset", preset, "--n_layer", "2", "--n_head", "2", "--n_embd", "64",
+             "--block_size", "32", "-B", "1", "-T", "32", "--total_batch_size", "32",
+             "--max_steps", str(end), "--warmup_steps", "1", "--sample_every", "0",
+             "--log_dir", str(tmp_path), "--device", "cpu"]
+    if wandb_project:
+        flags += ["--wandb_project", wandb_project]
+    run, proc, _ = tg.settle(flags)
+    assert run.batch_ramp_tokens == 0 and run.peak_flops is None and run.end_step == end
+    run = dataclasses.replace(run, device=device, device_type=device)
+    return metrics.Metrics(run, proc, first_step, 100_000)
 
 
 def test_metrics_log_txt_step_lines_wandb_and_summary(tmp_path, capsys, monkeypatch):
@@ -68,14 +76,14 @@ def test_metrics_log_txt_step_lines_wandb_and_summary(tmp_path, capsys, monkeypa
     fake = types.SimpleNamespace(init=lambda **kw: types.SimpleNamespace(
         log=lambda data, step: logged.append((step, data))))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    metrics = tiny_metrics(tmp_path, wandb_project="p")
-    metrics.log(0, "val", 10.5)
-    metrics.report_step(0, 10.25, 1e-4, 2.5, 0.5, 1024)
-    metrics.report_step(1, 9.75, 2e-4, math.inf, 0.25, 1024, skipped=True)
-    metrics.report_step(2, 9.5, 3e-4, math.nan, 0.2, 2048, skipped=True)
-    metrics.report_step(3, 9.25, 4e-4, 1.75, 0.2, 1024)
-    metrics.log(4, "val", 11.0)
-    metrics.log(4, "hella", 0.3)
+    meter = tiny_metrics(tmp_path, wandb_project="p")
+    meter.log(0, "val", 10.5)
+    meter.report_step(0, 10.25, 1e-4, 2.5, 0.5, 1024)
+    meter.report_step(1, 9.75, 2e-4, math.inf, 0.25, 1024, skipped=True)
+    meter.report_step(2, 9.5, 3e-4, math.nan, 0.2, 2048, skipped=True)
+    meter.report_step(3, 9.25, 4e-4, 1.75, 0.2, 1024)
+    meter.log(4, "val", 11.0)
+    meter.log(4, "hella", 0.3)
 
     lines = capsys.readouterr().out.splitlines()
     # no ETA from the first step (it compiles, warms up)
@@ -102,7 +110,7 @@ def test_metrics_log_txt_step_lines_wandb_and_summary(tmp_path, capsys, monkeypa
     assert (4, {"hella": 0.3}) in logged
 
     clock[0] += 3661.5
-    assert metrics.summary(None) == (
+    assert meter.summary(None) == (
         "run summary: steps 0-3 (4 steps, 5,120 tokens) in 1:01:01\n"
         "  val loss: 11.0000 at step 4, best 10.5000 at step 0\n"
         "  HellaSwag acc_norm: 0.3000 at step 4\n"
@@ -117,11 +125,11 @@ def test_summary_of_a_resumed_run_and_of_a_plain_one(tmp_path):
     for step, kind, value in [(0, "val", 10.0), (2, "skipped", 1), (3, "val", 8.0),
                               (3, "hella", 0.25), (5, "val", float("nan")), (6, "skipped", 2)]:
         rundir.append_log(path, step, kind, value)
-    metrics = tiny_metrics(tmp_path, first_step=7, end=9)
-    metrics.report_step(7, 7.5, 1e-4, math.inf, 0.5, 64, skipped=True)
-    metrics.log(8, "val", 9.0)
+    meter = tiny_metrics(tmp_path, first_step=7, end=9)
+    meter.report_step(7, 7.5, 1e-4, math.inf, 0.5, 64, skipped=True)
+    meter.log(8, "val", 9.0)
     assert rundir.read_log(path)["skipped"] == ([2, 6, 7], [1.0, 2.0, 3.0])  # the count goes on
-    summary = metrics.summary(str(tmp_path / "model_00007.pt"))
+    summary = meter.summary(str(tmp_path / "model_00007.pt"))
     assert summary.splitlines()[1:] == [
         "  val loss: 9.0000 at step 8, best 8.0000 at step 3",  # nan is never the best
         "  HellaSwag acc_norm: 0.2500 at step 3",
@@ -143,9 +151,9 @@ def test_summary_of_a_resumed_run_and_of_a_plain_one(tmp_path):
     ("mps", "gpt2", 10_000, False),  # not a CPU
 ])
 def test_a_long_run_on_the_cpu_warns_once(tmp_path, capsys, device, preset, end, warned):
-    metrics = tiny_metrics(tmp_path, device=device, preset=preset, end=end)
+    meter = tiny_metrics(tmp_path, device=device, preset=preset, end=end)
     for step in range(4):
-        metrics.report_step(step, 10.0, 1e-4, 1.0, 1.25, 64)
+        meter.report_step(step, 10.0, 1e-4, 1.0, 1.25, 64)
     out = capsys.readouterr().out
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]
     eta = metrics.format_eta((end - 2) * 1.25)  # from step 1, the first timed one
@@ -159,7 +167,7 @@ def test_a_long_run_on_the_cpu_warns_once(tmp_path, capsys, device, preset, end,
 def run_config(**changes):
     """A run config as train_gpt2 makes it: the flags' defaults, what the run worked out."""
     config = {**settings.DEFAULTS, "device": "cpu", "world_size": 1, "grad_accum_steps": 8,
-              "autocast_dtype": "fp32", "compile": False, **changes}
+              "precision": "fp32", "compile": False, **changes}
     config["model"] = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
     config["provenance"] = {"code": f"git {'0123abcd' * 5} (dirty)", "torch": "2.13.0+cpu",
                             "device": "cuda:0 (NVIDIA H100 80GB HBM3)"}

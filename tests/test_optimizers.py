@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rundir
+import settings
 import train_gpt2 as tg
 from helpers import (DIST_FLAGS, assert_one_line_error, dist_reference, log_of, resume_args,
                      run_args, run_cli, series, stop_then_resume, tiny_model, torchrun)
@@ -123,7 +124,7 @@ def test_combined_optimizer_state_dict_round_trip_is_exact():
 
 
 def test_adamw_stays_the_default_and_muon_flags_are_checked(data, tmp_path):
-    assert tg.parse_args([])[0].optimizer == "adamw"
+    assert settings.read_flags([])[0].optimizer == "adamw"
     assert isinstance(tiny_model().configure_optimizers(0.1, 1e-3, "cpu", verbose=False),
                       torch.optim.AdamW)
     r = run_cli(*run_args(data, str(tmp_path / "a"), *MUON, "--muon_momentum", "1.5"))

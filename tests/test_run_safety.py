@@ -140,9 +140,10 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
     monkeypatch.setattr(common.time, "sleep", holder_writes_its_record)
     # a run's claim on its log dir: the log dir's wording, naming the live holder once its record
     # is there
-    args = types.SimpleNamespace(log_dir=str(log), overwrite=False)
+    run = types.SimpleNamespace(log_dir=str(log), overwrite=False, as_dict=dict)  # what it reads
+    one = common.Proc(environ={})  # a run of one process: the master
     with pytest.raises(common.UsageError) as e:
-        rundir.claim_log_dir(args, None, {}, True, lambda ok: ok)
+        rundir.claim_log_dir(run, None, one)
     live = (f"pid {os.getpid()} on {host}, since 2024-05-01 12:00:00: python train_gpt2.py "
             f"--log_dir log")
     assert str(e.value) == (f"{log} is in use by a live run ({live}): wait for it to end, or "
@@ -151,7 +152,7 @@ def test_lock_message_names_the_live_holder_not_a_stale_or_missing_record(tmp_pa
     holder.release()
 
     # once free: the holder's record names this process while held, and goes with the lock
-    with rundir.claim_log_dir(args, None, {}, True, lambda ok: ok):
+    with rundir.claim_log_dir(run, None, one):
         assert json.loads(record.read_text())["pid"] == os.getpid()
     assert not record.exists()
     free = filelock.FileLock(str(log / ".lock"), thread_local=False, is_singleton=False)

@@ -48,7 +48,7 @@ def test_batch_size_ramp_schedule():
 
 
 def test_accumulation_steps():
-    args, _ = tg.parse_args(["-B", "4", "-T", "32", "--total_batch_size", "1024"])
+    args, _, _ = settings.read_flags(["-B", "4", "-T", "32", "--total_batch_size", "1024"])
     assert settings.accumulation_steps(args, 2, 64) == 4
     with pytest.raises(common.UsageError, match="not divisible"):
         settings.accumulation_steps(args, 3, 64)
@@ -227,7 +227,9 @@ def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
     assert " n_layer=1 " in groups["model"] and " max_steps=8 " in groups["optimisation"]
     assert " sample_prompt=Hello, I'm a language model, " in groups[titles[2]]
     assert " seed=1337 " in groups["data"] and " device=cpu " in groups["this invocation"]
-    assert groups["this run"] == " world_size=1 grad_accum_steps=1 autocast_dtype=fp32"  # no False
+    # what settle() derived (the precision by its name); none False, no dict (those follow)
+    assert groups["this run"] == \
+        " device_type=cpu world_size=1 precision=fp32 grad_accum_steps=1 end_step=8"
     assert " n_embd=32 " in groups["GPTConfig"] and " vocab_size=50304 " in groups["GPTConfig"]
 
 

@@ -14,7 +14,6 @@ hellaswag.evaluate, ...) and watches it from outside, through torch: global modu
 hooks, and stand-ins for torch functions (torch.cuda.*, torch.save/load, torch.compile, the process
 group).
 """
-import argparse
 import collections
 import contextlib
 import importlib.util
@@ -381,28 +380,28 @@ def check_auto_batch(n_layer="1"):
         return estimates["peak"]
 
     config = tg.GPTConfig(**{**settings.MODEL_PRESETS["gpt2"], "n_layer": int(n_layer)})
-    args = argparse.Namespace(sequence_length=1024, total_batch_size=524288, fsdp=False,
-                              optimizer="adamw", weight_decay=0.1, max_lr=6e-4)
+    data, log = scratch()
+    flags = ["--device", "cuda", "--n_layer", n_layer, "--dtype", "bf16", "-T", "1024",
+             "--total_batch_size", "524288", "--data_root", data, "--log_dir", log]
     chosen = {}
     settings.step_memory = shared
     settings.confirm_micro_batch = lambda model, candidates, B, *args: B
     try:
         for gib in (16, 24, 40, 80):
             with simcuda.flash_attention_as_on_h100(), \
-                    simcuda.SimulatedCUDA(total_memory=gib * 2**30):
-                ctx, _ = common.autocast_for("bf16", "cuda")
-                B, fit = settings.auto_micro_batch(
-                    lambda: tg.GPT(config), lambda m: tg.make_optimizer(m, args, "cuda"), args,
-                    "cuda", 1, ctx, config.vocab_size, lambda ok: ok)
-                larger = [d for d in settings.divisors(512) if d > B]
-                chosen[gib] = {"B": B, "estimate": estimates["peak"](B),
-                               "larger": estimates["peak"](larger[0]) if larger else None,
-                               "budget": settings.USABLE_GPU_MEMORY * gib * 2**30, **fit}
-        data, log = scratch()
+                    simcuda.SimulatedCUDA(total_memory=gib * 2**30), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                run, _, _ = tg.settle(flags + ["-B", "auto"])  # tg.auto_micro_batch, confirmed
+            B, fit = run.micro_batch_size, run.micro_batch_fit
+            assert (run.model.n_layer, run.model.n_embd, run.precision.name) == \
+                (int(n_layer), config.n_embd, "bf16"), run
+            larger = [d for d in settings.divisors(512) if d > B]
+            chosen[gib] = {"B": B, "estimate": estimates["peak"](B),
+                           "larger": estimates["peak"](larger[0]) if larger else None,
+                           "budget": settings.USABLE_GPU_MEMORY * gib * 2**30, **fit}
         before = sorted(os.listdir(data))
         with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA():
-            plan, _ = run_main(["plan", "--device", "cuda", "--n_layer", n_layer, "--dtype", "bf16",
-                                "--data_root", data, "--log_dir", log])
+            plan, _ = run_main(["plan", *flags])
         plan_wrote = os.path.exists(log) or sorted(os.listdir(data)) != before
     finally:
         settings.step_memory, settings.confirm_micro_batch = step_memory, confirm

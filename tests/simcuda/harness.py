@@ -29,8 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fake_cuda_preload.cpp")
 TORCH_SERIES = "2.13."
 # frames in these files are the project's: their torch.cuda calls and read-backs are recorded
-PROJECT_FILES = ("train_gpt2.py", "rundir.py", "common.py", "hellaswag.py", "fineweb.py",
-                 "bench.py")
+PROJECT_FILES = ("train_gpt2.py", "settings.py", "rundir.py", "metrics.py", "common.py",
+                 "openai_gpt2.py", "hellaswag.py", "fineweb.py", "bench.py")
 # what torch.cuda.get_device_name() says: an H100 SXM, the GPU the MFU column and the estimates
 # assume
 H100 = "NVIDIA H100 80GB HBM3"
@@ -207,7 +207,7 @@ class SimulatedCUDA:
             "set_device": (nothing, "torchrun ranks pin their GPU"),
             "synchronize": (nothing, "nothing runs asynchronously here"),
             "get_device_name": (lambda *a, **k: self.device_name,
-                                "the MFU column looks up the GPU's peak"),
+                                "settle looks up the GPU's peak FLOP/s"),
             "get_device_properties": (lambda *a, **k: props, "capability and memory queries"),
             "get_device_capability": (lambda *a, **k: (9, 0), "an H100 is sm_90"),
             "is_bf16_supported": (lambda *a, **k: self.bf16,
