@@ -34,7 +34,11 @@ def peak_flops(device_name):
 
 
 def format_eta(seconds):
-    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
+    """H:MM:SS, or from a day on "N days, H hours" (a CPU estimate of a full-size run is years)."""
+    seconds = int(seconds)
+    if seconds >= 86400:
+        return f"{seconds // 86400:,} days, {seconds % 86400 // 3600} hours"
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def flops_per_token(config, n_params, seq_len):

@@ -639,9 +639,9 @@ def fit_micro_batch(peak, run):
 
 
 def measure_micro_step(model, optimizer, B, run, repeats=3):
-    """(fastest, slowest) seconds of a few real micro-steps (forward, backward, optimizer step) of
-    B x T tokens on the run's device, after one to warm up; random generators are left as they
-    were."""
+    """(fastest, median, slowest) seconds of a few real micro-steps (forward, backward, optimizer
+    step) of B x T tokens on the run's device, after one to warm up; random generators are left as
+    they were."""
     x = torch.zeros(B, run.sequence_length, dtype=torch.long, device=run.device)
     seconds = []
     with forked_rng(run.device):
@@ -654,24 +654,64 @@ def measure_micro_step(model, optimizer, B, run, repeats=3):
             optimizer.zero_grad(set_to_none=True)
             loss.item()  # waits for the device
             seconds.append(time.perf_counter() - t0)
-    return min(seconds[1:]), max(seconds[1:])
+    timed = sorted(seconds[1:])
+    return timed[0], timed[len(timed) // 2], timed[-1]
 
 
-def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None):
+def matmul_flops(device, n=512, repeats=8):
+    """FLOP/s of an (n, n) fp32 matmul on device, measured: an upper bound on what a training step
+    reaches there, for plan's estimate of a run too large to time a step of."""
+    a = torch.randn(n, n, device=device)
+    (a @ a).sum().item()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        b = a @ a
+    b.sum().item()  # waits for the device
+    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
+def evaluations(every, run, first_step):
+    """How many times an every-N block (val, samples) runs in the run from first_step on: at its
+    steps that N divides, and after the final step when this invocation reaches it."""
+    if every <= 0:
+        return 0
+    due = len([s for s in range(first_step, run.end_step) if s % every == 0])
+    return due + int(run.end_step == run.max_steps)
+
+
+def plan_time(run, micro_step, first_step=0):
+    """Seconds the run's loop takes at `micro_step` seconds a micro-step (forward, backward and an
+    optimizer step of B x T tokens): its optimizer steps from first_step on, and its val passes (a
+    forward each, a third of a micro-step). Samples and HellaSwag are not counted."""
+    steps = run.end_step - first_step
+    train = steps * run.grad_accum_steps * micro_step
+    unit = run.micro_batch_size * run.sequence_length * run.world_size
+    val = evaluations(run.eval_every, run, first_step) * math.ceil(run.val_tokens / unit)
+    return train + val * micro_step / 3
+
+
+def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first_step=0):
     """The plan command's report of a settled run (under torchrun: per process): its size, batch,
-    memory, compute and time, worked out before anything is written. peak: step_memory's; seconds:
-    measure_micro_step's (fastest, slowest) of one sequence, where no peak FLOP/s is known."""
+    memory, compute and time, worked out before anything is written. peak: step_memory's;
+    seconds: measure_micro_step's (fastest, median, slowest) of the run's micro-step, where timed;
+    first_step: a resumed run's next step."""
     T, total, B = run.sequence_length, run.total_batch_size, run.micro_batch_size
     budget, of_what = memory_budget(run.device)
     step_flops = flops_per_token(run.model, n_params_non_embedding, T) * total
-    steps = run.end_step
+    steps = run.end_step - first_step
     if run.peak_flops:  # compiled GPT-2 training runs reach about 30-50% of a GPU's peak
         fast = steps * step_flops / (run.world_size * run.peak_flops * 0.5)
-        slow, how = fast * 0.5 / 0.3, f"at 50% to 30% MFU of {run.peak_flops / 1e12:.0f} TFLOP/s"
-    else:  # measured at -B 1 and scaled: no peak to go by
-        sequences = B * run.grad_accum_steps
-        fast, slow = (steps * sequences * t for t in seconds)
-        how = f"from 3 micro-steps of 1 sequence measured on {run.device}, times {sequences}"
+        time_line = (f"{format_eta(fast)} to {format_eta(fast * 0.5 / 0.3)} (the steps at 50% "
+                     f"to 30% MFU of {run.peak_flops / 1e12:.0f} TFLOP/s)")
+    elif seconds is not None:  # the run's own micro-step, timed here
+        fastest, median, slowest = seconds
+        time_line = (f"about {format_eta(plan_time(run, median, first_step))} (steps and val "
+                     f"passes, from micro-steps of -B {B} x -T {T} timed on {run.device}: "
+                     f"{fastest:.2f} to {slowest:.2f} s, median {median:.2f})")
+    else:  # too large to time here: the matmul rate bounds it
+        rate = matmul_flops(run.device)
+        time_line = (f"at least {format_eta(steps * step_flops / rate)} (the steps' FLOPs at the "
+                     f"{rate / 1e9:,.0f} GFLOP/s of a matmul measured on {run.device})")
     fits = ""
     if peak(B) > budget:
         fits = ": it does not fit, -B auto picks one that does"
@@ -684,4 +724,16 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None):
         f"    of {gib(budget)} usable of {of_what}{fits}",
         f"  compute: {step_flops / 1e12:,.1f} TFLOP a step (6N + attention), "
         f"{steps * step_flops / 1e18:,.2f} EFLOP in all",
-        f"  time: {format_eta(fast)} to {format_eta(slow)} ({how})"])
+        f"  time: {time_line}"])
+
+
+def worth_timing(run, peak, n_params_non_embedding, limit=10.0):
+    """Whether plan times real micro-steps of the run's shape here: the step fits this machine's
+    memory, and at the matmul rate a micro-step takes under `limit` seconds (a full-size model on
+    a CPU would take minutes a step, and the machine's memory)."""
+    budget, _ = memory_budget(run.device)
+    if peak(run.micro_batch_size) > budget:
+        return False
+    unit = run.micro_batch_size * run.sequence_length
+    flops = flops_per_token(run.model, n_params_non_embedding, run.sequence_length) * unit
+    return flops / matmul_flops(run.device) < limit

@@ -907,19 +907,21 @@ def auto_micro_batch(run, proc, confirm=True):
 
 def plan_main(argv):
     """What a run with these flags would take, worked out without writing anything: the run
-    config it prints, then its size, memory, compute and time."""
-    run, proc, _ = settle(argv, confirm=False)
+    config it prints, then its size, memory, compute and time (a resumed run: the steps left)."""
+    run, proc, ckpt = settle(argv, confirm=False)
+    first_step = 0 if ckpt is None else ckpt["step"] + 1
     with settings.fake_tensors(run.device) as mode:
         model = GPT(run.model)
         optimizer = make_optimizer(model, run)
     peak = settings.step_memory(model, optimizer, mode, run)
+    n_params, n_params_non_embedding = model.get_num_params(), model.get_num_params(True)
     seconds = None
-    if not run.peak_flops:  # no GPU peak to go by: a few micro-steps of one sequence, measured
-        model = GPT(run.model).to(run.device)
-        seconds = settings.measure_micro_step(model, make_optimizer(model, run), 1, run)
+    if not run.peak_flops and settings.worth_timing(run, peak, n_params_non_embedding):
+        model = GPT(run.model).to(run.device)  # the run's own micro-step, timed here
+        seconds = settings.measure_micro_step(model, make_optimizer(model, run),
+                                              run.micro_batch_size, run)
     print0(run.describe())
-    print0(settings.plan_report(run, peak, model.get_num_params(),
-                                model.get_num_params(non_embedding=True), seconds))
+    print0(settings.plan_report(run, peak, n_params, n_params_non_embedding, seconds, first_step))
     return 0
 
 def model_for_command(args):

@@ -4,9 +4,11 @@ the same block from `plan`; nothing changes it afterwards."""
 import dataclasses
 import json
 import os
+import time
 
 import pytest
 
+import metrics
 import settings
 import train_gpt2 as tg
 from helpers import resume_args, run_args, run_cli
@@ -77,3 +79,52 @@ def test_a_resumed_run_settles_from_its_checkpoint(data, tmp_path):
     assert run.micro_batch_size == first["micro_batch_size"] and run.micro_batch_fit is None
     assert run.max_steps == 4 and run.stop_step is None and run.end_step == 4
     assert dataclasses.asdict(run.model) == first["model"]
+
+
+def clock_seconds(text):
+    """Seconds of an H:MM:SS figure."""
+    h, m, s = (int(v) for v in text.split(":"))
+    return 3600 * h + 60 * m + s
+
+
+def test_plans_time_is_the_runs_within_a_factor_of_two(data, tmp_path):
+    """plan times the run's own micro-step (not one sequence scaled up) and counts the val passes:
+    its estimate and the run it describes agree within a factor of 2 (a loose bound, since both
+    run on the same machine, one after the other)."""
+    flags = run_args(data, str(tmp_path / "log"), "--n_layer", "4", "--n_embd", "128",
+                     "--block_size", "256", "-B", "8", "-T", "256", "--total_batch_size", "2048",
+                     "--max_steps", "8", "--eval_every", "4", "--val_tokens", "2048",
+                     "--sample_every", "0", "--save_every", "0")
+    planned = run_cli("plan", *flags)
+    assert planned.returncode == 0, planned.stderr
+    line = [x for x in planned.stdout.splitlines() if x.startswith("  time: about ")][0]
+    assert "timed on cpu" in line, line
+    estimate = clock_seconds(line.split()[2])
+    t0 = time.perf_counter()
+    trained = run_cli(*flags)
+    took = time.perf_counter() - t0
+    assert trained.returncode == 0, trained.stderr
+    assert estimate / 2 <= took <= 2 * max(estimate, 1), (line, took)
+
+
+def test_plan_of_a_full_size_run_on_a_cpu_times_no_step_and_says_days(data, tmp_path):
+    r = run_cli("plan", "--data_root", data, "--log_dir", str(tmp_path / "log"), "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stdout.splitlines() if x.startswith("  time: ")][0]
+    assert line.startswith("  time: at least ") and " days, " in line and "timed" not in line
+    assert "19,073 steps x 524,288" in r.stdout  # GPT-2's recipe
+
+
+def test_long_times_read_as_days_and_hours():
+    assert metrics.format_eta(3725.9) == "1:02:05"
+    assert metrics.format_eta(86399) == "23:59:59"
+    assert metrics.format_eta(86400 * 1234 + 7 * 3600 + 59) == "1,234 days, 7 hours"
+
+
+def test_plan_of_a_resumed_run_counts_the_steps_left(data, tmp_path):
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--max_steps", "6", "--stop_step", "2"))
+    assert r.returncode == 0, r.stderr
+    planned = run_cli("plan", *resume_args(log))
+    assert planned.returncode == 0, planned.stderr
+    assert "  tokens: 4 steps x 64 = 256" in planned.stdout, planned.stdout
