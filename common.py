@@ -12,10 +12,12 @@ Nothing here trains, downloads or starts anything at import; torch is imported o
 
 import argparse
 import contextlib
+import difflib
 import errno
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -303,11 +305,37 @@ def print0(*args, **kwargs):
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line (`error: ... (see --help)`, exit status 1); under
-    torchrun only rank 0 prints it, as every rank meets the same flags."""
+    torchrun only rank 0 prints it, as every rank meets the same flags. A flag is its whole name
+    (--max_step is not taken for --max_steps); an unknown one is answered with the nearest real
+    one; a flag's old spelling still works, but not beside its new one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.old_spellings = {}  # old flag: its new name
+
+    def add_old_spelling(self, old, new, **kwargs):
+        """old, an earlier name of the flag new (same dest), hidden from --help."""
+        self.old_spellings[old] = new
+        return self.add_argument(old, help=argparse.SUPPRESS, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        words = sys.argv[1:] if args is None else list(args)
+        given = {w.split("=", 1)[0] for w in words if isinstance(w, str) and w.startswith("--")}
+        for old, new in self.old_spellings.items():
+            if old in given and new in given:
+                self.error(f"{old} is the old spelling of {new}: give one of them")
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            unknown = message.split(": ", 1)[1].split()[0].split("=")[0]
+            known = set(re.findall(r"--[A-Za-z][\w-]*", self.format_help()))
+            nearest = difflib.get_close_matches(unknown, sorted(known), n=1, cutoff=0.5)
+            if unknown.startswith("-") and nearest:
+                message += f" (did you mean {nearest[0]}?)"
         if rank() == 0:
             print(f"error: {one_line(message, 10_000)} (see --help)", file=sys.stderr, flush=True)
+        record_error(f"error: {one_line(message, 10_000)}")
         sys.exit(1)
 
 
@@ -334,6 +362,12 @@ def bounded(kind, low, high=math.inf, low_open=False, high_open=False, what=None
             raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
         return value
     return parse
+
+
+def count(low, high):
+    """An argparse type: an integer in low..high, high the most that the flag can mean (a model, a
+    context, a batch a machine can hold; steps a run can take; workers a machine can run)."""
+    return bounded(int, low, high, what=f"in {low}..{high:,}")
 
 
 def auto_or(kind):

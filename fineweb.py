@@ -12,7 +12,6 @@ https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu
 From Python: prepare(), prep_status(), open_shard() and ensure_prepared() (data on first use).
 """
 
-import argparse
 import collections
 import contextlib
 import dataclasses
@@ -32,8 +31,8 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
-from common import (DiskFullError, Proc, HelpFormatter, OneLineParser, UsageError, atomic_write,
-                    dir_lock, hub_unreachable, one_line)
+from common import (DiskFullError, HelpFormatter, OneLineParser, Proc, UsageError, atomic_write,
+                    count, dir_lock, hub_unreachable, one_line)
 
 # ===== constants (train_gpt2.py relies on the shard names and the default data root) ==============
 HF_DATASET = "HuggingFaceFW/fineweb-edu"
@@ -45,6 +44,7 @@ SHARD_PREFIX = "edufineweb"
 LOCAL_DATA_ROOT = os.path.join(REPO_DIR, "local_text")
 LOCAL_SHARD_PREFIX = "text"
 SHARD_SIZE = 100_000_000  # tokens per shard, 200 MB of uint16
+MAX_WORKERS = max(8, 4 * (os.cpu_count() or 1))  # tokenizer processes beyond these only queue up
 TOKENIZER = "gpt2"
 BPE_DIR = os.path.join(REPO_DIR, "gpt2_bpe")
 # the sha256 tiktoken checks for these two files of OpenAI's GPT-2 release
@@ -950,21 +950,26 @@ def build_parser():
     # flag names as train_gpt2.py's; the old names (hidden) still work
     p.add_argument("--fineweb_name", default="sample-10BT", choices=NAMES,
                    help="FineWeb-Edu sample to download")
-    p.add_argument("--name", dest="fineweb_name", choices=NAMES, help=argparse.SUPPRESS)
+    p.add_old_spelling("--name", "--fineweb_name", dest="fineweb_name", choices=NAMES)
     p.add_argument("--dataset", default=HF_DATASET,
                    help="HF dataset repo id, or a local copy of it with the same configs")
     p.add_argument("--data_root", default=None,
                    help=f"output directory; if not given, {os.path.basename(DEFAULT_DATA_ROOT)}/ "
                         f"beside this script (the one train_gpt2.py reads), or "
                         f"{os.path.basename(LOCAL_DATA_ROOT)}/ beside it with --input")
-    p.add_argument("--local_dir", dest="data_root", help=argparse.SUPPRESS)
-    p.add_argument("--shard_size", type=int, default=SHARD_SIZE, help="tokens per shard")
-    p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes")
-    p.add_argument("--max_tokens", type=int, default=None,
+    p.add_old_spelling("--local_dir", "--data_root", dest="data_root")
+    # a shard is built in memory (4 GiB of uint16 at most); more workers than a few per core only
+    # queue up; token counts beyond 2^50 are more text than exists
+    p.add_argument("--shard_size", type=count(1, 2**31), default=SHARD_SIZE,
+                   help="tokens per shard")
+    p.add_argument("--num_proc", type=count(1, MAX_WORKERS), default=os.cpu_count(),
+                   help="tokenizer processes")
+    p.add_argument("--max_tokens", type=count(1, 2**50), default=None,
                    help="stop after this many tokens; streamed, so no more is downloaded")
-    p.add_argument("--val_shard_tokens", type=int, default=None,
+    p.add_argument("--val_shard_tokens", type=count(1, 2**50), default=None,
                    help="tokens in the val shard (see below)")
-    p.add_argument("--val_tokens", dest="val_shard_tokens", type=int, help=argparse.SUPPRESS)
+    p.add_old_spelling("--val_tokens", "--val_shard_tokens", dest="val_shard_tokens",
+                       type=count(1, 2**50))
     p.add_argument("--input", dest="inputs", nargs="+", metavar="PATH", default=None,
                    help="local .txt/.md/.jsonl/.parquet files or globs to use instead of "
                         "downloading (a .txt or .md file is one document)")

@@ -17,7 +17,6 @@ HF ``datasets`` in the original schema. Every record is checked before it is sco
 downloads, spawns and opens nothing, and imports neither torch nor datasets.
 """
 
-import argparse
 import inspect
 import itertools
 import json
@@ -687,7 +686,7 @@ def build_parser():
     p.add_argument("--hellaswag_dir", default=None,
                    help="folder of hellaswag_*.jsonl (default $HELLASWAG_DIR or ./hellaswag next "
                         "to this script)")
-    p.add_argument("--data_dir", dest="hellaswag_dir", help=argparse.SUPPRESS)  # its old name
+    p.add_old_spelling("--data_dir", "--hellaswag_dir", dest="hellaswag_dir")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="autocast dtype; auto: bf16 on GPUs that have it, fp16 on older ones, "
                         "fp32 on the CPU")

@@ -19,8 +19,8 @@ import torch
 
 import fineweb
 import rundir
-from common import (DTYPES, LEARNING_RATE, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED,
-                    OneLineParser, UsageError, add_flags, auto_or, bounded, device_type_of,
+from common import (DTYPES, LEARNING_RATE, NONNEG, POSITIVE, SEED,
+                    OneLineParser, UsageError, add_flags, auto_or, bounded, count, device_type_of,
                     flag_dest, print0)
 from metrics import flops_per_token, format_eta, peak_flops, profile_schedule
 
@@ -28,6 +28,9 @@ from metrics import flops_per_token, format_eta, peak_flops, profile_schedule
 # Every training flag once: (flags, default, type, meaning), made argparse arguments by add_flags.
 # A --preset, then a resumed checkpoint, change the defaults (read_flags); --help shows them.
 FRACTION = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
+# the most that a flag can mean: beyond these a model cannot be built or a run never ends
+LAYERS, WIDTH, CONTEXT, SEQUENCES = 1024, 65_536, 1_048_576, 65_536
+STEPS, TOKENS, SAMPLES = 1_000_000_000, 2**50, 1024
 SHARED = [  # the flags that the sample and eval commands take too
     ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
     ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
@@ -38,11 +41,11 @@ RUN_SETTINGS = {
     "model": [
         ("--preset", "gpt2", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"],
          "a model shape with its run settings"),
-        ("--n_layer", None, POSITIVE_INT, "transformer blocks"),
-        ("--n_head", None, POSITIVE_INT, "attention heads"),
-        ("--n_embd", None, POSITIVE_INT, "embedding width"),
-        ("--block_size", None, POSITIVE_INT, "context length"),
-        ("--n_kv_head", None, POSITIVE_INT, "key/value heads (GQA; 1: MQA)"),
+        ("--n_layer", None, count(1, LAYERS), "transformer blocks"),
+        ("--n_head", None, count(1, WIDTH), "attention heads"),
+        ("--n_embd", None, count(1, WIDTH), "embedding width"),
+        ("--block_size", None, count(1, CONTEXT), "context length"),
+        ("--n_kv_head", None, count(1, WIDTH), "key/value heads (GQA; 1: MQA)"),
         ("--dropout", 0.0, FRACTION, "dropout in training"),
         ("--bias", True, bool, "biases in Linear and LayerNorm"),
     ],
@@ -55,29 +58,29 @@ RUN_SETTINGS = {
          "match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr"),
         ("--max_lr", 6e-4, LEARNING_RATE, "peak learning rate"),
         ("--min_lr_ratio", 0.1, bounded(float, 0, 1, what="in [0, 1]"), "final LR / max_lr"),
-        ("--warmup_steps", 715, NONNEG_INT, "linear warmup steps"),
-        ("--max_steps", 19073, POSITIVE_INT, "optimizer steps (19073 x 2^19 = 10B tokens)"),
+        ("--warmup_steps", 715, count(0, STEPS), "linear warmup steps"),
+        ("--max_steps", 19073, count(1, STEPS), "optimizer steps (19073 x 2^19 = 10B tokens)"),
         ("--weight_decay", 0.1, NONNEG, "AdamW's weight decay (matmuls, embeddings)"),
         ("--grad_clip", 1.0, NONNEG, "clip the gradient norm to this (0: off)"),
-        ("--total_batch_size", 524288, POSITIVE_INT, "tokens per step, a multiple of B*T*ranks"),
-        ("--batch_ramp_tokens", 0, NONNEG_INT, "GPT-3's batch ramp over the first N tokens"),
-        ("--batch_ramp_start", 32768, POSITIVE_INT, "first batch of the ramp, in tokens"),
-        ("-B --micro_batch_size", 64, auto_or(POSITIVE_INT),
+        ("--total_batch_size", 524288, count(1, TOKENS),
+         "tokens per step, a multiple of B*T*ranks"),
+        ("--batch_ramp_tokens", 0, count(0, TOKENS), "GPT-3's batch ramp over the first N tokens"),
+        ("--batch_ramp_start", 32768, count(1, TOKENS), "first batch of the ramp, in tokens"),
+        ("-B --micro_batch_size", 64, auto_or(count(1, SEQUENCES)),
          "sequences a forward pass, per process; auto: most that fit"),
-        ("-T --sequence_length", 1024, POSITIVE_INT, "tokens per sequence"),
+        ("-T --sequence_length", 1024, count(1, CONTEXT), "tokens per sequence"),
     ],
     "evaluation, sampling, checkpoints (every 0: off)": [
-        ("--eval_every", 250, NONNEG_INT, "val loss every N steps and at the end"),
-        ("--val_tokens", 10_485_760, POSITIVE_INT, "val loss over the first N val tokens"),
-        ("--val_steps", None, POSITIVE_INT, "instead: N batches of B*T tokens per process"),
-        ("--sample_every", 250, NONNEG_INT, "samples every N steps (not 0) and at the end"),
+        ("--eval_every", 250, count(0, STEPS), "val loss every N steps and at the end"),
+        ("--val_tokens", 10_485_760, count(1, TOKENS), "val loss over the first N val tokens"),
+        ("--val_steps", None, count(1, STEPS), "instead: N batches of B*T tokens per process"),
+        ("--sample_every", 250, count(0, STEPS), "samples every N steps (not 0) and at the end"),
         ("--sample_prompt", "Hello, I'm a language model,", str, "prompt for the samples"),
-        ("--num_samples", 4, POSITIVE_INT, "samples per sampling block"),
-        ("--sample_tokens", 32, POSITIVE_INT, "new tokens per sample"),
-        ("--hellaswag_every", 250, NONNEG_INT, "HellaSwag every N steps and at the end"),
-        ("--hellaswag_limit", None, POSITIVE_INT, "only the first N HellaSwag val examples"),
-        ("--save_every", 5000, NONNEG_INT, "checkpoint every N steps; the last is saved"),
-        ("--keep_last", 0, NONNEG_INT, "keep only the newest N model_*.pt (0: all)"),
+        ("--num_samples", 4, count(1, SAMPLES), "samples per sampling block"),
+        ("--sample_tokens", 32, count(1, CONTEXT), "new tokens per sample"),
+        ("--hellaswag_every", 250, count(0, STEPS), "HellaSwag every N steps and at the end"),
+        ("--hellaswag_limit", None, count(1, STEPS), "only the first N HellaSwag val examples"),
+        ("--save_every", 5000, count(0, STEPS), "checkpoint every N steps; the last is saved"),
     ],
     "data": [
         ("--seed", 1337, SEED, "seed for init, data order and sampling"),
@@ -90,7 +93,9 @@ RUN_SETTINGS = {
         ("--log_dir", "log", str, "where log.txt, run_config.json and model_*.pt go"),
         ("--resume", None, {"metavar": "latest|PATH"}, "continue from a checkpoint"),
         ("--overwrite", False, bool, "start afresh: delete log.txt and model_*.pt"),
-        ("--stop_step", None, POSITIVE_INT, "leave after N steps, saved, on --max_steps' schedule"),
+        ("--keep_last", 0, count(0, STEPS), "keep only the newest N model_*.pt (0: all)"),
+        ("--stop_step", None, count(1, STEPS),
+         "leave after N steps, saved, on --max_steps' schedule"),
         *SHARED,
         ("--compile", None, bool, "torch.compile (default: on CUDA only)"),
         ("--fsdp", False, bool, "shard the model across torchrun processes (FSDP2)"),
@@ -132,9 +137,9 @@ CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
 COMMAND_FLAGS = {  # the commands' meaning, then their flags
     "sample": ["text from a checkpoint or from OpenAI's GPT-2", *SHARED, CHECKPOINT,
                ("--prompt", "Hello, I'm a language model,", str, "text to continue"),
-               ("--num_samples", 4, POSITIVE_INT, "independent samples"),
-               ("--max_new_tokens", 64, POSITIVE_INT, "new tokens per sample"),
-               ("--top_k", 50, POSITIVE_INT, "the k likeliest tokens (1: greedy)"),
+               ("--num_samples", 4, count(1, SAMPLES), "independent samples"),
+               ("--max_new_tokens", 64, count(1, CONTEXT), "new tokens per sample"),
+               ("--top_k", 50, count(1, WIDTH * 16), "the k likeliest tokens (1: greedy)"),
                ("--temperature", 1.0, NONNEG, "softmax temperature (0: greedy)"),
                ("--seed", 1337, SEED, "sampling seed"),
                ("--no_kv_cache", False, {"action": "store_true"}, "recompute it all each token")],
@@ -143,10 +148,10 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
                ("--out", None, {"required": True}, "a new (or empty) directory to write")],
     "eval": ["HellaSwag acc and acc_norm of a checkpoint or of OpenAI's GPT-2", *SHARED,
              CHECKPOINT,
-             ("--limit", None, POSITIVE_INT, "only the first N examples"),
-             ("--batch_tokens", 8192, NONNEG_INT, "tokens a pass (0: one example)"),
-             ("--hellaswag_dir", None, str, "folder of hellaswag_val.jsonl, if not hellaswag.py's"),
-             ("--data_dir", None, {"dest": "hellaswag_dir", "help": argparse.SUPPRESS}, "")],
+             ("--limit", None, count(1, STEPS), "only the first N examples"),
+             ("--batch_tokens", 8192, count(0, CONTEXT * 16), "tokens a pass (0: one example)"),
+             ("--hellaswag_dir", None, str,
+              "folder of hellaswag_val.jsonl, if not hellaswag.py's")],
 }
 
 def build_parser(shown=DEFAULTS, command=None):
@@ -156,6 +161,8 @@ def build_parser(shown=DEFAULTS, command=None):
         meaning, *flags = COMMAND_FLAGS[command]
         p = OneLineParser(prog=f"train_gpt2.py {command}", description=f"{command}: {meaning}")
         add_flags(p, flags)
+        if command == "eval":
+            p.add_old_spelling("--data_dir", "--hellaswag_dir", dest="hellaswag_dir")
         return p
     commands = "\n".join(f"  {c:8} {flags[0]}" for c, flags in COMMAND_FLAGS.items())
     commands += "\n  plan     the run these flags make (memory, compute, time); nothing written"
