@@ -606,6 +606,7 @@ class Proc:
         self.rank = int(environ.get("RANK", 0))
         self.local_rank = int(environ.get("LOCAL_RANK", 0))
         self.world_size = int(environ.get("WORLD_SIZE", 1))
+        self.local_world_size = int(environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this host
         self.master = self.rank == 0
         self.device = device
         self.long_wait_group = None

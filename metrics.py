@@ -67,7 +67,7 @@ class Metrics:
         # for the summary: this session's clock, steps and tokens; the whole run's evaluations and
         # skipped steps, a resumed run's earlier ones from its log.txt (already cut to its step)
         self.start, self.steps, self.tokens, self.last_step = time.time(), 0, 0, None
-        self.evals, self.skipped = {"val": [], "hella": []}, 0
+        self.evals, self.skipped, self.skipped_now = {"val": [], "hella": []}, 0, 0
         if self.master and first_step > 0 and os.path.exists(self.log_file):
             earlier = rundir.read_log(self.log_file)
             for kind in self.evals:
@@ -113,8 +113,8 @@ class Metrics:
                 self.dt_avg = 0.9 * self.dt_avg + 0.1 * dt
         extra = {"lr": lr, "norm": norm, "dt": 1000 * dt, "tok_s": tokens_per_sec}
         line = f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f}"
-        if skipped:
-            self.skipped += 1
+        if skipped:  # log.txt keeps the run's count, the summary this session's
+            self.skipped, self.skipped_now = self.skipped + 1, self.skipped_now + 1
             extra["skipped"] = self.skipped
             line += " | skipped (fp16 overflow)"
         line += f" | dt {dt * 1000:.2f}ms | tok/sec {tokens_per_sec:.0f}"
@@ -159,8 +159,8 @@ class Metrics:
             step, value = self.evals["hella"][-1]
             lines.append(f"  HellaSwag acc_norm: {value:.4f} at step {step}")
         lines.append(f"  last checkpoint: {last_checkpoint or 'none'}")
-        if self.skipped:
-            lines.append(f"  skipped steps (fp16 overflow): {self.skipped}")
+        if self.skipped_now:
+            lines.append(f"  skipped steps (fp16 overflow): {self.skipped_now}")
         return "\n".join(lines)
 
     def finish(self):

@@ -138,13 +138,36 @@ def read_checkpoint(path, keys=("model", "config"), check_weights=True):
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UsageError(f"{path} is not a train_gpt2.py checkpoint (no {', '.join(missing)})")
-    for key in ("model", "config", "args", "optimizer", "loader", "rng"):
-        if key in ckpt and not isinstance(ckpt[key], dict):
-            raise UsageError(f"{path} is not a usable checkpoint: its {key!r} is a "
-                             f"{type(ckpt[key]).__name__}, not a dict")
+    check_fields(ckpt, path)
     if check_weights and (bad := non_finite(ckpt["model"])):
         raise UsageError(f"{path} holds NaN or inf weights ({bad}): a diverged run's")
     return upgrade_checkpoint(ckpt)
+
+
+def check_fields(ckpt, path):
+    """A UsageError naming path and the field, for a checkpoint whose fields are not what
+    train_gpt2.py writes: dicts where it writes dicts, tensors in the model, a step and a token
+    count that are non-negative integers, a val loss that is a number, a config of plain values.
+    (The flags in its args are checked against the flag table by settings.py.)"""
+    def bad(field, what):
+        raise UsageError(f"{path} is not a usable checkpoint: its {field} {what}")
+
+    for key in ("model", "config", "args", "optimizer", "loader", "rng"):
+        if key in ckpt and not isinstance(ckpt[key], dict):
+            bad(repr(key), f"is a {type(ckpt[key]).__name__}, not a dict")
+    for name, value in ckpt.get("model", {}).items():
+        if not isinstance(value, torch.Tensor):
+            bad(f"model entry {name!r}", f"is a {type(value).__name__}, not a tensor")
+    for key in ("step", "tokens_seen"):
+        value = ckpt.get(key, 0)
+        if type(value) is not int or value < 0:
+            bad(repr(key), f"is {one_line(repr(value), 40)}, not a non-negative integer")
+    loss = ckpt.get("val_loss")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+        bad("'val_loss'", f"is {one_line(repr(loss), 40)}, not a number")
+    for key, value in ckpt.get("config", {}).items():
+        if not isinstance(key, str) or not isinstance(value, (int, float, type(None))):
+            bad(f"config entry {one_line(repr(key), 40)}", f"is {one_line(repr(value), 40)}")
 
 
 def upgrade_checkpoint(ckpt):
@@ -196,23 +219,6 @@ def open_checkpoint(path):
     print(f"{path}: step {step}, written by {made or 'a run that recorded no provenance'}",
           flush=True)
     return ckpt
-
-
-def find_resume_checkpoint(resume, log_dir, print0=print):
-    """(path, checkpoint) for --resume latest|PATH; latest skips unusable newer files with a
-    warning."""
-    if resume != "latest":
-        return resume, read_checkpoint(resume, keys=RESUME_KEYS)
-    found = find_checkpoints(log_dir)
-    for path in reversed(found):
-        try:
-            return path, read_checkpoint(path, keys=RESUME_KEYS)
-        except UsageError as e:
-            print0(f"warning: skipping {e}")
-    if found:
-        raise UsageError(f"--resume latest: none of the {len(found)} checkpoints in {log_dir} "
-                         f"is usable")
-    raise UsageError(f"--resume latest: no model_*.pt checkpoint in {log_dir}")
 
 
 # ===== The log dir: one run at a time, an earlier run never overwritten by accident ==============
@@ -412,7 +418,9 @@ def report_failure(e, step, log_dir, last_saved, proc):
         held = f"; {checkpoint_path(log_dir, last_saved)} holds step {last_saved}"
     saved = f"{held}: continue with --resume latest" if held else ""
     line = None
-    if isinstance(e, Stopped):
+    if isinstance(e, Stopped) and not held:
+        line = f"stopped by {e} at step {step}, before any checkpoint: nothing was saved"
+    elif isinstance(e, Stopped):
         line = (f"stopped by {e} at step {step}{held}: continue with python train_gpt2.py "
                 f"--resume latest --log_dir {log_dir}")
     elif isinstance(e, UsageError):

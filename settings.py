@@ -21,7 +21,7 @@ import fineweb
 import rundir
 from common import (DTYPES, LEARNING_RATE, NONNEG, POSITIVE, SEED,
                     OneLineParser, UsageError, add_flags, auto_or, bounded, count, device_type_of,
-                    flag_dest, print0)
+                    flag_dest, one_line, print0)
 from metrics import flops_per_token, format_eta, peak_flops, profile_schedule
 
 # ===== The flags, once ============================================================================
@@ -175,6 +175,61 @@ def build_parser(shown=DEFAULTS, command=None):
     return p
 
 
+def check_saved_flags(saved, path):
+    """A UsageError naming path and the flag, for a checkpoint's flags (its "args") that the flag
+    table would not have given: each of the table's flags it holds of the flag's type and within
+    its bounds (or None where the flag may be unset)."""
+    entries = [e for group in RUN_SETTINGS.values() for e in group]
+    for flags, default, kind, _ in entries:
+        k = flag_dest(flags)
+        if k not in saved or (saved[k] is None and default is None):
+            continue
+        value, ok = saved[k], True
+        if kind is bool or isinstance(kind, dict) and kind.get("action") == "store_true":
+            ok = isinstance(value, bool)
+        elif isinstance(kind, list):
+            ok = value in kind
+        elif isinstance(kind, dict) and "nargs" in kind and kind["nargs"] == "+":
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        elif isinstance(kind, dict):
+            ok = isinstance(value, str) and value in kind.get("choices", [value])
+        elif kind is str:
+            ok = isinstance(value, str)
+        elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
+                kind(str(value))
+            except argparse.ArgumentTypeError:
+                ok = False
+            ok = ok and (isinstance(value, float) or kind(str(value)) == value)
+        else:
+            ok = False
+        if not ok:
+            raise UsageError(f"{path} is not a usable checkpoint: its flag {k} is "
+                             f"{one_line(repr(value), 40)}, which --{k} cannot be")
+
+
+def resume_checkpoint(resume, log_dir):
+    """(path, checkpoint) for --resume latest|PATH, read (rundir.read_checkpoint) and its flags
+    checked; latest skips unusable newer files with a warning, falling back to the newest that
+    works."""
+    if resume != "latest":
+        ckpt = rundir.read_checkpoint(resume, keys=rundir.RESUME_KEYS)
+        check_saved_flags(ckpt["args"], resume)
+        return resume, ckpt
+    found = rundir.find_checkpoints(log_dir)
+    for path in reversed(found):
+        try:
+            ckpt = rundir.read_checkpoint(path, keys=rundir.RESUME_KEYS)
+            check_saved_flags(ckpt["args"], path)
+            return path, ckpt
+        except UsageError as e:
+            print0(f"warning: skipping {e}")
+    if found:
+        raise UsageError(f"--resume latest: none of the {len(found)} checkpoints in {log_dir} "
+                         f"is usable")
+    raise UsageError(f"--resume latest: no model_*.pt checkpoint in {log_dir}")
+
+
 def read_flags(argv=None):
     """(the flags as a Namespace, the names of those given on the command line, the checkpoint
     resumed or None). A flag's value is the first of: the command line, the checkpoint (but not
@@ -197,7 +252,7 @@ def read_flags(argv=None):
     ckpt = None
     if "resume" in given:  # every flag not given again comes from the checkpoint
         log_dir = given.get("log_dir", settings["log_dir"])
-        given["resume"], ckpt = rundir.find_resume_checkpoint(given["resume"], log_dir, print0)
+        given["resume"], ckpt = resume_checkpoint(given["resume"], log_dir)
         this_invocation = {flag_dest(entry[0]) for entry in RUN_SETTINGS[THIS_INVOCATION]}
         for k, v in ckpt["args"].items():
             if k in settings and k not in this_invocation:
@@ -215,6 +270,7 @@ def read_flags(argv=None):
 DERIVED = {
     "device_type": "cpu, cuda or mps: what autocast, fused AdamW and synchronize take",
     "world_size": "processes in the run",
+    "local_world_size": "processes on this host (on a CPU they share its memory)",
     "precision": "--dtype resolved: its name, torch dtype, autocast and loss scaler",
     "grad_accum_steps": "micro-steps per optimizer step (fewer during a batch ramp)",
     "end_step": "the step this invocation stops before (--max_steps, or --stop_step)",
@@ -278,6 +334,7 @@ def derive(args, proc, precision, config, micro_batch_size, micro_batch_fit=None
             unit = micro_batch_size * args.sequence_length * proc.world_size
             flags["val_tokens"] = args.val_steps * unit
     return Run(**flags, device_type=device_type, world_size=proc.world_size,
+               local_world_size=proc.local_world_size,
                precision=precision, grad_accum_steps=grad_accum_steps, end_step=end_step(args),
                micro_batch_fit=micro_batch_fit, model=config, schedule=None,
                provenance=rundir.provenance(proc.device))
@@ -497,15 +554,27 @@ def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
 USABLE_GPU_MEMORY, USABLE_HOST_MEMORY = 0.8, 0.5
 
 
-def memory_budget(device):
-    """(bytes a training step may use on device, what that is of) or a UsageError if unknown."""
+def device_memory(device, processes=1):
+    """(bytes of memory one process has on device, what that is of), or None where the system
+    does not say: a GPU's own; a host's (CPU, Apple's unified memory) shared by its `processes`."""
     if str(device).startswith("cuda"):
         props = torch.cuda.get_device_properties(device)
-        return USABLE_GPU_MEMORY * props.total_memory, f"{props.name}'s {gib(props.total_memory)}"
+        return props.total_memory, f"{props.name}'s {gib(props.total_memory)}"
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return USABLE_HOST_MEMORY * total, f"this machine's {gib(total)}"
-    raise UsageError("-B auto: this system does not say how much memory it has: give -B N")
+        if processes > 1:
+            return total / processes, f"1/{processes} of this machine's {gib(total)}"
+        return total, f"this machine's {gib(total)}"
+    return None
+
+
+def memory_budget(device, processes=1):
+    """(bytes a training step may use on device, what that is of) or a UsageError if unknown."""
+    memory = device_memory(device, processes)
+    if memory is None:
+        raise UsageError("-B auto: this system does not say how much memory it has: give -B N")
+    usable = USABLE_GPU_MEMORY if str(device).startswith("cuda") else USABLE_HOST_MEMORY
+    return usable * memory[0], memory[1]
 
 
 def gib(n):
@@ -639,7 +708,7 @@ def fit_micro_batch(peak, run):
     if run.fsdp:
         raise UsageError("-B auto estimates a whole model per GPU, not FSDP's shards: give -B N")
     candidates = micro_batch_candidates(run, run.world_size)
-    budget, of_what = memory_budget(run.device)
+    budget, of_what = memory_budget(run.device, run.local_world_size)
     B, estimate = largest_fitting(peak, candidates, budget, of_what)
     return B, {"micro_batch_estimate_gib": round(estimate / 2**30, 2),
                "memory_budget_gib": round(budget / 2**30, 2)}
@@ -703,7 +772,7 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first
     seconds: measure_micro_step's (fastest, median, slowest) of the run's micro-step, where timed;
     first_step: a resumed run's next step."""
     T, total, B = run.sequence_length, run.total_batch_size, run.micro_batch_size
-    budget, of_what = memory_budget(run.device)
+    budget, of_what = memory_budget(run.device, run.local_world_size)
     step_flops = flops_per_token(run.model, n_params_non_embedding, T) * total
     steps = run.end_step - first_step
     if run.peak_flops:  # compiled GPT-2 training runs reach about 30-50% of a GPU's peak
@@ -734,11 +803,37 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first
         f"  time: {time_line}"])
 
 
+def check_machine(run, peak, n_params_non_embedding, first_step=0, planning=False):
+    """Before any work: a UsageError if a step of the run cannot fit this device's memory at all
+    (peak: step_memory's; planning: plan reports it instead); warnings for what works but is not
+    what a user wants: a run a CPU takes hours for (at best: a plain matmul's rate), fp16 on a
+    CPU."""
+    memory = device_memory(run.device, run.local_world_size)
+    need = peak(run.micro_batch_size)
+    if memory is not None and need > memory[0] and not planning:
+        raise UsageError(f"a training step of -B {run.micro_batch_size} x -T "
+                         f"{run.sequence_length} needs about {gib(need)} (estimated), more than "
+                         f"{memory[1]}: -B auto, or a smaller -B, -T or model")
+    warnings = []
+    if run.device_type == "cpu" and run.precision.name == "fp16":
+        warnings.append("--dtype fp16 on a CPU is emulated, many times slower than fp32 (CPUs "
+                        "have no fp16 matmul units): use --dtype fp32 (or bf16)")
+    if run.device_type == "cpu" and run.preset != "tiny":
+        steps = run.end_step - first_step
+        flops = flops_per_token(run.model, n_params_non_embedding, run.sequence_length)
+        seconds = steps * run.total_batch_size * flops / matmul_flops(run.device)
+        if seconds > 3600:
+            warnings.append(f"on this CPU the run takes at least {format_eta(seconds)} (its "
+                            f"FLOPs at a plain matmul's rate): for a run of minutes use "
+                            f"--preset tiny")
+    return warnings
+
+
 def worth_timing(run, peak, n_params_non_embedding, limit=10.0):
     """Whether plan times real micro-steps of the run's shape here: the step fits this machine's
     memory, and at the matmul rate a micro-step takes under `limit` seconds (a full-size model on
     a CPU would take minutes a step, and the machine's memory)."""
-    budget, _ = memory_budget(run.device)
+    budget, _ = memory_budget(run.device, run.local_world_size)
     if peak(run.micro_batch_size) > budget:
         return False
     unit = run.micro_batch_size * run.sequence_length

@@ -726,9 +726,9 @@ def check_step(loss_accum, norm, scaler, stop, proc):
 def train(run, proc, ckpt=None):
     """One run, start to end; returns the exit status (0, or 128 + the signal that stopped it)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    print0(run.describe())
     # one run per log dir (a lock, released however the run ends); stop signals caught
     claim = rundir.claim_log_dir(run, ckpt, proc)
+    print0(run.describe())
     stop = rundir.StopSignals(proc)  # SIGTERM, SIGINT, SIGUSR1: finish the step, save, exit
     step, stopped_by = None, None
     try:
@@ -853,12 +853,12 @@ def train(run, proc, ckpt=None):
     return 0
 
 # ===== The command line: the run settled from its flags; plan, sample, export, eval =====
-def settle(argv, confirm=True):
+def settle(argv, planning=False):
     """The Run the training flags ask for, worked out once, before any work, and frozen: the flags
     with the preset and a resumed checkpoint as overlays, checked (settings.py); this process's
     place, device and precision; the model config; -B auto fitted (on CUDA confirmed by a real
-    step, unless confirm=False: plan); the counts that follow and the schedule. Returns (run, proc,
-    the checkpoint to resume or None)."""
+    step); the counts that follow and the schedule; a step that cannot fit refused (planning: plan,
+    which allocates nothing and reports it). Returns (run, proc, the checkpoint or None)."""
     args, given, ckpt = settings.read_flags(argv)
     asked_shape = lrs = None
     if ckpt is not None:  # what the flags ask of the model and the schedule, against what it has
@@ -881,25 +881,29 @@ def settle(argv, confirm=True):
     if args.fsdp and precision.scaler:
         raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
     run = settings.derive(args, proc, precision, config, args.micro_batch_size)
-    if run.micro_batch_size == "auto":
-        B, fit = auto_micro_batch(run, proc, confirm)
-        run = settings.derive(args, proc, precision, config, B, fit)
-    return replace(run, schedule=Schedule.of(run)), proc, ckpt
-
-def auto_micro_batch(run, proc, confirm=True):
-    """-B auto: the largest micro-batch whose training step, counted on fake tensors, fits this
-    device's memory; on CUDA (confirm) a real step must fit too. Returns it and the run config's
-    record of the choice."""
-    with settings.fake_tensors(run.device) as mode:
+    with settings.fake_tensors(run.device) as mode:  # the model without memory: what it needs
         model = GPT(run.model)
         optimizer = make_optimizer(model, run)
     peak = settings.step_memory(model, optimizer, mode, run)
+    if run.micro_batch_size == "auto":
+        B, fit = auto_micro_batch(run, proc, peak, confirm=not planning)
+        run = settings.derive(args, proc, precision, config, B, fit)
+    first_step = 0 if ckpt is None else ckpt["step"] + 1
+    for warning in settings.check_machine(run, peak, model.get_num_params(non_embedding=True),
+                                          first_step, planning):
+        print0(f"warning: {warning}")
+    return replace(run, schedule=Schedule.of(run)), proc, ckpt
+
+def auto_micro_batch(run, proc, peak, confirm=True):
+    """-B auto: the largest micro-batch whose training step, counted on fake tensors (peak: B ->
+    bytes), fits this device's memory; on CUDA (confirm) a real step must fit too. Returns it and
+    the run config's record of the choice."""
     B, fit = settings.fit_micro_batch(peak, run)
     if confirm and run.device_type == "cuda":
         candidates = settings.micro_batch_candidates(run, run.world_size)
         B = settings.confirm_micro_batch(GPT(run.model).to(run.device), candidates, B, run, proc)
         fit["micro_batch_estimate_gib"] = round(peak(B) / 2**30, 2)
-    budget, of_what = settings.memory_budget(run.device)
+    budget, of_what = settings.memory_budget(run.device, run.local_world_size)
     micro_steps = run.total_batch_size // (B * run.sequence_length * run.world_size)
     print0(f"-B auto: {B} (a step's estimated peak {settings.gib(peak(B))} of the "
            f"{settings.gib(budget)} usable of {of_what}); micro-steps a step: {micro_steps}")
@@ -908,7 +912,7 @@ def auto_micro_batch(run, proc, confirm=True):
 def plan_main(argv):
     """What a run with these flags would take, worked out without writing anything: the run
     config it prints, then its size, memory, compute and time (a resumed run: the steps left)."""
-    run, proc, ckpt = settle(argv, confirm=False)
+    run, proc, ckpt = settle(argv, planning=True)
     first_step = 0 if ckpt is None else ckpt["step"] + 1
     with settings.fake_tensors(run.device) as mode:
         model = GPT(run.model)

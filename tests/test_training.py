@@ -228,8 +228,8 @@ def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
     assert " sample_prompt=Hello, I'm a language model, " in groups[titles[2]]
     assert " seed=1337 " in groups["data"] and " device=cpu " in groups["this invocation"]
     # what settle() derived (the precision by its name); none False, no dict (those follow)
-    assert groups["this run"] == \
-        " device_type=cpu world_size=1 precision=fp32 grad_accum_steps=1 end_step=8"
+    assert groups["this run"] == (" device_type=cpu world_size=1 local_world_size=1 precision=fp32"
+                                  " grad_accum_steps=1 end_step=8")
     assert " n_embd=32 " in groups["GPTConfig"] and " vocab_size=50304 " in groups["GPTConfig"]
 
 
