@@ -1,7 +1,8 @@
-"""README.md's commands run as written: every invocation of train_gpt2.py, fineweb.py, hellaswag.py
-or bench.py (with python, or through torchrun) is parsed by the script's real argument parser, the
-names a `python -c` command takes from these modules exist, and no command holds a placeholder
-(`...`, `<name>`) or a glob on a variable that may be unset (`"$X"/*`).
+"""The commands of README.md and of the docs/ pages it points to run as written: every invocation
+of train_gpt2.py, fineweb.py, hellaswag.py or bench.py (with python, or through torchrun) is parsed
+by the script's real argument parser, the names a `python -c` command takes from these modules
+exist, and no command holds a placeholder (`...`, `<name>`) or a glob on a variable that may be
+unset (`"$X"/*`). Command lines are split into words with `shlex`.
 
 Commands are read from fenced code blocks marked bash, sh, shell, zsh, console (only `$ ` lines) or
 unmarked; from indented code blocks (only lines that start like a shell command: python, torchrun,
@@ -15,12 +16,15 @@ import importlib
 import io
 import os
 import re
+import shlex
 
 import pytest
 
 from helpers import REPO
 
 README = os.path.join(REPO, "README.md")
+# README.md and the pages it sends readers to for what it leaves out
+GUIDES = ("README.md", "docs/operations.md", "docs/performance.md")
 
 SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
 # train_gpt2.py's commands: settings.build_parser(command=...) builds each one's parser
@@ -44,111 +48,71 @@ ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
 VARIABLE = re.compile(r"\$(?:\{(\w+)(:?[-?=+])?|(\w+))")
 
 
-class Word:
-    """A shell word: its parts, each (text, quoted); quotes removed, escapes resolved."""
-
-    def __init__(self):
-        self.parts = []
-
-    def add(self, text, quoted):
-        if self.parts and self.parts[-1][1] == quoted:
-            self.parts[-1] = (self.parts[-1][0] + text, quoted)
-        else:
-            self.parts.append((text, quoted))
-
-    @property
-    def text(self):
-        return "".join(t for t, _ in self.parts)
-
-    def unquoted(self):
-        return "".join(t for t, q in self.parts if not q)
-
-
 class ShellSyntaxError(ValueError):
     pass
 
 
-def _substitution_end(s, i):
-    """Index of the ')' closing the '$(' whose '(' is at s[i]."""
-    depth = 0
-    for j in range(i, len(s)):
-        depth += {"(": 1, ")": -1}.get(s[j], 0)
-        if depth == 0:
-            return j
-    raise ShellSyntaxError("unterminated $(")
+def _shlex(text):
+    """shlex in POSIX mode: words split at blanks and at runs of ();<>|&, quotes removed and
+    escapes resolved, nothing expanded; comments are cut off before (`strip_comment`)."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = ""
+    try:
+        return list(lexer)
+    except ValueError as e:  # "No closing quotation", "No escaped character"
+        raise ShellSyntaxError(f"shell syntax: {e}") from None
 
 
-def lex(cmd):
-    """A command line as shell words and operators (no expansion), and the line without its
-    comment."""
-    tokens, word, i, n = [], None, 0, len(cmd)
+def strip_comment(text):
+    """The command line without its comment: from the first # that starts a word outside
+    quotes."""
+    for i, c in enumerate(text):
+        if c == "#" and (i == 0 or text[i - 1] in " \t;&|()<>"):
+            with contextlib.suppress(ShellSyntaxError):
+                _shlex(text[:i])  # the quotes before it are closed: a comment
+                return text[:i]
+    return text
 
-    def add(text, quoted):
-        nonlocal word
-        word = word or Word()
-        word.add(text, quoted)
 
-    def end():
-        nonlocal word
-        if word is not None:
-            tokens.append(word)
-        word = None
-
-    while i < n:
-        c = cmd[i]
-        if c in " \t\n":
-            end()
-            i += 1
-        elif c == "#" and word is None:
-            return tokens, cmd[:i]
-        elif c == "\\":
-            add(cmd[i + 1:i + 2], True)
-            i += 2
-        elif c == "'":
-            j = cmd.find("'", i + 1)
-            if j < 0:
-                raise ShellSyntaxError("unterminated ' quote")
-            add(cmd[i + 1:j], True)
-            i = j + 1
-        elif c == '"':
-            j, buf = i + 1, []
-            while j < n and cmd[j] != '"':
-                if cmd[j] == "\\" and j + 1 < n and cmd[j + 1] in '"\\$`':
-                    buf.append(cmd[j + 1])
-                    j += 2
-                elif cmd.startswith("$(", j):
-                    k = _substitution_end(cmd, j + 1)
-                    buf.append(cmd[j:k + 1])
-                    j = k + 1
-                else:
-                    buf.append(cmd[j])
-                    j += 1
-            if j >= n:
-                raise ShellSyntaxError('unterminated " quote')
-            add("".join(buf), True)
-            i = j + 1
-        elif cmd.startswith("$(", i):
-            k = _substitution_end(cmd, i + 1)
-            add(cmd[i:k + 1], False)
-            i = k + 1
+def lex(text):
+    """A command line as shell words and operators, and the line without its comment. Each
+    word's `bare` comes from the same line lexed with every glob character and `...` escaped:
+    shlex drops those escapes outside quotes only, so what stays escaped was quoted. (A quoted
+    word made only of operator characters, '|', reads as an operator.)"""
+    code = strip_comment(text)
+    raw = _shlex(code)
+    marked = _shlex(re.sub(r"[*?[]|\.\.\.", lambda m: re.sub(r"(.)", r"\\\1", m[0]), code))
+    assert len(raw) == len(marked), (raw, marked)  # escapes move no word boundary
+    tokens = []
+    for word, mark in zip(raw, marked):
+        if word and set(word) <= set("();<>|&"):  # a run of operators, e.g. ">&" or ");"
+            while word:
+                op = next(o for o in OPERATORS if word.startswith(o))
+                tokens.append(Op(op))
+                word = word[len(op):]
         else:
-            op = next((o for o in OPERATORS if cmd.startswith(o, i)), None)
-            if op is None:
-                add(c, False)
-                i += 1
-                continue
-            if op in REDIRECTS and word is not None and word.text.isdigit():
-                word = None  # a file descriptor number (2>&1), not an argument
-            end()
-            tokens.append(op)
-            i += len(op)
-    end()
-    return tokens, cmd
+            tokens.append(Word(word, re.sub(r"\\[*?[.]", "", mark)))
+    return tokens, code
+
+
+class Word(str):
+    """A shell word (quotes removed, escapes resolved); `bare`: the same less the glob
+    characters and `...` that were quoted or escaped, i.e. those the shell itself would see."""
+
+    def __new__(cls, text, bare):
+        word = super().__new__(cls, text)
+        word.bare = bare
+        return word
+
+
+class Op(str):
+    """An operator: a separator or a redirection."""
 
 
 def simple_commands(tokens):
-    """Split at ; && || | & ( ); drop redirections and their targets. Returns ([[Word]], heredoc
-    delimiter or None)."""
+    """Split at ; && || | & ( ); drop redirections and their targets (and the file descriptor
+    before one, as in 2>&1). Returns ([[Word]], heredoc delimiter or None)."""
     commands, current, heredoc, it = [], [], None, iter(tokens)
     for tok in it:
         if isinstance(tok, Word):
@@ -156,10 +120,12 @@ def simple_commands(tokens):
         elif tok in SEPARATORS:
             commands.append(current)
             current = []
-        else:  # a redirection: its target is not an argument
+        else:  # a redirection: its target is not an argument, nor a descriptor number before it
+            if current and current[-1].isdigit():
+                current.pop()
             target = next(it, None)
             if tok in ("<<", "<<-") and isinstance(target, Word):
-                heredoc = target.text
+                heredoc = str(target)
     commands.append(current)
     return [c for c in commands if c], heredoc
 
@@ -362,23 +328,23 @@ def check_command(text, assigned):
     if PLACEHOLDER.search(code):
         problems.append(f"placeholder {PLACEHOLDER.search(code).group(0)}")
     words = [t for t in tokens if isinstance(t, Word)]
-    if any("..." in w.unquoted() for w in words):
+    if any("..." in w.bare for w in words):
         problems.append("'...' in a command")
     commands, heredoc = simple_commands(tokens)
     calls = []
     for cmd in commands:
         for w in cmd:
-            m = VARIABLE.match(w.text)
-            if m and w.text[m.end():].startswith("/") and any(g in w.unquoted() for g in "*?["):
+            m = VARIABLE.match(w)
+            if m and w[m.end():].startswith("/") and any(g in w.bare for g in "*?["):
                 name = m.group(1) or m.group(3)
                 if name not in assigned and name not in ALWAYS_SET and m.group(2) is None:
-                    problems.append(f"{w.text} globs / when ${name} is unset")
-        first = cmd[0].text
+                    problems.append(f"{w} globs / when ${name} is unset")
+        first = cmd[0]
         if ASSIGNMENT.match(first) and len(cmd) == 1 or first in ("export", "for", "read"):
-            assigned.update(m.group(0)[:-1] for w in cmd for m in [ASSIGNMENT.match(w.text)] if m)
+            assigned.update(m.group(0)[:-1] for w in cmd for m in [ASSIGNMENT.match(w)] if m)
             if first in ("for", "read") and len(cmd) > 1:
-                assigned.add(cmd[1].text)
-        argv = [w.text for w in cmd]
+                assigned.add(cmd[1])
+        argv = [str(w) for w in cmd]
         python = re.fullmatch(r"python(3(\.\d+)?)?", os.path.basename(argv[0]))
         if python and len(argv) > 2 and argv[1] == "-c":
             problems += missing_names(argv[2])
@@ -414,10 +380,11 @@ def check_readme(markdown, name="README.md"):
 # -----------------------------------------------------------------------------
 # the README itself
 
-def test_readme_commands_run_as_written():
-    with open(README, encoding="utf-8") as f:
-        problems, _ = check_readme(f.read())
-    assert not problems, "README.md commands that do not run as written:\n" + "\n".join(problems)
+@pytest.mark.parametrize("guide", GUIDES)
+def test_readme_commands_run_as_written(guide):
+    with open(os.path.join(REPO, guide), encoding="utf-8") as f:
+        problems, _ = check_readme(f.read(), guide)
+    assert not problems, f"{guide} commands that do not run as written:\n" + "\n".join(problems)
 
 
 def test_readme_shows_commands_the_checker_sees():
@@ -433,7 +400,7 @@ def test_readme_shows_commands_the_checker_sees():
             continue
         for cmd in commands:
             with contextlib.suppress(ValueError):
-                scripts.add((script_call([w.text for w in cmd]) or ("",))[0])
+                scripts.add((script_call(list(cmd)) or ("",))[0])
     assert {"train_gpt2.py", "fineweb.py"} <= scripts
 
 
@@ -459,6 +426,10 @@ def test_checker_accepts_good_commands():
         "python hellaswag.py -m gpt2 -d cpu --limit 10",
         "OUT=results; cp \"$OUT\"/* backup/",
         "python -c \"import fineweb; fineweb.get_encoding()\"",
+        "cp \"$UNSET_DIR/*.txt\" backup/   # a quoted * is no glob",
+        "cat > notes.txt <<EOF",
+        "python fineweb.py --a_heredoc_line_is_no_command",
+        "EOF",
         "```", "",
         "```console",
         "$ python fineweb.py --val_shard_tokens 100",
@@ -480,9 +451,22 @@ def test_checker_accepts_good_commands():
     assert calls[1][1] == ["--max_tokens", "50000000", "--fineweb_name", "sample-10BT"]
 
 
+def test_lines_split_into_commands_and_words():
+    tokens, code = lex("OUT=x; python bench.py --only 'a b' 2>&1 | tee \"$OUT\"/b.txt  # '#' <c>")
+    assert code.rstrip() == "OUT=x; python bench.py --only 'a b' 2>&1 | tee \"$OUT\"/b.txt"
+    commands, heredoc = simple_commands(tokens)
+    assert commands == [["OUT=x"], ["python", "bench.py", "--only", "a b"], ["tee", "$OUT/b.txt"]]
+    assert heredoc is None
+    words = [w for c in simple_commands(lex("ls 'a*' \\? b[0] \"...\" ...")[0])[0] for w in c]
+    assert words == ["ls", "a*", "?", "b[0]", "...", "..."]
+    assert [w.bare for w in words] == ["ls", "a", "", "b[0]", "", "..."]  # what the shell globs
+    assert strip_comment("echo 'a # b' x#y # z") == "echo 'a # b' x#y "
+
+
 @pytest.mark.parametrize("line, problem", [
     ("python fineweb.py --no_such_flag 3", "fineweb.py: unrecognized arguments: --no_such_flag"),
-    ("python fineweb.py --shard_size=many", "fineweb.py: argument --shard_size: invalid int value"),
+    ("python fineweb.py --shard_size=many",
+     "fineweb.py: argument --shard_size: expected an integer"),
     # no abbreviations
     ("python fineweb.py --max_tok 10", "fineweb.py: unrecognized arguments: --max_tok"),
     # --json is store_true
@@ -499,7 +483,8 @@ def test_checker_accepts_good_commands():
     ("python train_gpt2.py evaluate --checkpoint x.pt",
      "train_gpt2.py has no subcommand 'evaluate'"),
     ("python train_gpt2.py sample --max_steps 3", "train_gpt2.py: unrecognized arguments"),
-    ("python fineweb.py --input 'unterminated", "unterminated ' quote"),
+    ("python fineweb.py --input 'unterminated", "shell syntax: No closing quotation"),
+    ("python fineweb.py --data_root 'a # b' --bogus", "unrecognized arguments: --bogus"),
     ('python -c "import fineweb as f; f.prepare; f.compare_with_naive([])"',
      "fineweb.compare_with_naive does not exist"),
     ('python -c "from hellaswag import evaluate, no_such_name"',
