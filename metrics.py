@@ -37,7 +37,8 @@ def format_eta(seconds):
     """H:MM:SS, or from a day on "N days, H hours" (a CPU estimate of a full-size run is years)."""
     seconds = int(seconds)
     if seconds >= 86400:
-        return f"{seconds // 86400:,} days, {seconds % 86400 // 3600} hours"
+        days, hours = seconds // 86400, seconds % 86400 // 3600
+        return f"{days:,} day{'s' * (days != 1)}, {hours} hour{'s' * (hours != 1)}"
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 

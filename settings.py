@@ -612,20 +612,36 @@ def fake_tensors(device):
         yield mode
 
 
-def step_memory(model, optimizer, mode, run):
+def counted_layers(n_layer):
+    """The depths step_memory counts a model at: its own, or for a deeper one 1 and 2 blocks, from
+    which the count at any depth follows exactly (each block adds the same parameters, optimizer
+    state and activations; counting every block of a large model on fake tensors takes minutes)."""
+    if n_layer <= 2:
+        return (n_layer,)
+    return (1, 2)
+
+
+def at_depth(counts, n_layer):
+    """A count at n_layer blocks from counts at counted_layers(n_layer): linear in the blocks."""
+    if len(counts) == 1:
+        return counts[0]
+    return counts[0] + (n_layer - 1) * (counts[1] - counts[0])
+
+
+def step_memory(models, optimizers, mode, run):
     """A function B -> the peak tensor memory of one training step of B sequences of the run's T
     tokens (the forward under autocast, backward, clipping, an optimizer step whose state exists
-    already), as torch's MemTracker counts it on the fake tensors of `mode` (model and optimizer
-    made inside fake_tensors): nothing is allocated, and one model serves every B asked."""
+    already), as torch's MemTracker counts it on the fake tensors of `mode`: nothing is allocated.
+    models (and their optimizers, made inside fake_tensors): the run's model at counted_layers'
+    depths; the count at the run's depth follows (at_depth)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     with mode, torch.device(run.device):
-        with_optimizer_state(model, optimizer)
+        for model, optimizer in zip(models, optimizers):
+            with_optimizer_state(model, optimizer)
     known = {}
 
-    def peak(B):
-        if B in known:
-            return known[B]
+    def count(model, optimizer, B):
         with mode, torch.device(run.device):
             x = torch.randint(0, run.model.vocab_size, (B, run.sequence_length))
             tracker = MemTracker()
@@ -633,7 +649,12 @@ def step_memory(model, optimizer, mode, run):
             with tracker:
                 estimated_step(model, optimizer, x, x, run.precision.autocast)
         snapshot = tracker.get_tracker_snapshot("peak")
-        known[B] = max(v["Total"] for d, v in snapshot.items() if d.type == run.device_type)
+        return max(v["Total"] for d, v in snapshot.items() if d.type == run.device_type)
+
+    def peak(B):
+        if B not in known:
+            counts = [count(m, o, B) for m, o in zip(models, optimizers)]
+            known[B] = at_depth(counts, run.model.n_layer)
         return known[B]
 
     return peak

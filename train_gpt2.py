@@ -881,18 +881,28 @@ def settle(argv, planning=False):
     if args.fsdp and precision.scaler:
         raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
     run = settings.derive(args, proc, precision, config, args.micro_batch_size)
-    with settings.fake_tensors(run.device) as mode:  # the model without memory: what it needs
-        model = GPT(run.model)
-        optimizer = make_optimizer(model, run)
-    peak = settings.step_memory(model, optimizer, mode, run)
+    peak, _, n_params_non_embedding = estimate_step(run)
     if run.micro_batch_size == "auto":
         B, fit = auto_micro_batch(run, proc, peak, confirm=not planning)
         run = settings.derive(args, proc, precision, config, B, fit)
     first_step = 0 if ckpt is None else ckpt["step"] + 1
-    for warning in settings.check_machine(run, peak, model.get_num_params(non_embedding=True),
-                                          first_step, planning):
+    for warning in settings.check_machine(run, peak, n_params_non_embedding, first_step,
+                                          planning):
         print0(f"warning: {warning}")
     return replace(run, schedule=Schedule.of(run)), proc, ckpt
+
+def estimate_step(run):
+    """(peak: B -> a training step's bytes, parameters, parameters without wpe) of the run's
+    model, worked out on fake tensors (settings.step_memory): nothing is allocated."""
+    depths = settings.counted_layers(run.model.n_layer)
+    with settings.fake_tensors(run.device) as mode:
+        models = [GPT(replace(run.model, n_layer=n)) for n in depths]
+        optimizers = [make_optimizer(model, run) for model in models]
+    peak = settings.step_memory(models, optimizers, mode, run)
+    n_params = settings.at_depth([m.get_num_params() for m in models], run.model.n_layer)
+    n_params_non_embedding = settings.at_depth([m.get_num_params(non_embedding=True)
+                                                for m in models], run.model.n_layer)
+    return peak, n_params, n_params_non_embedding
 
 def auto_micro_batch(run, proc, peak, confirm=True):
     """-B auto: the largest micro-batch whose training step, counted on fake tensors (peak: B ->
@@ -914,11 +924,7 @@ def plan_main(argv):
     config it prints, then its size, memory, compute and time (a resumed run: the steps left)."""
     run, proc, ckpt = settle(argv, planning=True)
     first_step = 0 if ckpt is None else ckpt["step"] + 1
-    with settings.fake_tensors(run.device) as mode:
-        model = GPT(run.model)
-        optimizer = make_optimizer(model, run)
-    peak = settings.step_memory(model, optimizer, mode, run)
-    n_params, n_params_non_embedding = model.get_num_params(), model.get_num_params(True)
+    peak, n_params, n_params_non_embedding = estimate_step(run)
     seconds = None
     if not run.peak_flops and settings.worth_timing(run, peak, n_params_non_embedding):
         model = GPT(run.model).to(run.device)  # the run's own micro-step, timed here

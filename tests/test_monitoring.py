@@ -119,8 +119,9 @@ def test_metrics_log_txt_step_lines_wandb_and_summary(tmp_path, capsys, monkeypa
 
 
 def test_summary_of_a_resumed_run_and_of_a_plain_one(tmp_path):
-    """A resumed run's summary counts the evaluations and skipped steps its log.txt holds from
-    before; without evaluations or skipped steps, those lines are left out."""
+    """A resumed run's summary counts the evaluations its log.txt holds from before, and the
+    skipped steps of this session only (log.txt's count goes on from the earlier ones); without
+    evaluations or skipped steps, those lines are left out."""
     path = str(tmp_path / "log.txt")
     for step, kind, value in [(0, "val", 10.0), (2, "skipped", 1), (3, "val", 8.0),
                               (3, "hella", 0.25), (5, "val", float("nan")), (6, "skipped", 2)]:
@@ -134,7 +135,7 @@ def test_summary_of_a_resumed_run_and_of_a_plain_one(tmp_path):
         "  val loss: 9.0000 at step 8, best 8.0000 at step 3",  # nan is never the best
         "  HellaSwag acc_norm: 0.2500 at step 3",
         f"  last checkpoint: {tmp_path / 'model_00007.pt'}",
-        "  skipped steps (fp16 overflow): 3"]
+        "  skipped steps (fp16 overflow): 1"]  # this session's: not the earlier two
     assert re.fullmatch(r"run summary: steps 7-7 \(1 steps, 64 tokens\) in \d+:\d\d:\d\d",
                         summary.splitlines()[0]), summary
 
