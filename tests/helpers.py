@@ -265,83 +265,19 @@ def assert_one_line_error(r, *parts):
 
 
 # ===== train_gpt2.py in a process of its own, with test hooks ====================================
-# `python train_gpt2.py` (main() left through exit_process, as the script itself does) plus hooks
-# that make races and kill points deterministic: a start gate, and holds or pauses at a chosen
-# point. rundir's functions are hooked where rundir calls them (its own globals).
-HOOK = r'''
-import os, sys, time
-sys.path.insert(0, os.environ["HOOK_REPO"])
-import common, rundir
-import train_gpt2 as tg
-
-def wait_for(path):
-    while not os.path.exists(path):
-        time.sleep(0.01)
-
-def pause():  # tell the test where we are, then wait for its kill -9
-    open(os.environ["HOOK_MARKER"], "w").close()
-    while True:
-        time.sleep(1)
-
-mode, arg = os.environ.get("HOOK_MODE", ""), os.environ.get("HOOK_ARG", "")
-if mode in ("hold_after_log", "pause_after_log"):  # arg "5 train": once this log line is written,
-    real_append = rundir.append_log                # hold until HOOK_RELEASE exists, or pause
-    def append_log(path, step, kind, value):
-        real_append(path, step, kind, value)
-        if f"{step} {kind}" != arg:
-            return
-        if mode == "pause_after_log":
-            pause()
-        open(os.environ["HOOK_MARKER"], "w").write(str(os.getpid()))
-        wait_for(os.environ["HOOK_RELEASE"])
-    rundir.append_log = append_log
-elif mode == "pause_mid_save":  # arg: a checkpoint file name, paused once written under its temp
-    real_write = rundir.atomic_write  # name
-    def atomic_write(path, write, size=None):
-        def write_then_pause(f):
-            write(f)
-            f.flush()
-            if os.path.basename(path) == arg:
-                pause()
-        real_write(path, write_then_pause, size)
-    rundir.atomic_write = atomic_write
-elif mode == "hold_lock":  # arg: a file; the run waits for it after claiming the log dir
-    real_save_config = rundir.save_run_config
-    def save_run_config(*a):
-        wait_for(arg)
-        return real_save_config(*a)
-    rundir.save_run_config = save_run_config
-elif mode == "slow_samples":  # a sample block that would run for minutes, its start marked
-    def sample_texts(*a, **k):
-        open(os.environ["HOOK_MARKER"], "w").write(str(os.getpid()))
-        time.sleep(300)
-    tg.sample_texts = sample_texts
-elif mode == "fail_batch":  # arg "RANK CALL": that rank's CALL-th train batch is an OSError
-    fail_rank, fail_call = (int(v) for v in arg.split())
-    real_next_batch, calls = tg.DataLoaderLite.next_batch, [0]
-    def next_batch(self):
-        if self.split == "train" and common.rank() == fail_rank:
-            calls[0] += 1
-            if calls[0] == fail_call:
-                raise OSError(5, "Input/output error (a test's)", self.shards[0])
-        return real_next_batch(self)
-    tg.DataLoaderLite.next_batch = next_batch
-if os.environ.get("HOOK_GATE"):  # start line: both racers are past their imports
-    wait_for(os.environ["HOOK_GATE"])
-common.exit_process(tg.main())
-'''
+# `python tests/hooks.py ARGS` is `python train_gpt2.py ARGS` plus hooks that make races and kill
+# points deterministic (a start gate, holds or pauses at a chosen point; env HOOK_*, see hooks.py).
+HOOKS = os.path.join(REPO, "tests", "hooks.py")
 
 
 def start_hooked(tmp_path, name, args, **hook):
-    """Popen of `python train_gpt2.py args` with HOOK's hooks (hook={"mode": ...}: env HOOK_*)."""
-    script = tmp_path / "hook.py"
-    if not script.exists():
-        script.write_text(HOOK)
-    env = {**os.environ, "HOOK_REPO": REPO, "OMP_NUM_THREADS": "1",
+    """Popen of `python tests/hooks.py args` (hook={"mode": ...}: env HOOK_MODE, ...), its stdout
+    and stderr in tmp_path/name.out and .err."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            **{f"HOOK_{k.upper()}": str(v) for k, v in hook.items()}}
     out = open(tmp_path / f"{name}.out", "w+")
     err = open(tmp_path / f"{name}.err", "w+")
-    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err, env=env,
+    proc = subprocess.Popen([sys.executable, HOOKS, *args], stdout=out, stderr=err, env=env,
                             cwd=REPO)
     proc.out, proc.err = out, err
     return proc

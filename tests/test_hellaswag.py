@@ -337,16 +337,69 @@ def test_evaluate_restores_train_mode_and_limit(hf_model, data_dir):
         hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, proc=rank_of(2, 2))
 
 
-def test_autocast_bf16_cpu_runs(hf_model, data_dir):
-    res = hellaswag.evaluate(hf_model, torch.device("cpu"), data_dir=data_dir, limit=2,
-                             autocast_dtype=torch.bfloat16)
-    assert res["n"] == 2
+# bf16 keeps 8 significant bits: a logit is rounded by at most 2^-9 of itself, its matmuls' inputs
+# likewise. One bf16 epsilon (2^-8 = 3.9e-3) of relative error on an ending's loss is that rounding
+# with room to spare: on the fixture's first 4 examples the worst is 6.1e-4 (all 16: 8.2e-4; torch
+# 2.13 CPU, hellaswag.score_examples in fp32 and under bf16 autocast).
+BF16_REL = 2 ** -8
+
+
+def clear_cut(losses, rel):
+    """The lowest of losses beats the next by more than both may move (rel of each)."""
+    best, second = sorted(losses)[:2]
+    return second * (1 - rel) > best * (1 + rel)
+
+
+def test_autocast_bf16_cpu_matches_fp32(hf_model, data_dir):
+    """Scored under bf16 autocast on the CPU, every ending's loss is within BF16_REL of fp32's
+    (and not equal: the matmuls did run in bf16), and every clear-cut choice is fp32's."""
+    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:4]
+    with torch.no_grad():
+        fp32 = hellaswag.score_examples(hf_model, recs, "cpu")
+        bf16 = hellaswag.score_examples(hf_model, recs, torch.device("cpu"),
+                                        autocast_dtype=torch.bfloat16)
+    assert [r["sum_loss"] for r in bf16] != [r["sum_loss"] for r in fp32]  # bf16 ran
+    clear = 0
+    for a, b in zip(fp32, bf16):
+        for key, pred in (("sum_loss", "pred"), ("avg_loss", "pred_norm")):
+            assert b[key] == pytest.approx(a[key], rel=BF16_REL), key
+            if clear_cut(a[key], BF16_REL):
+                clear += 1
+                assert b[pred] == a[pred], (key, a[key], b[key])
+    assert clear >= len(recs)  # half the choices or more were clear-cut, and compared
+
+
+class NoContext(torch.nn.Module):
+    """The model without its config: no context length known, so nothing is fitted to one."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx, logits_to_keep=0):
+        return self.inner(idx, logits_to_keep=logits_to_keep)
 
 
 def test_long_examples_are_fitted_to_model_context(data_dir):
-    model = tiny_hf_model(n_positions=16)  # shorter than the fixture rows
-    res = hellaswag.evaluate(model, "cpu", data_dir=data_dir, limit=4)
-    assert res["n"] == 4
+    """A model of 20 positions scores an example wider than that on its last 20 columns: the
+    context's oldest tokens dropped from every row alike, the endings whole, as those columns
+    score when given as they are; a narrower example untouched."""
+    model = tiny_hf_model(n_positions=20)
+    recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:4]
+    enc = hellaswag.get_encoding()
+    last_columns, cuts = [], []
+    for rec in recs:
+        ctx, ends, label = hellaswag._render_lists(rec, enc)
+        cuts.append(max(len(ctx) + max(len(e) for e in ends) - 20, 0))
+        assert cuts[-1] < len(ctx)  # the fixture's endings fit with a context token to spare
+        last_columns.append((ctx[cuts[-1]:], ends, label))
+    assert cuts == [0, 6, 6, 2]  # both kinds: widths 18, 26, 26, 22
+    with torch.no_grad():
+        ref = hellaswag.score_examples(NoContext(model), None, "cpu", rendered=last_columns)
+        got = hellaswag.score_examples(model, recs, "cpu")
+    assert preds(got) == preds(ref)
+    for r, s in zip(got, ref):
+        assert r["sum_loss"] == pytest.approx(s["sum_loss"], rel=1e-5)
 
 
 def test_no_hooks_and_imports_one_way():

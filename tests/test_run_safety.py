@@ -4,8 +4,8 @@ checkpoints, logs and shards, and failures in the every-N blocks after training 
 interrupted run, resumed, must give the uninterrupted reference run's log.txt to the last digit.
 
 Runs are the tiny run, in this process, except where a real second process is the point (the
-concurrent start, the kill -9s, the signals): those go through helpers.HOOK, which holds or pauses
-the run at a chosen point so that no timing is involved."""
+concurrent start, the kill -9s, the signals): those run tests/hooks.py, which holds or pauses the
+run at a chosen point so that no timing is involved."""
 import errno
 import json
 import os
@@ -24,8 +24,9 @@ import torch
 import common
 import fineweb
 import rundir
+import settings
 import train_gpt2 as tg
-from helpers import (HOOK, REPO, assert_one_line_error, dir_bytes, log_of, newest_step, output,
+from helpers import (HOOKS, assert_one_line_error, dir_bytes, log_of, newest_step, output,
                      read_text, resume_args, run_args, run_cli, series, start_hooked, torchrun,
                      wait_until, write_corpus_jsonl, write_shards)
 
@@ -36,6 +37,35 @@ def steps_saved(log):
 
 def no_temp_files(log):
     return not [name for name in os.listdir(log) if name.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------------------------- the test hooks
+
+def test_the_hooks_find_what_they_replace(monkeypatch, capsys):
+    """tests/hooks.py (what start_hooked runs) checks every function it replaces before the run
+    starts: on this tree all are there; one renamed, or a mode misspelt, stops the hooked run with
+    one line naming it instead of running it unhooked."""
+    import hooks
+
+    real = hooks.check_targets()
+    assert real["append_log"] is rundir.append_log and real["sample_texts"] is tg.sample_texts
+    assert real["next_batch"] is tg.DataLoaderLite.next_batch
+    assert set(hooks.HOOKS) == {"hold_after_log", "pause_after_log", "pause_mid_save", "hold_lock",
+                                "slow_samples", "fail_batch"}
+    monkeypatch.setenv("HOOK_MODE", "hold_afterlog")
+    assert hooks.main() == 2
+    assert capsys.readouterr().err == ("error: tests/hooks.py: no hook 'hold_afterlog'; there are "
+                                       f"{sorted(hooks.HOOKS)}\n")
+    monkeypatch.setenv("HOOK_MODE", "slow_samples")  # any mode: every target is checked
+    monkeypatch.delattr(rundir, "append_log")
+    assert hooks.main() == 2
+    assert capsys.readouterr().err == ("error: tests/hooks.py: rundir.append_log is gone "
+                                       "(renamed?); update the hook\n")
+    monkeypatch.undo()
+    monkeypatch.setattr(rundir, "atomic_write", lambda path, f, size=None: None)
+    with pytest.raises(hooks.HookTargetMissing, match=r"rundir.atomic_write takes \('path', 'f', "
+                       r"'size'\), the hook passes \('path', 'write', 'size'\)"):
+        hooks.check_targets()
 
 
 # ------------------------------------------------------------------------------- the log dir's lock
@@ -56,7 +86,8 @@ def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
     out, err = output(loser)
     r = subprocess.CompletedProcess([], loser.returncode, out, err)
     line = assert_one_line_error(r, "in use by a live run", f"pid {winner.pid} ")
-    assert "run config" in out  # it got as far as the claim, then touched nothing
+    # refused at the claim (its error says so), before the run config is printed: nothing done
+    assert "run config" not in out, out
     assert series(log)["train"][0] == list(range(3)), line  # one run's lines, once
 
 
@@ -225,13 +256,11 @@ def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_ran
     the sample block of step 6 would run for minutes on both ranks: SIGTERM to the launcher, which
     forwards it to the workers, ends the run in seconds with step 5 saved. The last resume gives
     the uninterrupted two-rank run's log."""
-    hook = tmp_path / "hook.py"
-    hook.write_text(HOOK)
     log = str(tmp_path / "log")
 
     def hooked_torchrun(hook_env, *extra):
         return torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0", *extra),
-                        script=str(hook), env={"HOOK_REPO": REPO, **hook_env}, wait=False)
+                        script=HOOKS, env=hook_env, wait=False)
 
     hold = {"HOOK_MODE": "hold_after_log", "HOOK_ARG": "3 train",
             "HOOK_MARKER": str(tmp_path / "held"), "HOOK_RELEASE": str(tmp_path / "release")}
@@ -515,7 +544,7 @@ def test_rollback_sets_later_checkpoints_aside(reference, tmp_path):
     assert read_text(os.path.join(aside, "log.txt")) == old_log
     assert steps_saved(log) == [step, step + 1]
     # --resume latest continues the new line of steps; a second rollback gets a folder of its own
-    assert rundir.find_resume_checkpoint("latest", log, print)[1]["step"] == step + 1
+    assert settings.resume_checkpoint("latest", log)[1]["step"] == step + 1
     r = run_cli("--resume", back, "--log_dir", log, "--device", "cpu", "--stop_step", str(step + 2))
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(aside + "_2")) == \
@@ -772,11 +801,9 @@ def test_a_rank_local_failure_is_named_by_every_rank(data, tmp_path):
     """Rank 1's fourth train batch (step 3) cannot be read: rank 1 says why, rank 0 names rank 1
     instead of a broken connection, the last finished step is kept, and torchrun's failure
     summary shows the cause."""
-    hook = tmp_path / "hook.py"
-    hook.write_text(HOOK)
     log = str(tmp_path / "log")
-    run = torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0"), script=str(hook),
-                   env={"HOOK_REPO": REPO, "HOOK_MODE": "fail_batch", "HOOK_ARG": "1 4"})
+    run = torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0"), script=HOOKS,
+                   env={"HOOK_MODE": "fail_batch", "HOOK_ARG": "1 4"})
     assert run.returncode == 1
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     own = "error: step 3 failed (OSError: [Errno 5] Input/output error (a test's): "

@@ -1,0 +1,170 @@
+"""`python tests/hooks.py ARGS`: `python train_gpt2.py ARGS` (main() left through exit_process, as
+the script itself does) with test hooks that make races and kill points deterministic: a start
+gate, and holds or pauses at a chosen point. helpers.start_hooked runs it; torchrun can too.
+
+Set by the environment:
+  HOOK_MODE     which hook (one of HOOKS below), or unset for none
+  HOOK_ARG      the hook's argument (see each hook)
+  HOOK_MARKER   a file the hook writes when it holds or pauses (its pid inside, for the holds)
+  HOOK_RELEASE  a file a hold waits for
+  HOOK_GATE     a file to wait for before main() starts: racers past their imports
+
+Every name a hook replaces is looked up (no default) and its parameters checked before anything
+runs, whatever the mode: a renamed or reshaped function stops every hooked run with one line
+naming it, never leaving a hook that silently does nothing. rundir's functions are replaced in
+rundir's own globals, where rundir (and train_gpt2, through `rundir.`) calls them.
+"""
+import inspect
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # the repo first on the path, as `python train_gpt2.py` has it
+    sys.path[0] = REPO
+elif REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import common  # noqa: E402
+import rundir  # noqa: E402
+import train_gpt2 as tg  # noqa: E402
+
+# What the hooks replace: (owner, attribute, the leading parameters the hook relies on)
+TARGETS = {
+    "append_log": (rundir, "append_log", ("path", "step", "kind", "value")),
+    "atomic_write": (rundir, "atomic_write", ("path", "write", "size")),
+    "save_run_config": (rundir, "save_run_config", ()),
+    "sample_texts": (tg, "sample_texts", ()),
+    "next_batch": (tg.DataLoaderLite, "next_batch", ("self",)),
+}
+
+
+class HookTargetMissing(RuntimeError):
+    """A name a hook replaces is gone or takes other parameters: the hook would do nothing."""
+
+
+def resolve(owner, name, params):
+    """owner.name, checked: it exists, is callable, and its first parameters are params."""
+    where = f"{getattr(owner, '__name__', owner)}.{name}"
+    if not hasattr(owner, name):
+        raise HookTargetMissing(f"tests/hooks.py: {where} is gone (renamed?); update the hook")
+    target = getattr(owner, name)
+    if not callable(target):
+        raise HookTargetMissing(f"tests/hooks.py: {where} is not a function; update the hook")
+    have = tuple(inspect.signature(target).parameters)[: len(params)]
+    if have != params:
+        raise HookTargetMissing(f"tests/hooks.py: {where} takes {have}, the hook passes {params}; "
+                                "update the hook")
+    return target
+
+
+def check_targets():
+    """Every target resolved: {key: the original function}."""
+    return {key: resolve(*spec) for key, spec in TARGETS.items()}
+
+
+def wait_for(path):
+    while not os.path.exists(path):
+        time.sleep(0.01)
+
+
+def mark(pid=True):
+    with open(os.environ["HOOK_MARKER"], "w") as f:
+        f.write(str(os.getpid()) if pid else "")
+
+
+def pause():
+    """Tell the test where we are, then wait for its kill -9."""
+    mark(pid=False)
+    while True:
+        time.sleep(1)
+
+
+def hook_log(real, mode, arg):
+    """hold_after_log / pause_after_log, arg "5 train": once this log line is written, hold until
+    HOOK_RELEASE exists, or pause."""
+    def append_log(path, step, kind, value):
+        real(path, step, kind, value)
+        if f"{step} {kind}" != arg:
+            return
+        if mode == "pause_after_log":
+            pause()
+        mark()
+        wait_for(os.environ["HOOK_RELEASE"])
+    rundir.append_log = append_log
+
+
+def hook_mid_save(real, arg):
+    """pause_mid_save, arg a checkpoint's file name: paused once written under its temp name."""
+    def atomic_write(path, write, size=None):
+        def write_then_pause(f):
+            write(f)
+            f.flush()
+            if os.path.basename(path) == arg:
+                pause()
+        return real(path, write_then_pause, size)
+    rundir.atomic_write = atomic_write
+
+
+def hook_lock(real, arg):
+    """hold_lock, arg a file: the run waits for it after claiming the log dir."""
+    def save_run_config(*a, **k):
+        wait_for(arg)
+        return real(*a, **k)
+    rundir.save_run_config = save_run_config
+
+
+def hook_samples():
+    """slow_samples: a sample block that would run for minutes, its start marked."""
+    def sample_texts(*a, **k):
+        mark()
+        time.sleep(300)
+    tg.sample_texts = sample_texts
+
+
+def hook_batch(real, arg):
+    """fail_batch, arg "RANK CALL": that rank's CALL-th train batch is an OSError."""
+    fail_rank, fail_call = (int(v) for v in arg.split())
+    calls = [0]
+
+    def next_batch(self):
+        if self.split == "train" and common.rank() == fail_rank:
+            calls[0] += 1
+            if calls[0] == fail_call:
+                raise OSError(5, "Input/output error (a test's)", self.shards[0])
+        return real(self)
+    tg.DataLoaderLite.next_batch = next_batch
+
+
+HOOKS = {
+    "hold_after_log": lambda real, arg: hook_log(real["append_log"], "hold_after_log", arg),
+    "pause_after_log": lambda real, arg: hook_log(real["append_log"], "pause_after_log", arg),
+    "pause_mid_save": lambda real, arg: hook_mid_save(real["atomic_write"], arg),
+    "hold_lock": lambda real, arg: hook_lock(real["save_run_config"], arg),
+    "slow_samples": lambda real, arg: hook_samples(),
+    "fail_batch": lambda real, arg: hook_batch(real["next_batch"], arg),
+}
+
+
+def install(mode, arg):
+    """The hook of mode (none for ""), after every target is checked."""
+    real = check_targets()
+    if mode and mode not in HOOKS:
+        raise HookTargetMissing(f"tests/hooks.py: no hook {mode!r}; there are {sorted(HOOKS)}")
+    if mode:
+        HOOKS[mode](real, arg)
+
+
+def main():
+    try:
+        install(os.environ.get("HOOK_MODE", ""), os.environ.get("HOOK_ARG", ""))
+    except HookTargetMissing as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if os.environ.get("HOOK_GATE"):  # start line: both racers are past their imports
+        wait_for(os.environ["HOOK_GATE"])
+    return tg.main()
+
+
+if __name__ == "__main__":
+    common.exit_process(main())
