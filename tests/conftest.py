@@ -5,10 +5,7 @@ import os
 
 import pytest
 
-from helpers import REPO, run_args, run_cli, write_hellaswag, write_shards
-
-# the simulated-CUDA harness (tests/simcuda/) imports these from here
-__all__ = ["REPO", "write_hellaswag", "write_shards"]
+from helpers import run_args, run_cli, write_shards
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 from helpers import REPO, assert_one_line_error, tiny_model
 
 
@@ -48,17 +49,20 @@ def test_bench_names_the_rows_it_left_out(capsys):
                        "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000"]) == 0
     out = capsys.readouterr().out
     assert "data start-up s, 2 / 3 shards" in out
-    assert "--long adds parity and train_loop" in out and "optimizers_compare" in out
-    assert bench.main(["--device", "cpu", "--only", "train,nosuchrow"]) == 1
+    left = out.splitlines()[-1]
+    assert left.startswith("not measured") and "--long adds parity and train_loop" in left
+    assert "; ".join(f"{k} ({v})" for k, v in bench.LONG_ROWS.items()) in left
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cpu", "--only", "train,nosuchrow"])
     err = capsys.readouterr().err
-    assert err.startswith("error: --only nosuchrow: no such row") and len(err.splitlines()) == 1
+    assert e.value.code == 1 and len(err.splitlines()) == 1
+    assert err.startswith("error: argument --only: nosuchrow: no such row (rows: train,")
 
 
 def test_headers_only_open_leaves_the_ids_to_the_reader(tmp_path):
     """The startup row's headers-only open: a bad id is found where a reader checks its window."""
     import bench
 
-    import common
     import fineweb
     bench.write_sparse_shard(str(tmp_path / "a_train_000001.npy"), 5000)
     tokens = np.zeros(3000, dtype=np.uint16)
@@ -83,75 +87,40 @@ def test_bench_bad_device_is_one_line():
     assert_one_line_error(r, "--device")
 
 
-def test_gpu_suite_defaults_are_gpt2_with_the_real_batch():
+def test_per_device_defaults_fill_only_the_flags_left_out():
     import bench
-    args = bench.parse_args(["--suite", "gpu"])
-    assert (args.preset, args.micro_batch_size, args.sequence_length, args.grad_accum) == \
-        ("gpt2", 64, 1024, 8)
-    assert args.micro_batch_size * args.sequence_length * args.grad_accum == 524_288
-    # flags given win
-    assert bench.parse_args(["--suite", "gpu", "--preset", "tiny", "-B", "2"]).micro_batch_size == 2
+    args = bench.parse_args(["--device", "cpu"])
+    target = bench.resolve(args)
+    assert target.device_type == "cpu" and args.sequence_length == target.config.block_size
+    for name, value in bench.DEVICE_DEFAULTS["cpu"].items():
+        assert getattr(args, name) == value, name
+    args = bench.parse_args(["--device", "cpu", "--compile", "-B", "3", "--steps", "7"])
+    bench.resolve(args)
+    assert args.compile and args.warmup == bench.COMPILED_WARMUP  # compiling: more warm-up
+    assert (args.micro_batch_size, args.steps) == (3, 7)  # flags given win
+    assert bench.parse_args(["--device", "cpu", "--compile", "--warmup", "0"]).warmup == 0
+    block = target.config.block_size
+    args = bench.parse_args(["--device", "cpu", "-T", str(block + 1)])
+    with pytest.raises(common.UsageError, match=f"-T {block + 1} exceeds the tiny block size "
+                                                f"{block}$"):
+        bench.resolve(args)
 
 
-@pytest.mark.slow
-def test_gpu_suite_plumbing_on_cpu(tmp_path):
-    """The suite's rows, JSON and Markdown on the CPU with the tiny preset; its CUDA tests left
-    out (no pytest in pytest)."""
+def test_gpu_estimate_defaults_to_gpt2():
     import bench
-    out = tmp_path / "results"
-    code = bench.main(["--suite", "gpu", "--out", str(out), "--device", "cpu", "--preset", "tiny",
-                       "-B", "2", "-T", "64", "--grad_accum", "2", "--steps", "1", "--warmup", "0",
-                       "--gen_tokens", "4", "--hellaswag_examples", "4", "--skip_tests"])
-    assert code == 0
-    res = json.loads((out / "gpu_suite.json").read_text())
-    assert res["setting"]["preset"] == "tiny" and res["setting"]["grad_accum"] == 2
-    assert "tests" not in res
-    ours, nano = res["train"]["ours"], res["train"]["build_nanogpt"]
-    assert ours["tokens_per_step"] == nano["tokens_per_step"] == 2 * 64 * 2
-    assert nano["compile"] is False
-    assert res["train"]["speedup"] == ours["tokens_per_sec"] / nano["tokens_per_sec"]
-    assert res["hellaswag"]["examples"] == 4 and res["generate"]["new_tokens"] == 4
-    page = (out / "gpu_suite.md").read_text()
-    assert "| build-nanogpt: eager, foreach AdamW |" in page and "HellaSwag batched speedup" in page
-    assert "CUDA tests: not run" in page
-
-
-def test_gpu_suite_without_cuda_is_one_line(capsys):
-    import bench
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
-    assert bench.main(["--suite", "gpu"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error:") and "CUDA" in err and len(err.strip().splitlines()) == 1
-
-
-def test_junit_summary(tmp_path):
-    import bench
-    xml = tmp_path / "t.xml"
-    xml.write_text('<testsuites><testsuite name="pytest" tests="3">'
-                   '<testcase classname="tests.test_cuda" name="test_a" time="1.5"><properties>'
-                   '<property name="mfu" value="0.51"/></properties></testcase>'
-                   '<testcase name="test_b" time="0.1"><failure message="boom">trace</failure>'
-                   '</testcase>'
-                   '<testcase name="test_c" time="0"><skipped message="needs 2 GPUs"/></testcase>'
-                   '</testsuite></testsuites>')
-    s = bench.junit_summary(str(xml))
-    assert s["counts"] == {"passed": 1, "failure": 1, "error": 0, "skipped": 1}
-    assert s["properties"] == {"test_a": {"mfu": 0.51}}
-    assert s["cases"][2]["message"] == "needs 2 GPUs"
+    assert bench.parse_args(["--suite", "gpu-estimate"]).preset == "gpt2"
+    assert bench.parse_args(["--suite", "gpu-estimate", "--preset", "tiny"]).preset == "tiny"
+    assert bench.parse_args([]).preset == "tiny"
 
 
 @pytest.mark.slow
 def test_bench_optimizer_rows():
     import bench
-
-    import common
     args = argparse.Namespace(micro_batch_size=2, sequence_length=32, warmup=0, steps=1)
-    row = bench.bench_optimizers(args, tiny_model().config, "cpu", "cpu",
-                                 common.autocast_for("fp32", "cpu")[0])
+    target = bench.Target(tiny_model().config, "cpu", common.autocast_for("fp32", "cpu")[0])
+    row = bench.bench_optimizers(args, target)
     assert row["adamw_ms"] > 0 and row["muon_ms"] > 0
-    assert bench.steps_to_reach([0, 10, 20, 30], [5.0, 4.0, 3.5, 3.0], 3.6) == 20
-    assert bench.steps_to_reach([0, 10], [5.0, 4.0], 3.0) is None
+    assert row["muon_vs_adamw"] == row["muon_ms"] / row["adamw_ms"]
 
 
 def test_resident_memory_is_none_where_neither_proc_nor_resource_exists(monkeypatch):

@@ -3,8 +3,8 @@ torch.compile, the CLI (val, samples, HellaSwag, checkpoints, MFU and memory), r
 devices, KV-cache and batched-HellaSwag agreement under bf16, NCCL with DDP and FSDP2, and GPT-2
 124M's memory and MFU.
 
-Skipped without CUDA. `python bench.py --suite gpu --out results/` runs this file and the GPU
-benchmark in one go."""
+Skipped without CUDA. The GPU suite is this file: `python -m pytest -q -rfEs tests/test_cuda.py`;
+the GPU benchmark is bench.py (`python bench.py --preset gpt2 -B 64 -T 1024 --device cuda`)."""
 import argparse
 import os
 import re
@@ -201,10 +201,10 @@ def test_gpt2_124m_compiled_memory_and_mfu(record_property):
                               compile=True, compile_mode=None, foreach_adamw=False,
                               peak_flops=None, warmup=3, steps=3)
     config = tg.GPTConfig(**settings.MODEL_PRESETS["gpt2"])
-    row = bench.bench_training(args, config, "cuda", "cuda",
-                               torch.autocast("cuda", dtype=torch.bfloat16))
+    row = bench.bench_training(args, bench.Target(config, "cuda",
+                                                  torch.autocast("cuda", dtype=torch.bfloat16)))
     for key in ("tokens_per_sec", "ms_per_step", "mfu", "peak_mem_gib"):
-        record_property(key, row[key])  # bench.py --suite gpu reads these from the JUnit XML
+        record_property(key, row[key])  # in pytest's --junitxml report, for whoever keeps one
     print(f"GPT-2 124M B=64 T=1024 compiled bf16 on {torch.cuda.get_device_name()}: {row}")
     assert row["peak_mem_gib"] > 0
     if row["mfu"] is not None:  # None on a GPU that peak_flops does not know

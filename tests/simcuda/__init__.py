@@ -1,8 +1,3 @@
-"""Simulated CUDA: the project's CUDA paths on a machine without a GPU (README.md says how, what it
-proves and what it cannot). Importing this package does not import torch: preload() must run
-first in a process that uses the simulation."""
-from .harness import (H100, PROJECT_FILES, FakeProcessGroup, SimCUDAError, SimulatedCUDA, build,
-                      flash_attention_as_on_h100, preload, unsupported)
-
-__all__ = ["H100", "PROJECT_FILES", "FakeProcessGroup", "SimCUDAError", "SimulatedCUDA", "build",
-           "flash_attention_as_on_h100", "preload", "unsupported"]
+"""The simulated-CUDA checks of tests/test_cuda_simulated.py: checks.py (run in child processes
+started by children.py) and the seeded device bugs of seeds.py. The harness they run on is
+tools/simcuda/ (its README says how it works, what it proves and what it cannot)."""

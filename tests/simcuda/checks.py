@@ -1,5 +1,4 @@
-"""The checks behind tests/test_cuda_simulated.py and `bench.py --suite gpu-estimate`, on simulated
-CUDA.
+"""The checks behind tests/test_cuda_simulated.py, on simulated CUDA (tools/simcuda/).
 
     python tests/simcuda/checks.py LIB CHECK[:ARG...][@DIR] ...
 
@@ -22,7 +21,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import traceback
 import warnings
 
@@ -31,27 +29,24 @@ TESTS = os.path.dirname(HERE)
 REPO = os.path.dirname(TESTS)
 
 if __name__ == "__main__":
-    # the project and tests/ (conftest's helpers, this package) to import from, not this folder
+    # the project (tools/ with it) and tests/ (helpers) to import from, not this folder
     sys.path[:] = [REPO, TESTS] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-    import simcuda
+    from tools import simcuda
 
     simcuda.preload(sys.argv[1])
     # never a download: the checks write their own HellaSwag file
     os.environ["HELLASWAG_OFFLINE"] = "1"
 else:
-    import simcuda
+    from tools import simcuda
 
 import torch  # noqa: E402
 
 import common  # noqa: E402
 import hellaswag  # noqa: E402
-import metrics  # noqa: E402
 import settings  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
-from conftest import write_hellaswag, write_shards  # noqa: E402
-from simcuda import inductor  # noqa: E402
-
-TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=64)
+from helpers import TINY, write_hellaswag, write_shards  # noqa: E402
+from tools.simcuda import inductor  # noqa: E402
 
 
 _SCRATCH = []  # one TemporaryDirectory for the process: removed when it exits
@@ -115,6 +110,13 @@ def names(values):
 
 # ------------------------------------------------------------------- watching a run from outside
 
+def fake_mode():
+    """The FakeTensorMode torch is in now: the simulation's, or inside it another one of the
+    run's own (settings.step_memory counts a step's memory on a model of its own that never
+    trains: not the run's training, which the checks watch)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
 class Watch:
     """What a run does on its device, seen through torch: global module and optimizer hooks, and
     wrappers around the torch functions that every way of clipping or of calling backward goes
@@ -124,7 +126,8 @@ class Watch:
     autocast); steps: one entry per optimizer step (the training forwards and backwards since the
     previous step, the reads back from the device since the first of those forwards and between
     the previous update and that forward, clipping, gradient dtypes and devices, fused or not,
-    optimizer state, weight tying).
+    optimizer state, weight tying). What happens in another fake mode than the one it was entered
+    in (the run's memory estimate) is not the run's.
     """
 
     def __init__(self, reads=lambda: 0):
@@ -141,6 +144,7 @@ class Watch:
         from torch.nn.modules.module import register_module_forward_hook
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+        self._mode = fake_mode()
         self._undo.callback(register_module_forward_hook(self._forward).remove)
         self._undo.callback(register_optimizer_step_pre_hook(self._step).remove)
         clip, backward = clip_grad._clip_grads_with_norm_, torch.autograd.backward
@@ -148,13 +152,15 @@ class Watch:
         def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
             parameters = ([parameters] if isinstance(parameters, torch.Tensor)
                           else list(parameters))
+            if fake_mode() is not self._mode:
+                return clip(parameters, max_norm, total_norm, *args, **kwargs)
             self.clips.append({"max_norm": float(max_norm), "params": len(parameters),
                                "norm_device": str(total_norm.device),
                                "after_backwards": self._since["backward"]})
             return clip(parameters, max_norm, total_norm, *args, **kwargs)
 
         def autograd_backward(*args, **kwargs):
-            self._since["backward"] += 1
+            self._since["backward"] += fake_mode() is self._mode
             return backward(*args, **kwargs)
 
         clip_grad._clip_grads_with_norm_ = clip_grads_with_norm_
@@ -171,7 +177,7 @@ class Watch:
         return self._since["forward"]
 
     def _forward(self, module, args, out):
-        if not isinstance(module, tg.GPT):
+        if not isinstance(module, tg.GPT) or fake_mode() is not self._mode:
             return
         if all(m is not module for m in self.models):
             self.models.append(module)
@@ -189,6 +195,8 @@ class Watch:
             self._since["forward"] += 1
 
     def _step(self, optimizer, args, kwargs):
+        if fake_mode() is not self._mode:
+            return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         state = [v for s in optimizer.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor) and v.dim()]
@@ -331,13 +339,14 @@ def check_fp16():
     HellaSwag and samples; the gradient scaler's calls in order each step (scale and backward per
     micro-step, unscale_, clip, step, update); --fsdp with fp16 refused in one line."""
     data, log = scratch()
-    events = []
+    events, simulated = [], []  # the simulation's fake mode, once entered
 
     def recorded(owner, name):
         original = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
-            events.append(name)
+            if fake_mode() is simulated[0]:  # not the run's memory estimate
+                events.append(name)
             return original(*args, **kwargs)
 
         return original, wrapper
@@ -347,6 +356,7 @@ def check_fp16():
     t4 = dict(device_name="Tesla T4", total_memory=15 * 2**30, bf16=False)
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA(**t4), \
             CheckpointsInMemory() as ckpts, contextlib.ExitStack() as undo:
+        simulated.append(fake_mode())
         for owner, name in patches:
             original, wrapper = recorded(owner, name)
             setattr(owner, name, wrapper)
@@ -489,187 +499,7 @@ def check_distributed(kind):
             "cuda_calls": sim.project_cuda_calls()}
 
 
-# ------------------------------------------------- estimates (bench.py --suite gpu-estimate)
-
-# H100 SXM: dense bf16 tensor-core peak (metrics.PEAK_BF16_FLOPS) and HBM3 bandwidth, from NVIDIA's
-# datasheet
-H100_FLOPS, H100_BYTES_PER_S = 989e12, 3.35e12
-
-
-class Roofline:
-    """Per aten op: FLOPs (torch's FLOP formulas) and bytes read and written; the op's time on an
-    H100 is at least max(FLOPs / peak, bytes / bandwidth). Summed over a step with no overlap and
-    no fusion between ops: a lower bound for eager, which runs them one by one."""
-
-    def __init__(self):
-        # name -> [flops, bytes, seconds, calls]
-        self.ops = collections.defaultdict(lambda: [0, 0, 0.0, 0])
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-        from torch.utils.flop_counter import flop_registry
-
-        def nbytes(values):
-            return sum(t.numel() * t.element_size() for t in tree_leaves(values)
-                       if isinstance(t, torch.Tensor))
-
-        ops = self.ops
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                out = func(*args, **kwargs)
-                if (func.is_view or func.namespace != "aten"
-                        or func._overloadpacket in METADATA_OPS):
-                    return out
-                schema = func._schema
-                written = sum(nbytes(v) for a, v in zip(schema.arguments, args)
-                              if a.alias_info and a.alias_info.is_write)
-                outs = out if isinstance(out, (tuple, list)) else (out,)
-                written += sum(nbytes(v) for r, v in zip(schema.returns, outs)
-                               if not r.alias_info)
-                moved = nbytes((args, kwargs)) + written
-                packet = func._overloadpacket
-                flops = 0
-                if packet in flop_registry:
-                    flops = flop_registry[packet](*args, **kwargs, out_val=out)
-                row = ops[str(packet)]
-                row[0] += flops
-                row[1] += moved
-                row[2] += max(flops / H100_FLOPS, moved / H100_BYTES_PER_S)
-                row[3] += 1
-                return out
-
-        self._mode = Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
-
-
-METADATA_OPS = ()  # filled in below, once torch.ops is importable
-
-
-def estimate_step(model, optimizer, autocast_ctx, B, T, vocab):
-    """One steady-state training step of B x T tokens (AdamW state already there), as the
-    project's step: forward under autocast, backward, clip to 1.0, fused AdamW; its peak tensor
-    memory (MemTracker), FLOPs of forward + backward (FlopCounterMode) and roofline time
-    (Roofline)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
-
-    x = torch.randint(0, vocab, (B, T), device="cuda")
-    y = torch.randint(0, vocab, (B, T), device="cuda")
-    tracker, flops, roofline = MemTracker(), FlopCounterMode(display=False), Roofline()
-    tracker.track_external(model, optimizer)
-    with tracker, roofline:
-        settings.estimated_step(model, optimizer, x, y, autocast_ctx, counted=flops)
-    peak = tracker.get_tracker_snapshot("peak")
-    device = next(d for d in peak if str(d).startswith("cuda"))
-    by_op = {str(k): v for k, v in flops.get_flop_counts()["Global"].items()}
-    by_kind = {str(getattr(k, "value", k)): v for k, v in peak[device].items()}
-    return {"peak_bytes": peak[device]["Total"],
-            "peak_by_kind": {k: v for k, v in by_kind.items() if k != "Total"},
-            "flops": flops.get_total_flops(), "flops_by_op": by_op,
-            "roofline": {name: {"flops": f, "bytes": b, "seconds": t, "calls": n}
-                         for name, (f, b, t, n) in roofline.ops.items()}}
-
-
-def gpt_for_estimates(config):
-    """GPT on cuda with its fused AdamW, the state already made (a steady-state step), and the
-    autocast the project picks on cuda; inside SimulatedCUDA."""
-    global METADATA_OPS
-    aten = torch.ops.aten
-    METADATA_OPS = {aten.detach, aten.alias, aten.lift_fresh, aten._local_scalar_dense,
-                    aten.empty_like, aten.empty, aten.empty_strided, aten.new_empty,
-                    aten.new_empty_strided}
-    model = tg.GPT(config).to("cuda")
-    optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
-    autocast_ctx, dtype = common.autocast_for("auto", "cuda")
-    settings.with_optimizer_state(model, optimizer)
-    return model, optimizer, autocast_ctx, dtype
-
-
-def check_estimate(preset="gpt2", batch_sizes="16,32,64", T="1024"):
-    """GPT-2's training step on one simulated H100, eager, bf16 autocast, flash attention (strict:
-    any other attention kernel is an error, as the estimate assumes flash), per micro-batch
-    size."""
-    T = int(T)
-    config = tg.GPTConfig(**settings.MODEL_PRESETS[preset])
-    rows = {}
-    with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA():
-        model, optimizer, autocast_ctx, dtype = gpt_for_estimates(config)
-        n_params = model.get_num_params(non_embedding=True)
-        for B in (int(b) for b in batch_sizes.split(",")):
-            rows[B] = estimate_step(model, optimizer, autocast_ctx, B, T, config.real_vocab_size)
-    matmul = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul")
-    for B, r in rows.items():
-        r["tokens"] = B * T
-        r["six_n"] = 6 * n_params * B * T
-        r["formula"] = metrics.flops_per_token(config, n_params, T) * B * T
-        r["matmul_flops"] = sum(v for k, v in r["flops_by_op"].items() if k in matmul)
-    return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
-            "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
-
-
-def compiled_step(model, optimizer, autocast_ctx, B, T, vocab):
-    """The project's compiled training step (torch.compile of the model, inductor's default
-    mode, static shapes) for B x T tokens: a first micro-step compiles the forward and backward
-    graphs, then one micro-step logs every kernel they launch (inductor.KernelLog); clipping and
-    the fused AdamW step, which the project runs outside the compiled model, go through Roofline
-    op by op as in eager."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, dynamic=False)
-    x = torch.randint(0, vocab, (B, T), device="cuda")
-    y = torch.randint(0, vocab, (B, T), device="cuda")
-
-    def forward():
-        with autocast_ctx:
-            return compiled(x, y)[1]
-
-    start = time.perf_counter()
-    forward().backward()
-    compile_seconds = time.perf_counter() - start
-
-    optimizer.zero_grad(set_to_none=True)
-    with inductor.KernelLog() as fwd:
-        loss = forward()
-    with inductor.KernelLog() as bwd:
-        loss.backward()
-    roofline = Roofline()
-    with roofline:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    return {"compile_seconds": compile_seconds, "forward": fwd.kernels, "backward": bwd.kernels,
-            "optimizer": {name: {"flops": f, "bytes": b, "seconds": t, "calls": n}
-                          for name, (f, b, t, n) in roofline.ops.items()}}
-
-
-def check_compiled(preset="gpt2", batch_sizes="16,32,64", T="1024"):
-    """GPT-2's training step compiled by inductor for one simulated H100 (Triton kernels built
-    for sm_90, none run), per micro-batch size: the kernels of one micro-step, from what the
-    compiled code launches."""
-    problem = inductor.unsupported()
-    if problem:
-        raise RuntimeError(problem)
-    T = int(T)
-    config = tg.GPTConfig(**settings.MODEL_PRESETS[preset])
-    rows = {}
-    with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA(), \
-            inductor.for_h100(scratch_dir()):
-        model, optimizer, autocast_ctx, dtype = gpt_for_estimates(config)
-        n_params = model.get_num_params(non_embedding=True)
-        for B in (int(b) for b in batch_sizes.split(",")):
-            rows[B] = compiled_step(model, optimizer, autocast_ctx, B, T, config.real_vocab_size)
-            rows[B]["tokens"] = B * T
-            rows[B]["formula"] = metrics.flops_per_token(config, n_params, T) * B * T
-    return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
-            "peak_flops": H100_FLOPS, "bytes_per_s": H100_BYTES_PER_S, "rows": rows}
-
+# ------------------------------------------------------------- inductor's kernels (needs Triton)
 
 def check_mlp_kernels():
     """The forward of a one-block tiny GPT on cuda under bf16 autocast, eager and compiled by

@@ -4,7 +4,7 @@ torch's FakeTensorMode makes tensors that carry a shape, a dtype and a device bu
 tensor can live on "cuda" without a GPU, and a CPU tensor mixed into a cuda computation fails as it
 would on a GPU (FakeTensorDeviceMismatchError). What a CPU-only torch lacks for autograd on them
 comes from a small C++ library (fake_cuda_preload.cpp, built here with g++), loaded before torch is
-imported: every use runs in a process of its own (checks.py).
+imported: every use runs in a process of its own (tests/simcuda/checks.py, estimate.py).
 
     lib = simcuda.build(tmp_dir)            # any process
     simcuda.preload(lib); import torch      # a new process, in this order
@@ -32,8 +32,9 @@ TORCH_SERIES = "2.13."
 PROJECT_FILES = ("train_gpt2.py", "settings.py", "rundir.py", "metrics.py", "common.py",
                  "openai_gpt2.py", "hellaswag.py", "fineweb.py", "bench.py")
 # what torch.cuda.get_device_name() says: an H100 SXM, the GPU the MFU column and the estimates
-# assume
+# assume (its peak FLOP/s: metrics.peak_flops), and its HBM3 bandwidth from NVIDIA's datasheet
 H100 = "NVIDIA H100 80GB HBM3"
+H100_BYTES_PER_S = 3.35e12
 
 
 class SimCUDAError(Exception):

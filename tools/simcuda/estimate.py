@@ -1,0 +1,216 @@
+"""The GPU estimate's child process: GPT-2's training step on one simulated H100, eager (peak
+tensor memory, FLOPs, per-op roofline) and compiled by inductor (every kernel one micro-step
+launches). tools/gpu_estimate.py starts it and turns its results into the estimate.
+
+    python tools/simcuda/estimate.py LIB eager:PRESET:B,B,...:T [compiled:PRESET:B,B,...:T]
+
+LIB is the preload library (harness.build), loaded before torch is imported: one process for the
+whole run. It prints one line `RESULT {json}` per spec: {"spec", "ok", "result"} or, for one that
+raised, {"spec", "ok": false, "error": traceback}.
+"""
+import collections
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+if __name__ == "__main__":
+    # the project and tools/ to import from, not this folder
+    sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+    from tools import simcuda
+
+    simcuda.preload(sys.argv[1])
+else:
+    from tools import simcuda
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+import metrics  # noqa: E402
+import settings  # noqa: E402
+import train_gpt2 as tg  # noqa: E402
+from tools.simcuda import inductor  # noqa: E402
+
+PEAK_FLOPS = metrics.peak_flops(simcuda.H100)
+BYTES_PER_S = simcuda.H100_BYTES_PER_S
+
+
+class Roofline:
+    """Per aten op: FLOPs (torch's FLOP formulas) and bytes read and written; the op's time on an
+    H100 is at least max(FLOPs / peak, bytes / bandwidth). Summed over a step with no overlap and
+    no fusion between ops: a lower bound for eager, which runs them one by one."""
+
+    def __init__(self):
+        self.ops = collections.defaultdict(lambda: [0, 0, 0.0, 0])  # flops, bytes, seconds, calls
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten = torch.ops.aten
+        self.metadata = {aten.detach, aten.alias, aten.lift_fresh, aten._local_scalar_dense,
+                         aten.empty_like, aten.empty, aten.empty_strided, aten.new_empty,
+                         aten.new_empty_strided}  # ops that move no data
+        roofline = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                roofline.record(func, args, kwargs or {}, out)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def record(self, func, args, kwargs, out):
+        from torch.utils._pytree import tree_leaves
+        from torch.utils.flop_counter import flop_registry
+
+        if func.is_view or func.namespace != "aten" or func._overloadpacket in self.metadata:
+            return
+
+        def nbytes(values):
+            return sum(t.numel() * t.element_size() for t in tree_leaves(values)
+                       if isinstance(t, torch.Tensor))
+
+        schema = func._schema
+        written = sum(nbytes(v) for a, v in zip(schema.arguments, args)
+                      if a.alias_info and a.alias_info.is_write)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        written += sum(nbytes(v) for r, v in zip(schema.returns, outs) if not r.alias_info)
+        moved = nbytes((args, kwargs)) + written
+        packet = func._overloadpacket
+        flops = 0
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        row = self.ops[str(packet)]
+        row[0] += flops
+        row[1] += moved
+        row[2] += max(flops / PEAK_FLOPS, moved / BYTES_PER_S)
+        row[3] += 1
+
+    def by_op(self):
+        return {name: {"flops": f, "bytes": b, "seconds": t, "calls": n}
+                for name, (f, b, t, n) in self.ops.items()}
+
+
+def eager_step(model, optimizer, autocast_ctx, B, T, vocab):
+    """One steady-state training step of B x T tokens (AdamW state already there), as the
+    project's step: forward under autocast, backward, clip to 1.0, fused AdamW; its peak tensor
+    memory (MemTracker), FLOPs of forward + backward (FlopCounterMode) and roofline time
+    (Roofline)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randint(0, vocab, (B, T), device="cuda")
+    y = torch.randint(0, vocab, (B, T), device="cuda")
+    tracker, flops, roofline = MemTracker(), FlopCounterMode(display=False), Roofline()
+    tracker.track_external(model, optimizer)
+    with tracker, roofline:
+        settings.estimated_step(model, optimizer, x, y, autocast_ctx, counted=flops)
+    peak = tracker.get_tracker_snapshot("peak")
+    device = next(d for d in peak if str(d).startswith("cuda"))
+    by_op = {str(k): v for k, v in flops.get_flop_counts()["Global"].items()}
+    by_kind = {str(getattr(k, "value", k)): v for k, v in peak[device].items()}
+    return {"peak_bytes": peak[device]["Total"],
+            "peak_by_kind": {k: v for k, v in by_kind.items() if k != "Total"},
+            "flops": flops.get_total_flops(), "flops_by_op": by_op, "roofline": roofline.by_op()}
+
+
+def compiled_step(model, optimizer, autocast_ctx, B, T, vocab):
+    """The project's compiled training step (torch.compile of the model, inductor's default
+    mode, static shapes) for B x T tokens: a first micro-step compiles the forward and backward
+    graphs, then one micro-step logs every kernel they launch (inductor.KernelLog); clipping and
+    the fused AdamW step, which the project runs outside the compiled model, go through Roofline
+    op by op as in eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    x = torch.randint(0, vocab, (B, T), device="cuda")
+    y = torch.randint(0, vocab, (B, T), device="cuda")
+
+    def forward():
+        with autocast_ctx:
+            return compiled(x, y)[1]
+
+    start = time.perf_counter()
+    forward().backward()
+    compile_seconds = time.perf_counter() - start
+    optimizer.zero_grad(set_to_none=True)
+    with inductor.KernelLog() as fwd:
+        loss = forward()
+    with inductor.KernelLog() as bwd:
+        loss.backward()
+    roofline = Roofline()
+    with roofline:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return {"compile_seconds": compile_seconds, "forward": fwd.kernels, "backward": bwd.kernels,
+            "optimizer": roofline.by_op()}
+
+
+def steps(step, preset, batch_sizes, T, context=None):
+    """step (eager_step or compiled_step) of preset at each micro-batch size on one simulated
+    H100: GPT on cuda with its fused AdamW, the state already made (a steady-state step), the
+    autocast the project picks on cuda, and flash attention (strict: any other kernel is an
+    error, as the estimate assumes flash)."""
+    T = int(T)
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[preset])
+    rows = {}
+    with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA(), \
+            context or contextlib.nullcontext():
+        model = tg.GPT(config).to("cuda")
+        optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
+        autocast_ctx, dtype = common.autocast_for("auto", "cuda")
+        settings.with_optimizer_state(model, optimizer)
+        n_params = model.get_num_params(non_embedding=True)
+        for B in (int(b) for b in batch_sizes.split(",")):
+            rows[B] = step(model, optimizer, autocast_ctx, B, T, config.real_vocab_size)
+            rows[B]["tokens"] = B * T
+            rows[B]["six_n"] = 6 * n_params * B * T
+            rows[B]["formula"] = metrics.flops_per_token(config, n_params, T) * B * T
+    return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
+            "peak_flops": PEAK_FLOPS, "bytes_per_s": BYTES_PER_S, "rows": rows}
+
+
+def eager(preset="gpt2", batch_sizes="16,32,64", T="1024"):
+    out = steps(eager_step, preset, batch_sizes, T)
+    matmul = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul")
+    for r in out["rows"].values():
+        r["matmul_flops"] = sum(v for k, v in r["flops_by_op"].items() if k in matmul)
+    return out
+
+
+def compiled(preset="gpt2", batch_sizes="16,32,64", T="1024"):
+    problem = inductor.unsupported()
+    if problem:
+        raise RuntimeError(problem)
+    with tempfile.TemporaryDirectory(prefix="simcuda-") as cache:
+        return steps(compiled_step, preset, batch_sizes, T, inductor.for_h100(cache))
+
+
+def run(spec):
+    """One spec, as {"spec", "ok", "result" | "error"}."""
+    name, *args = spec.split(":")
+    try:
+        result = {"eager": eager, "compiled": compiled}[name](*args)
+        return {"spec": spec, "ok": True, "result": result}
+    except Exception:
+        return {"spec": spec, "ok": False, "error": traceback.format_exc()}
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    for spec in sys.argv[2:]:
+        print("RESULT " + json.dumps(run(spec)), flush=True)
