@@ -501,16 +501,8 @@ def check_flags(args, given, ckpt=None, asked_shape=None, lrs=None):
 
 
 def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
-    """check_flags' part for a resumed run: the flags against the checkpoint they continue."""
-    # a block switched on now: its settings, maybe the checkpoint's zeros, must be usable
-    for on, keys in ((args.eval_every, ["val_tokens"]),
-                     (args.sample_every, ["num_samples", "sample_tokens"])):
-        values = [getattr(args, k) for k in keys]
-        if on and any(v is not None and v < 1 for v in values):
-            shown = ", ".join(f"--{k} {v}" for k, v in zip(keys, values))
-            raise UsageError(f"{args.resume} has {shown}: give positive values now that this "
-                             f"block is on")
-
+    """check_flags' part for a resumed run: the flags against the checkpoint they continue (its
+    own flags were checked against the flag table as it was read: resume_checkpoint)."""
     # the model's shape is the checkpoint's: shape flags (and -T, --preset) given now must agree
     saved, step = ckpt["args"], ckpt["step"]
     asked = {**asked_shape, "sequence_length": args.sequence_length, "preset": args.preset}
@@ -645,7 +637,10 @@ def step_memory(models, optimizers, mode, run):
         with mode, torch.device(run.device):
             x = torch.randint(0, run.model.vocab_size, (B, run.sequence_length))
             tracker = MemTracker()
-            tracker.track_external(model, optimizer)
+            parts = [optimizer]
+            if not isinstance(optimizer, torch.optim.Optimizer):  # Muon + AdamW: each counted
+                parts = list(optimizer)
+            tracker.track_external(model, *parts)
             with tracker:
                 estimated_step(model, optimizer, x, x, run.precision.autocast)
         snapshot = tracker.get_tracker_snapshot("peak")

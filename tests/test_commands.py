@@ -250,7 +250,7 @@ def test_plan_works_out_a_run_on_the_cpu_and_writes_nothing(data, tmp_path):
     assert "tokens: 8 steps x 64 = 512" in plan
     assert "batch: -B 2 x -T 32 x 1 process(es), 1 micro-step(s) a step" in plan
     assert "memory: a step's estimated peak " in plan and "usable of this machine's" in plan
-    assert "(from 3 micro-steps of 1 sequence measured on cpu, times 2)" in plan
+    assert "(steps and val passes, from micro-steps of -B 2 x -T 32 timed on cpu: " in plan
     assert not log.exists() and sorted(os.listdir(data)) == before
     assert_one_line_error(run_cli("plan", *run_args(data, str(log), "-B", "3")),
                           "not divisible by B*T*world_size")

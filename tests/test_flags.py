@@ -182,7 +182,7 @@ def test_sample_prompts_the_flag_check_accepts_also_sample(data, tmp_path, promp
     (["--muon_lr", "0.01"], "--muon_lr"),
 ])
 def test_flags_for_a_part_that_is_off_are_stated(capsys, flags, unused):
-    tg.settle(flags)  # the flag checks state them before any work
+    tg.settle([*flags, "--preset", "tiny", "--device", "cpu"])  # stated before any work
     out = capsys.readouterr().out
     assert [w for w in warnings_in(out, unused) if "no effect" in w], out
 
@@ -282,8 +282,8 @@ def test_resume_states_a_new_schedule_and_refuses_new_shapes(data, tmp_path):
     new = tg.get_lr(4, 2e-3, 2e-4, 2, 12)
     assert warning and f"step 4 gets LR {new:.4e}" in warning[0] and f"{old:.4e}" in warning[0]
     assert warnings_in(r.stdout, "--max_steps is 12 now but was 8 in the checkpoint")
-    # --keep_last came along from the checkpoint
-    assert [rundir.checkpoint_step(p) for p in rundir.find_checkpoints(log)] == [5]
+    # --keep_last is this invocation's: the checkpoint's 1 did not come along
+    assert [rundir.checkpoint_step(p) for p in rundir.find_checkpoints(log)] == [3, 4, 5]
     before = dir_bytes(log)
     for flags, names in ((["-T", "16"], ["sequence_length=32", "sequence_length=16"]),
                          (["--preset", "gpt2"], ["preset=tiny", "preset=gpt2"])):
@@ -296,11 +296,12 @@ def test_values_from_the_checkpoint_are_checked_when_their_block_comes_on(refere
     shutil.copytree(reference, log)
     newest = rundir.find_checkpoints(log)[-1]
     ckpt = torch.load(newest, weights_only=False)
-    ckpt["args"].update(eval_every=0, val_tokens=0)  # a run with val off and a val size of 0
+    ckpt["args"].update(eval_every=0, val_tokens=0)  # a val size no flag can give
     torch.save(ckpt, newest)
     before = dir_bytes(log)
-    r = run_cli(*resume_args(log, "--max_steps", "10", "--eval_every", "2"))
-    assert_one_line_error(r, newest, "--val_tokens 0")
+    r = run_cli("--resume", newest, "--log_dir", log, "--device", "cpu", "--max_steps", "10",
+                "--eval_every", "2")
+    assert_one_line_error(r, newest, "its flag val_tokens is 0")
     assert dir_bytes(log) == before
 
 
