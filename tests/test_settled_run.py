@@ -87,6 +87,7 @@ def clock_seconds(text):
     return 3600 * h + 60 * m + s
 
 
+@pytest.mark.slow
 def test_plans_time_is_the_runs_within_a_factor_of_two(data, tmp_path):
     """plan times the run's own micro-step (not one sequence scaled up) and counts the val passes:
     its estimate and the run it describes agree within a factor of 2 (a loose bound, since both
