@@ -44,8 +44,8 @@ def format_eta(seconds):
 
 def flops_per_token(config, n_params, seq_len):
     """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B). n_params
-    leaves out wpe (a lookup) and counts the tied wte/lm_head once; 12·L·H·Q·T are the attention
-    matmuls."""
+    leaves out the lookups (wpe; wte unless it is the tied lm_head: GPT.get_num_params);
+    12·L·H·Q·T are the attention matmuls."""
     L, H, Q, T = config.n_layer, config.n_head, config.n_embd // config.n_head, seq_len
     return 6 * n_params + 12 * L * H * Q * T
 

@@ -102,9 +102,9 @@ def export_hf(model, out_dir):
     unpadded: what `train_gpt2.py export` makes of a checkpoint."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = model.config
-    if not c.bias or c.n_kv_head != c.n_head:
+    if c.gpt2_differences():
         raise UsageError(f"only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
-                         f"bias={c.bias}, n_kv_head={c.n_kv_head}, n_head={c.n_head}")
+                         f"{', '.join(c.gpt2_differences())}")
     hf = GPT2LMHeadModel(GPT2Config(
         vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",

@@ -166,7 +166,7 @@ def check_fields(ckpt, path):
     if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
         bad("'val_loss'", f"is {one_line(repr(loss), 40)}, not a number")
     for key, value in ckpt.get("config", {}).items():
-        if not isinstance(key, str) or not isinstance(value, (int, float, type(None))):
+        if not isinstance(key, str) or not isinstance(value, (int, float, str, type(None))):
             bad(f"config entry {one_line(repr(key), 40)}", f"is {one_line(repr(value), 40)}")
 
 

@@ -47,7 +47,17 @@ RUN_SETTINGS = {
         ("--block_size", None, count(1, CONTEXT), "context length"),
         ("--n_kv_head", None, count(1, WIDTH), "key/value heads (GQA; 1: MQA)"),
         ("--dropout", 0.0, FRACTION, "dropout in training"),
-        ("--bias", True, bool, "biases in Linear and LayerNorm"),
+        ("--arch", "gpt2", ["gpt2", "modern"],
+         "gpt2: GPT-2's; modern: every part below changed (README, 'The modern architecture')"),
+        ("--bias", None, bool, "biases in Linear and LayerNorm"),
+        ("--pos_emb", None, ["learned", "rope"], "positions: a learned wpe, or rotary"),
+        ("--norm", None, ["layernorm", "rmsnorm"], "the blocks' and final norm"),
+        ("--embed_norm", None, bool, "normalize the token embedding"),
+        ("--qk_norm", None, bool, "RMS-normalize each head's queries and keys"),
+        ("--mlp", None, ["gelu", "relu2"], "the MLP's activation (relu2: ReLU squared)"),
+        ("--tie_embeddings", None, bool, "lm_head shares wte's weight"),
+        ("--zero_init", None, bool, "output projections (and an untied lm_head) start at 0"),
+        ("--logit_softcap", None, NONNEG, "logits to cap * tanh(logits / cap) (0: off)"),
     ],
     "optimisation": [
         ("--optimizer", "adamw", ["adamw", "muon"], "muon: Muon for the blocks' matrices"),
@@ -108,7 +118,18 @@ RUN_SETTINGS = {
     ],
 }
 DEFAULTS = {flag_dest(f): default for group in RUN_SETTINGS.values() for f, default, *_ in group}
-SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "bias")
+# ===== Architectures: GPTConfig's parts, each a flag ==============================================
+# gpt2: the 2019 model (GPTConfig's defaults). modern: the plain-PyTorch changes behind most of the
+# GPT-2 speedruns' gain in tokens (rotary positions, RMSNorm, QK-norm, ReLU², an untied head,
+# zero-initialised projections, tanh soft-capping of the logits); measured in docs/performance.md
+ARCHITECTURES = {
+    "gpt2": dict(bias=True, pos_emb="learned", norm="layernorm", embed_norm=False, qk_norm=False,
+                 mlp="gelu", tie_embeddings=True, zero_init=False, logit_softcap=0.0),
+    "modern": dict(bias=False, pos_emb="rope", norm="rmsnorm", embed_norm=True, qk_norm=True,
+                   mlp="relu2", tie_embeddings=False, zero_init=True, logit_softcap=15.0),
+}
+ARCH_PARTS = tuple(ARCHITECTURES["gpt2"])
+SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", *ARCH_PARTS)
 
 # ===== Presets: a model shape with its run settings =============================================
 # The GPT-2 paper's shapes (Table 2), and one for CPUs
@@ -132,6 +153,15 @@ RUN_PRESETS = {
                  sample_every=50, hellaswag_every=0, save_every=0,
                  data_root=os.path.join(fineweb.REPO_DIR, "edu_fineweb_tiny")),
 }
+# Run settings an architecture changes, per preset: where its best LRs differ from GPT-2's
+ARCH_RUN_PRESETS = {
+    "modern": {"tiny": dict(max_lr=4e-3)},
+}
+
+
+def preset_defaults(preset, arch):
+    """The flags' defaults under --preset and --arch (RUN_SETTINGS, then the two overlays)."""
+    return {**DEFAULTS, **RUN_PRESETS[preset], **ARCH_RUN_PRESETS.get(arch, {}).get(preset, {})}
 
 CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
 COMMAND_FLAGS = {  # the commands' meaning, then their flags
@@ -234,18 +264,21 @@ def read_flags(argv=None):
     """(the flags as a Namespace, the names of those given on the command line, the checkpoint
     resumed or None). A flag's value is the first of: the command line, the checkpoint (but not
     for THIS_INVOCATION), the preset, RUN_SETTINGS."""
-    # a pre-pass for --preset alone: --help shows its defaults
+    # a pre-pass for --preset and --arch alone: --help shows their defaults
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset")
-    shown_preset = pre.parse_known_args(argv)[0].preset
+    pre.add_argument("--arch")
+    shown_preset, shown_arch = vars(pre.parse_known_args(argv)[0]).values()
     if shown_preset not in MODEL_PRESETS:
         shown_preset = "gpt2"  # the real parse names a bad --preset
-    shown = {**DEFAULTS, **RUN_PRESETS[shown_preset], **MODEL_PRESETS[shown_preset],
-             "preset": shown_preset}
+    if shown_arch not in ARCHITECTURES:
+        shown_arch = "gpt2"
+    shown = {**preset_defaults(shown_preset, shown_arch), **MODEL_PRESETS[shown_preset],
+             **ARCHITECTURES[shown_arch], "preset": shown_preset, "arch": shown_arch}
     given = vars(build_parser(shown).parse_args(argv))
     given = {k: v for k, v in given.items() if v is not None}
 
-    settings = {**DEFAULTS, **RUN_PRESETS[given.get("preset", "gpt2")]}
+    settings = preset_defaults(given.get("preset", "gpt2"), given.get("arch", "gpt2"))
     if "input" in given:  # local text is not FineWeb-Edu: it gets a folder of its own
         settings["data_root"] = fineweb.LOCAL_DATA_ROOT
     check_pairs(given)
@@ -466,9 +499,9 @@ def check_flags(args, given, ckpt=None, asked_shape=None, lrs=None):
     resumed; returns warnings for settings that work but look like mistakes. given: the flags on
     the command line; asked_shape: the model config the flags describe; lrs: the LR of the next
     step on the checkpoint's schedule and on the one asked now."""
-    shape = sorted(f"--{k}" for k in SHAPE_FLAGS if k in given)
+    shape = sorted(f"--{k}" for k in (*SHAPE_FLAGS, "arch") if k in given)
     if args.init_from and shape:
-        raise UsageError(f"--init_from takes the model's shape from the weights: drop "
+        raise UsageError(f"--init_from loads OpenAI's GPT-2, its shape and architecture: drop "
                          f"{', '.join(shape)}")
     for key in ("log_dir", "data_root"):  # found now, not mid-run
         path = getattr(args, key)
@@ -506,10 +539,13 @@ def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
     # the model's shape is the checkpoint's: shape flags (and -T, --preset) given now must agree
     saved, step = ckpt["args"], ckpt["step"]
     asked = {**asked_shape, "sequence_length": args.sequence_length, "preset": args.preset}
-    had = {**ckpt["config"], "sequence_length": saved.get("sequence_length"),
-           "preset": saved.get("preset")}
+    had = {**ARCHITECTURES["gpt2"], **ckpt["config"],  # a part a checkpoint lacks: GPT-2's
+           "sequence_length": saved.get("sequence_length"), "preset": saved.get("preset")}
     checked = set(SHAPE_FLAGS) | {"dropout", "sequence_length", "preset"}
-    differ = sorted(k for k in checked & set(given) if asked[k] != had[k])
+    asked_now = set(given)
+    if "arch" in given:  # --arch asks for each of its parts
+        asked_now |= set(ARCH_PARTS)
+    differ = sorted(k for k in checked & asked_now if asked[k] != had[k])
     if differ:
         had_s = ", ".join(f"{k}={had[k]}" for k in differ)
         asked_s = ", ".join(f"{k}={asked[k]}" for k in differ)

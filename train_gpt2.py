@@ -50,7 +50,17 @@ class GPTConfig:
     real_vocab_size: int = GPT2_VOCAB_SIZE  # ids >= this: padding, never predicted
     n_kv_head: int | None = None  # key/value heads: n_head (None) is GPT-2's, fewer GQA, 1 MQA
     dropout: float = 0.0  # attention, residual and embedding dropout in training
-    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
+    # The architecture's parts: GPT-2's by default; --arch modern changes them all
+    # (settings.ARCHITECTURES), and each part's own flag changes one
+    bias: bool = True  # biases in Linear and LayerNorm
+    pos_emb: str = "learned"  # learned: a wpe table added to the input; rope: rotary, in attention
+    norm: str = "layernorm"  # the blocks' and the final norm: layernorm, or rmsnorm (no weights)
+    embed_norm: bool = False  # the token embedding normalized before the first block
+    qk_norm: bool = False  # each head's queries and keys RMS-normalized before attention
+    mlp: str = "gelu"  # the MLP's activation: gelu (tanh approximation), or relu2 (ReLU squared)
+    tie_embeddings: bool = True  # lm_head shares wte's weight
+    zero_init: bool = False  # the output projections (and an untied lm_head) start at zero
+    logit_softcap: float = 0.0  # logits squashed to (-cap, cap) by cap * tanh(logits / cap); 0: off
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -66,15 +76,30 @@ class GPTConfig:
         if not 0 < self.real_vocab_size <= self.vocab_size:
             raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
                              f"1..{self.vocab_size}")
+        for part, kinds in (("pos_emb", ("learned", "rope")), ("norm", ("layernorm", "rmsnorm")),
+                            ("mlp", ("gelu", "relu2"))):
+            if getattr(self, part) not in kinds:
+                raise ValueError(f"{part} must be one of {', '.join(kinds)}")
+        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2 != 0:
+            raise ValueError(f"rotary embeddings turn pairs: the head size "
+                             f"({self.n_embd // self.n_head}) must be even")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap ({self.logit_softcap}) must be >= 0 (0: off)")
+
+    def gpt2_differences(self):
+        """The parts (as name=value) in which this model is not GPT-2's architecture."""
+        gpt2 = {**settings.ARCHITECTURES["gpt2"], "n_kv_head": self.n_head}
+        return [f"{k}={getattr(self, k)}" for k, v in gpt2.items() if getattr(self, k) != v]
 
 def model_config(args, ckpt=None):
     """The GPTConfig a run trains: a resumed checkpoint's, --init_from's (read from its
-    config.json), or the preset's shape changed by any shape flag given."""
+    config.json), or the preset's shape with --arch's parts, changed by any shape flag given."""
     if ckpt is not None:
         return GPTConfig(**ckpt["config"])
     if args.init_from:
         return GPTConfig(**openai_gpt2.pretrained_config(args.init_from), dropout=args.dropout)
-    shape = {**settings.MODEL_PRESETS[args.preset], "dropout": args.dropout}
+    shape = {**settings.MODEL_PRESETS[args.preset], **settings.ARCHITECTURES[args.arch],
+             "dropout": args.dropout}
     for k in settings.SHAPE_FLAGS:
         if getattr(args, k) is not None:
             shape[k] = getattr(args, k)
@@ -100,26 +125,58 @@ class KVCache:
         self.v[layer, :, :, self.pos: self.pos + T] = v
         return self.k[layer, :, :, : self.pos + T], self.v[layer, :, :, : self.pos + T]
 
+ROPE_BASE = 10000.0  # rotary embeddings: the slowest pair turns by base^(-(hs-2)/hs) a position
+RMS_EPS = 1e-6
+
+def make_norm(config: GPTConfig, dim):
+    """The norm of the residual stream: GPT-2's LayerNorm, or an RMSNorm without weights."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=RMS_EPS, elementwise_affine=False)
+    return nn.LayerNorm(dim, bias=config.bias)
+
+def rotary_tables(config: GPTConfig):
+    """cos and sin (block_size, hs/2) of the angle pos * base^(-2i/hs) by which rotary embeddings
+    turn pair i of a head at position pos: the dot product of a query and a key then depends on
+    their positions only through their distance."""
+    hs = config.n_embd // config.n_head
+    inv_freq = ROPE_BASE ** (-torch.arange(0, hs, 2, dtype=torch.float32) / hs)  # (hs/2,)
+    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+def apply_rotary(x, cos, sin):
+    """x (B, nh, T, hs) with each pair (x[..., i], x[..., i + hs/2]) turned by its position's
+    angle (cos, sin: (T, hs/2)); the halves' pairing is Llama's."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx=0):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.hs = config.n_embd // config.n_head
         self.layer_idx, self.dropout = layer_idx, config.dropout
+        self.qk_norm = config.qk_norm
         # q for all heads and k, v for the n_kv_head key/value heads, in one matmul
         qkv = (config.n_head + 2 * config.n_kv_head) * self.hs
         self.c_attn = nn.Linear(config.n_embd, qkv, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_SCALE_INIT = True  # adds to the residual stream
+        self.c_proj.ZERO_INIT = config.zero_init
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, kv_cache=None):
+    def forward(self, x, kv_cache=None, rotary=None):
+        """x (B, T, C); rotary: the (cos, sin) of these T positions, or None (positions in wpe)."""
         B, T, C = x.size()
         hs, nh, nkv = self.hs, self.n_head, self.n_kv_head
         q, k, v = self.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=2)
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.qk_norm:  # bounded logits q.k / sqrt(hs): no head's softmax saturates
+            q, k = F.rms_norm(q, (hs,), eps=RMS_EPS), F.rms_norm(k, (hs,), eps=RMS_EPS)
+        if rotary is not None:  # before the cache: cached keys keep their own positions
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         mask, causal = None, True
         if kv_cache is not None:
             past = kv_cache.pos
@@ -141,24 +198,31 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.relu_squared = config.mlp == "relu2"
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.c_proj.ZERO_INIT = config.zero_init
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        h = self.c_fc(x)  # (B, T, 4C)
+        if self.relu_squared:  # ReLU(h)^2: as cheap as ReLU, learns faster than GELU (Primer)
+            h = F.relu(h).square()
+        else:
+            h = self.gelu(h)
+        return self.dropout(self.c_proj(h))
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx=0):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None):
-        # pre-LayerNorm: the residual stream itself is never normalized
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x, kv_cache=None, rotary=None):
+        # pre-norm: the residual stream itself is never normalized
+        x = x + self.attn(self.ln_1(x), kv_cache, rotary)
         return x + self.mlp(self.ln_2(x))
 
 class GPT(nn.Module):
@@ -167,15 +231,25 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        # GPT-2's order (the order of init and of the optimizer's parameters) with wpe or ln_e
+        # where the architecture has them
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd)))
+        if config.pos_emb == "learned":
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        else:  # rotary: the angles of every position, turned into q and k in each attention
+            cos, sin = rotary_tables(config)
+            self.register_buffer("rotary_cos", cos, persistent=False)
+            self.register_buffer("rotary_sin", sin, persistent=False)
+        if config.embed_norm:
+            self.transformer.ln_e = make_norm(config, config.n_embd)
+        self.transformer.drop = nn.Dropout(config.dropout)
+        self.transformer.h = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        self.transformer.ln_f = make_norm(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
+        else:  # untied: a zero head starts every logit at 0, the loss at ln(vocab)
+            self.lm_head.ZERO_INIT = config.zero_init
         # 0 for real tokens, -inf for padding ids, added in the lm_head matmul: padding is never
         # predicted. A buffer, not a parameter: the state dict stays GPT-2's
         real = torch.arange(config.vocab_size) < config.real_vocab_size
@@ -187,16 +261,24 @@ class GPT(nn.Module):
             std = 0.02
             if getattr(module, "RESIDUAL_SCALE_INIT", False):  # the residual stream's variance
                 std *= (2 * self.config.n_layer) ** -0.5  # kept over 2 adds a block
-            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "ZERO_INIT", False):  # each block starts as the identity
+                torch.nn.init.zeros_(module.weight)
+            else:
+                torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def get_num_params(self, non_embedding=False):
-        """Parameters (the tied wte/lm_head once); non_embedding=True leaves out wpe."""
+        """Parameters (a tied wte/lm_head once); non_embedding=True leaves out the lookup tables
+        that no matmul uses: wpe, and wte when it is not also the head."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        if non_embedding and not self.config.tie_embeddings:
+            n -= self.transformer.wte.weight.numel()
+        return n
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
@@ -209,10 +291,17 @@ class GPT(nn.Module):
         if past + T > self.config.block_size:
             raise ValueError(f"{past + T} tokens exceed block_size {self.config.block_size}")
 
-        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B,T,C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rotary = None
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(torch.arange(past, past + T, device=idx.device))
+        else:  # the angles of positions past .. past + T - 1: (T, hs/2) each
+            rotary = (self.rotary_cos[past: past + T], self.rotary_sin[past: past + T])
+        if "ln_e" in self.transformer:
+            x = self.transformer.ln_e(x)
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, kv_cache)
+            x = block(x, kv_cache, rotary)
         if kv_cache is not None:
             kv_cache.pos += T
 
@@ -227,7 +316,13 @@ class GPT(nn.Module):
             raise ValueError("targets need every position's logits: leave logits_to_keep 0")
         x = self.transformer.ln_f(x)
         # -inf added to the padding ids' logits in the matmul itself: they are never predicted
-        logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
+        cap = self.config.logit_softcap
+        if cap > 0:  # squashed into (-cap, cap) first: the -inf stays -inf
+            logits = F.linear(x, self.lm_head.weight)  # (B, T, vocab_size), autocast's dtype
+            # the mask cast to it: an fp32 mask would make the (B, T, vocab_size) logits fp32
+            logits = cap * torch.tanh(logits / cap) + self.vocab_mask.to(logits.dtype)
+        else:
+            logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
@@ -256,8 +351,9 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad and id(p) not in taken]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": weight_decay}]
+        if no_decay:  # none without biases and norm weights (torch's state-dict helpers refuse
+            groups.append({"params": no_decay, "weight_decay": 0.0})  # an empty group)
         parts = {"decayed": decay, "non-decayed": no_decay}
         if muon is not None:
             parts["Muon"] = matrices
