@@ -26,6 +26,7 @@ import torch
 import common
 import fineweb
 import metrics
+import rundir
 import settings
 import train_gpt2 as tg
 from tools import gpu_estimate
@@ -296,8 +297,8 @@ def train_flags(args, device, data_root, log_dir, max_steps):
     """train_gpt2.py's flags for a run of max_steps steps of bench's shape, with nothing but
     training steps in it (val, samples, HellaSwag and periodic saves off)."""
     tokens = args.micro_batch_size * args.sequence_length * args.grad_accum
-    return ["--preset", args.preset, "--device", device, "--dtype", args.dtype,
-            "--data_root", data_root, "--log_dir", log_dir,
+    return ["--preset", args.preset, "--arch", args.arch, "--device", device,
+            "--dtype", args.dtype, "--data_root", data_root, "--log_dir", log_dir,
             "-B", str(args.micro_batch_size), "-T", str(args.sequence_length),
             "--total_batch_size", str(tokens), "--max_steps", str(max_steps),
             "--warmup_steps", "1", "--eval_every", "0", "--sample_every", "0",
@@ -535,13 +536,107 @@ def bench_fineweb(args, t):
     return {"tokens_per_sec": tokens / dt, "tokens": tokens, "num_proc": num_proc}
 
 
+# ===== The arch row: --arch modern against GPT-2, in tokens to the GPT-2 recipe's val loss =======
+# Each arm: train_gpt2.py's flags beyond `--preset tiny` (the learning rates tuned for each arm on
+# this row's corpus: docs/performance.md, "--arch modern"). The first arm is the GPT-2 recipe.
+ARCH_ARMS = {
+    "gpt2_adamw": ["--arch", "gpt2", "--optimizer", "adamw", "--max_lr", "4e-3"],
+    "gpt2_muon": ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "4e-3",
+                  "--muon_lr", "4e-3"],
+    "modern_muon": ["--arch", "modern", "--optimizer", "muon", "--max_lr", "8e-3",
+                    "--muon_lr", "4e-3"],
+}
+
+
+def stdlib_docstrings(path):
+    """Every docstring of this Python's standard library (tests and site-packages left out), in
+    path order, as one text file: ~1.8 MB of English prose that any machine with Python has."""
+    import ast
+    import sysconfig
+
+    root, docs = sysconfig.get_paths()["stdlib"], []
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for folder, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs
+                            if d not in ("test", "tests", "site-packages", "__pycache__"))
+        for name in sorted(f for f in files if f.endswith(".py")):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            docs += [ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds)]
+    with open(path, "w") as f:
+        f.write("\n\n".join(d for d in docs if d))
+    return path
+
+
+def tokens_to_reach(steps, values, target, tokens_per_step):
+    """The train tokens after which the val loss first reaches target, interpolated linearly
+    between the two evaluations around it; None if it never does."""
+    for i, (step, value) in enumerate(zip(steps, values)):
+        if value <= target:
+            if i == 0:
+                return step * tokens_per_step
+            s0, v0 = steps[i - 1], values[i - 1]
+            return (s0 + (step - s0) * (v0 - target) / (v0 - value)) * tokens_per_step
+    return None
+
+
+def arch_run(flags, data, log_dir):
+    """One arm's run through train_gpt2.main, its step lines on stderr: (val steps, val losses,
+    median seconds per step)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        if tg.main(flags) != 0:
+            raise RuntimeError(f"train_gpt2.py {shlex.join(flags)} failed")
+    log = rundir.read_log(os.path.join(log_dir, "log.txt"))
+    return log["val"][0], log["val"][1], statistics.median(log["dt"][1]) / 1000
+
+
+def bench_arch(args, t):
+    """The tiny preset trained by each of ARCH_ARMS for each of --arch_seeds, the arms alternated
+    (seed by seed), on the same local text: each run's val curve, and the tokens each arm needs to
+    reach the GPT-2 recipe's final val loss (its seeds' mean)."""
+    tiny = settings.RUN_PRESETS["tiny"]
+    tokens_per_step = tiny["total_batch_size"]
+    runs = {arm: [] for arm in ARCH_ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = args.arch_input or [stdlib_docstrings(os.path.join(tmp, "docstrings.txt"))]
+        data = os.path.join(tmp, "data")  # the val shard holds what the preset evaluates on
+        fineweb.prepare(data, inputs=inputs, shard_size=10_000_000, val_tokens=tiny["val_tokens"],
+                        progress=False)
+        for seed in args.arch_seeds:
+            for arm, arm_flags in ARCH_ARMS.items():
+                log_dir = os.path.join(tmp, f"{arm}_{seed}")
+                flags = ["--preset", "tiny", *arm_flags, "--seed", str(seed), "--data_root", data,
+                         "--log_dir", log_dir, "--eval_every", str(args.arch_eval_every),
+                         "--max_steps", str(args.arch_max_steps), "--sample_every", "0",
+                         "--device", t.device]
+                steps, values, seconds = arch_run(flags, data, log_dir)
+                runs[arm].append({"seed": seed, "steps": steps, "val": values,
+                                  "s_per_step": seconds})
+
+    target = statistics.mean(r["val"][-1] for r in runs["gpt2_adamw"])
+    row = {"target_val": target, "recipe_tokens": args.arch_max_steps * tokens_per_step,
+           "arms": ARCH_ARMS, "inputs": args.arch_input or ["stdlib docstrings"], "runs": runs}
+    for arm, arm_runs in runs.items():
+        for r in arm_runs:
+            r["tokens_to_target"] = tokens_to_reach(r["steps"], r["val"], target,
+                                                    tokens_per_step)
+        reached = [r["tokens_to_target"] for r in arm_runs]
+        row[f"{arm}_tokens"] = None if None in reached else statistics.mean(reached)
+        row[f"{arm}_s_per_step"] = statistics.median(r["s_per_step"] for r in arm_runs)
+    return row
+
+
 # every row in the order measured; the long ones only by name (--only) or with --long
 ROWS = {"train": bench_training, "train_loop": bench_train_loop, "parity": bench_parity,
         "optimizers": bench_optimizers, "hellaswag": bench_hellaswag,
         "generate": bench_generation, "loader": bench_loader, "save": bench_save,
-        "startup": bench_startup, "fineweb": bench_fineweb}
+        "startup": bench_startup, "fineweb": bench_fineweb, "arch": bench_arch}
 LONG_ROWS = {"parity": "train_gpt2.train() vs a build-nanogpt-style loop, alternated",
-             "train_loop": "train_gpt2.main's own dt"}
+             "train_loop": "train_gpt2.main's own dt",
+             "arch": "--arch modern vs gpt2 in tokens to a val loss (CPU: hours)"}
 DEFAULT_ROWS = tuple(name for name in ROWS if name not in LONG_ROWS)
 
 
@@ -565,6 +660,7 @@ STORE_TRUE = {"action": "store_true"}
 # (flags, default, type, meaning) as common.add_flags takes them
 FLAGS = [
     ("--preset", "tiny", sorted(settings.MODEL_PRESETS), "model shape"),
+    ("--arch", "gpt2", list(settings.ARCHITECTURES), "the architecture (train_gpt2.py's --arch)"),
     ("-B --micro_batch_size", None, common.POSITIVE_INT,
      f"sequences per forward ({per_device('micro_batch_size')})"),
     ("-T --sequence_length", None, common.POSITIVE_INT,
@@ -601,6 +697,13 @@ FLAGS = [
      "shards in the folders the startup row opens"),
     ("--startup_shard_tokens", 10_000_000, common.POSITIVE_INT,
      "tokens per shard in the startup row (sparse files: no disk used)"),
+    ("--arch_seeds", [1337, 42], {"type": int, "nargs": "+", "metavar": "SEED"},
+     "the arch row's seeds, each a run of every arm"),
+    ("--arch_eval_every", 10, common.POSITIVE_INT, "the arch row's val loss every N steps"),
+    ("--arch_max_steps", settings.RUN_PRESETS["tiny"]["max_steps"], common.POSITIVE_INT,
+     "the arch row's steps a run (the tiny preset's schedule)"),
+    ("--arch_input", None, {"nargs": "+", "metavar": "PATH"},
+     "the arch row's corpus (default: this Python's standard-library docstrings)"),
     ("--json", False, STORE_TRUE, "print the results as JSON instead of a table"),
     ("--suite", None, ["gpu-estimate"],
      "gpu-estimate: no GPU needed: GPT-2 124M's training step (T=1024, bf16, eager, flash "
@@ -649,7 +752,8 @@ def resolve(args):
     device = common.resolve_device(args.device)
     device_type = common.device_type_of(device)
     autocast_ctx, args.dtype_name = common.autocast_for(args.dtype, device_type)
-    config = tg.GPTConfig(**settings.MODEL_PRESETS[args.preset])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[args.preset],
+                          **settings.ARCHITECTURES[args.arch])
     args.sequence_length = sequence_length(args, config)
     for name, value in DEVICE_DEFAULTS.get(device_type, DEVICE_DEFAULTS["cpu"]).items():
         if getattr(args, name) is None:  # compile comes first: warmup depends on it
@@ -660,9 +764,9 @@ def resolve(args):
 
 def setting_of(args, t):
     gpu = torch.cuda.get_device_name(t.device) if t.device_type == "cuda" else None
-    return {"preset": args.preset, "B": args.micro_batch_size, "T": args.sequence_length,
-            "grad_accum": args.grad_accum, "device": t.device, "dtype": args.dtype_name,
-            "compile": args.compile, "compile_mode": args.compile_mode,
+    return {"preset": args.preset, "arch": args.arch, "B": args.micro_batch_size,
+            "T": args.sequence_length, "grad_accum": args.grad_accum, "device": t.device,
+            "dtype": args.dtype_name, "compile": args.compile, "compile_mode": args.compile_mode,
             "torch": torch.__version__, "gpu": gpu, "threads": torch.get_num_threads()}
 
 
@@ -675,7 +779,8 @@ def run_estimate(args):
                                 f"{problem}")
     sizes = ([args.micro_batch_size] if args.micro_batch_size
              else gpu_estimate.batch_sizes(args.estimate_batch_sizes))
-    results = gpu_estimate.estimate(args.preset, T, sizes, bool(args.compile), args.sim_lib)
+    results = gpu_estimate.estimate(args.preset, T, sizes, bool(args.compile), args.sim_lib,
+                                    arch=args.arch)
     results["setting"]["command"] = "python bench.py " + shlex.join(args.argv)
     if args.json:
         print(json.dumps(results, indent=2))
@@ -765,6 +870,13 @@ def table_rows(r):
     if "fineweb" in r:
         w = r["fineweb"]
         rows += [(f"fineweb tokens/s ({w['num_proc']} processes)", fmt(w["tokens_per_sec"]))]
+    if "arch" in r:
+        a = r["arch"]
+        rows += [("arch: GPT-2 recipe's val loss", f"{a['target_val']:.4f}"),
+                 ("arch: recipe's tokens", fmt(a["recipe_tokens"]))]
+        for arm in a["arms"]:
+            rows += [(f"arch: {arm} tokens to it", fmt(a[f"{arm}_tokens"])),
+                     (f"arch: {arm} s/step", fmt(a[f"{arm}_s_per_step"]))]
     return rows
 
 

@@ -174,7 +174,9 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if self.qk_norm:  # bounded logits q.k / sqrt(hs): no head's softmax saturates
-            q, k = F.rms_norm(q, (hs,), eps=RMS_EPS), F.rms_norm(k, (hs,), eps=RMS_EPS)
+            # autocast computes rms_norm in fp32: back to v's dtype for the rotation and attention
+            q = F.rms_norm(q, (hs,), eps=RMS_EPS).to(v.dtype)
+            k = F.rms_norm(k, (hs,), eps=RMS_EPS).to(v.dtype)
         if rotary is not None:  # before the cache: cached keys keep their own positions
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         mask, causal = None, True
@@ -207,7 +209,8 @@ class MLP(nn.Module):
     def forward(self, x):
         h = self.c_fc(x)  # (B, T, 4C)
         if self.relu_squared:  # ReLU(h)^2: as cheap as ReLU, learns faster than GELU (Primer)
-            h = F.relu(h).square()
+            h = F.relu(h)
+            h = h * h  # not .square(): autocast runs pow in fp32, a (B, T, 4C) fp32 copy kept
         else:
             h = self.gelu(h)
         return self.dropout(self.c_proj(h))

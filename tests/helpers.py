@@ -26,6 +26,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
+import settings  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
 
 
@@ -304,6 +305,10 @@ def output(proc):
 
 # ===== The GPU paths' checks: on the CPU in test_gpu_paths_cpu.py, on CUDA in test_cuda.py =======
 GPU_SHAPE = dict(block_size=128, n_head=4)  # heads of 16, room for the HellaSwag rows
+# The architectures of the kernel checks: GPT-2's, and --arch modern's parts with random output
+# projections and head (the forward is the same; zero ones would give every logit 0 and the loss
+# ln(vocab) on any path: nothing to compare)
+GPU_ARCHS = {"gpt2": {}, "modern": {**settings.ARCHITECTURES["modern"], "zero_init": False}}
 BF16_LOSS_TOL = 0.05  # bf16 keeps 8 mantissa bits (~0.4%): a loss near 10.8 moves by a few 1e-3
 
 

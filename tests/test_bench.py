@@ -1,6 +1,7 @@
 """bench.py runs on the CPU and reports every row (no timing is asserted)."""
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +24,8 @@ def test_bench_json_has_every_row():
     r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
               "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--long",
               "--rounds", "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000",
-              "--json")
+              "--arch_seeds", "1", "--arch_max_steps", "3", "--arch_eval_every", "1",
+              "--arch_input", "README.md", "docs/performance.md", "docs/operations.md", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64
@@ -41,6 +43,13 @@ def test_bench_json_has_every_row():
     assert out["generate"]["kv_cache"] > 0 and out["generate"]["new_tokens"] == 4
     assert out["loader"]["us_per_batch"] > 0 and out["fineweb"]["tokens"] > 100_000
     assert out["save"]["seconds"] > 0 and 0.05 < out["save"]["gib"] < 0.2  # tiny: ~83 MiB
+    # every arm trained on the same text from the same seed; the target is the first arm's end
+    arch = out["arch"]
+    first = arch["runs"]["gpt2_adamw"][0]
+    assert arch["target_val"] == first["val"][-1] and first["steps"] == [0, 1, 2, 3]
+    assert first["tokens_to_target"] == pytest.approx(3 * 2048)  # reached at its last eval
+    assert {r["val"][0] for r in arch["runs"]["gpt2_muon"] + [first]} == {first["val"][0]}
+    assert arch["runs"]["modern_muon"][0]["val"][0] == pytest.approx(math.log(50257), abs=1e-4)
 
 
 def test_bench_names_the_rows_it_left_out(capsys):
@@ -50,7 +59,7 @@ def test_bench_names_the_rows_it_left_out(capsys):
     out = capsys.readouterr().out
     assert "data start-up s, 2 / 3 shards" in out
     left = out.splitlines()[-1]
-    assert left.startswith("not measured") and "--long adds parity and train_loop" in left
+    assert left.startswith("not measured") and "--long adds parity and train_loop and arch" in left
     assert "; ".join(f"{k} ({v})" for k, v in bench.LONG_ROWS.items()) in left
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cpu", "--only", "train,nosuchrow"])
@@ -139,3 +148,12 @@ def test_resident_memory_is_none_where_neither_proc_nor_resource_exists(monkeypa
     monkeypatch.setattr(builtins, "open", no_proc)
     monkeypatch.setitem(sys.modules, "resource", None)
     assert bench.rss_bytes() is None and bench.fmt(None) == "n/a"
+
+
+def test_tokens_to_reach_interpolates_between_evaluations():
+    import bench
+    steps, values = [0, 10, 20, 30], [10.0, 8.0, 6.0, 5.0]
+    assert bench.tokens_to_reach(steps, values, 7.0, 100) == pytest.approx(1500)  # half way
+    assert bench.tokens_to_reach(steps, values, 6.0, 100) == 2000  # reached exactly at step 20
+    assert bench.tokens_to_reach(steps, values, 11.0, 100) == 0  # at init already
+    assert bench.tokens_to_reach(steps, values, 4.0, 100) is None  # never

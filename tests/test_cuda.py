@@ -16,10 +16,11 @@ import metrics
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import (BF16_LOSS_TOL, DIST_FLAGS, GPU_SHAPE, assert_same_log, bf16_train_step,
-                     fused_vs_plain_adamw, hellaswag_batched_vs_one_per_forward_bf16,
-                     kv_cache_vs_recompute_bf16, random_batch, run_args, run_cli, series,
-                     stop_then_resume, tiny_model, torchrun, write_hellaswag)
+from helpers import (BF16_LOSS_TOL, DIST_FLAGS, GPU_ARCHS, GPU_SHAPE, assert_same_log,
+                     bf16_train_step, fused_vs_plain_adamw,
+                     hellaswag_batched_vs_one_per_forward_bf16, kv_cache_vs_recompute_bf16,
+                     random_batch, run_args, run_cli, series, stop_then_resume, tiny_model,
+                     torchrun, write_hellaswag)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA is not available on this machine")
@@ -61,10 +62,11 @@ def cuda_single(data, tmp_path_factory):
 
 # -------------------------------------------------------------------------------- kernels, numerics
 
-def test_bf16_autocast_forward_backward():
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+def test_bf16_autocast_forward_backward(arch):
     x, y = random_batch("cuda")
-    bf16_loss = bf16_train_step(tiny_model(device="cuda", **GPU_SHAPE), x, y)
-    fp32_loss = tiny_model(**GPU_SHAPE)(x.cpu(), y.cpu())[1].item()
+    bf16_loss = bf16_train_step(tiny_model(device="cuda", **GPU_SHAPE, **GPU_ARCHS[arch]), x, y)
+    fp32_loss = tiny_model(**GPU_SHAPE, **GPU_ARCHS[arch])(x.cpu(), y.cpu())[1].item()
     assert bf16_loss == pytest.approx(fp32_loss, abs=BF16_LOSS_TOL)
 
 
@@ -93,10 +95,11 @@ def test_fused_adamw_is_used_and_matches_plain():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_compile_no_graph_breaks_no_recompiles_and_matches_eager():
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+def test_compile_no_graph_breaks_no_recompiles_and_matches_eager(arch):
     import torch._dynamo
 
-    model = tiny_model(device="cuda", **GPU_SHAPE)
+    model = tiny_model(device="cuda", **GPU_SHAPE, **GPU_ARCHS[arch])
     compiled = torch.compile(model, fullgraph=True)  # a graph break is an error
     x, y = random_batch("cuda")
     bf16 = torch.autocast("cuda", dtype=torch.bfloat16)

@@ -33,6 +33,11 @@ from tools.simcuda import harness, inductor
 
 pytestmark = pytest.mark.slow  # child processes that build the harness and run every check
 
+# The architectures the training, inference and compile checks run: GPT-2's, and --arch modern's
+# (no 1-D parameters: AdamW has one group; an untied lm_head); spec: what a check's name gets
+ARCHS = {"gpt2": dict(spec="", groups=2, tied=True),
+         "modern": dict(spec=":--arch:modern", groups=1, tied=False)}
+
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
@@ -44,18 +49,24 @@ def lib(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def children(lib, tmp_path_factory):
-    """Every check of this file, in three processes started at once: the training-side checks and
-    the seeded copies; compile and distributed; bench.py's estimate."""
+    """Every check of this file, in four processes started at once: the training-side checks and
+    the seeded copies; compile, distributed and inference; bench.py's estimate of each
+    architecture. Training, inference and compile for each architecture (ARCHS)."""
     seeds = {}
     for what, filename, find, change, check in SEEDS:
         seeds[what] = seeded_copies(tmp_path_factory.mktemp("seeds"), what, filename, find, change)
     seeded = [f"{check}@{folder}" for what, *_, check in SEEDS if isinstance(seeds[what], list)
               for folder, _, _ in seeds[what]]
+    modern = ARCHS["modern"]["spec"]
     runs = Children(str(tmp_path_factory.mktemp("children")))
-    runs.start_checks(lib, ["train", "inference", "fp16", *seeded])
-    runs.start_checks(lib, ["compile", "distributed:fsdp", "distributed:ddp", "auto_batch"])
-    runs.start([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
-                "--estimate_batch_sizes", "64", "--sim_lib", lib, "--json"], ["estimate"])
+    runs.start_checks(lib, ["train", "inference", "fp16", *seeded, f"train{modern}",
+                            f"fp16{modern}"])
+    runs.start_checks(lib, ["compile", "distributed:fsdp", "distributed:ddp", "auto_batch",
+                            f"compile{modern}", f"inference{modern}"])
+    for arch in ("gpt2", "modern"):  # bench.py's estimate of each architecture
+        runs.start([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
+                    "--arch", arch, "--estimate_batch_sizes", "64", "--sim_lib", lib, "--json"],
+                   [f"estimate:{arch}"])
     runs.seeds = seeds
     yield runs
     runs.stop()
@@ -74,14 +85,19 @@ def passed(children, spec):
     return entry["result"]
 
 
-@pytest.fixture(scope="module")
-def train(children):
-    return passed(children, "train")
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request):
+    return ARCHS[request.param]
 
 
 @pytest.fixture(scope="module")
-def inference(children):
-    return passed(children, "inference")
+def train(children, arch):
+    return passed(children, "train" + arch["spec"])
+
+
+@pytest.fixture(scope="module")
+def inference(children, arch):
+    return passed(children, "inference" + arch["spec"])
 
 
 def step_lines(stdout):
@@ -110,13 +126,14 @@ def configured(stdout, setting):
 
 # ------------------------------------------------------------------------------ training on cuda
 
-def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train):
+def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train, arch):
     """--dtype auto on cuda: bf16 logits and fp32 loss in every training forward; two micro-steps
     (forward and backward each) per optimizer step, then clipping to --grad_clip, then fused
-    AdamW, with fp32 gradients and fp32 AdamW state on cuda:0 and wte/lm_head one tensor; from the
-    first micro-step to the update, one read back to the host (a GPU sync): loss, gradient norm
-    and the go-on flag together, which the divergence check needs before the update; and no
-    other in a step without an evaluation around it (step 0 to step 1)."""
+    AdamW, with fp32 gradients and fp32 AdamW state on cuda:0 and wte/lm_head one tensor (GPT-2;
+    modern: two, and AdamW's one group: no 1-D parameters); from the first micro-step to the
+    update, one read back to the host (a GPU sync): loss, gradient norm and the go-on flag
+    together, which the divergence check needs before the update; and no other in a step without
+    an evaluation around it (step 0 to step 1). For both architectures."""
     training = [f for f in train["forwards"] if f["training"] and f["grad"]]
     assert len(training) == 6, train["forwards"]
     for f in training:
@@ -128,7 +145,7 @@ def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train)
         assert s["reads"] == 1, s  # one read-back between the first forward and the update
         assert s["grads"] == s["params"] == ["torch.float32"] and s["missing_grads"] == 0, s
         assert s["grad_devices"] == s["param_devices"] == ["cuda:0"], s
-        assert s["fused"] == [True, True] and s["tied"], s
+        assert s["fused"] == [True] * arch["groups"] and s["tied"] == arch["tied"], s
         if i > 0:  # AdamW makes its state on its first step
             assert s["state"] == ["torch.float32"] and s["state_devices"] == ["cuda:0"], s
     assert train["steps"][0]["reads_since_last_update"] is None
@@ -136,12 +153,12 @@ def test_training_step_is_bf16_with_fused_adamw_clipping_and_accumulation(train)
     assert all(c["norm_device"] == "cuda:0" for c in train["clips"])
 
 
-def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children):
+def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children, arch):
     """--dtype auto on a GPU without bf16 (a simulated T4): fp16 logits (also in val, HellaSwag
     and samples), fp32 loss; per step the scaler's calls in order: the scaled loss's backward per
     micro-step, unscale_ before clipping, then the scaler's step and update; its state in the
     checkpoint; --fsdp refuses fp16 in one line."""
-    r = passed(children, "fp16")
+    r = passed(children, "fp16" + arch["spec"])
     assert configured(r["stdout"], "precision=fp16"), r["stdout"]
     training = [f for f in r["forwards"] if f["training"] and f["grad"]]
     assert training and all((f["logits"], f["loss"]) == ("torch.float16", "torch.float32")
@@ -222,9 +239,9 @@ def test_cli_makes_only_the_expected_cuda_only_calls(train):
         f"missing: {sorted(EXPECTED_CUDA_CALLS - called)}", train["cuda_calls"])
 
 
-def test_val_loss_checkpoint_and_resume_on_cuda(train):
+def test_val_loss_checkpoint_and_resume_on_cuda(train, arch):
     """Val loss: eval-mode no-grad forwards on cuda under bf16 with an fp32 loss. The checkpoint of
-    a cuda model holds fp32 CPU tensors (loads anywhere), both names of the tied weight; resuming
+    a cuda model holds fp32 CPU tensors (loads anywhere), wte's and lm_head's names; resuming
     puts the weights and AdamW state back on cuda:0 and trains on. Not simulated: the bytes
     written (fake tensors have no values: the file holds a token naming the object kept in
     memory) and a bit-exact continuation (no values to compare)."""
@@ -243,7 +260,7 @@ def test_val_loss_checkpoint_and_resume_on_cuda(train):
     assert "resumed from" in resumed["stdout"] and len(step_lines(resumed["stdout"])) == 1
     last = resumed["steps"][-1]
     assert last["forwards"] == 2 and last["param_devices"] == last["state_devices"] == ["cuda:0"]
-    assert last["state"] == ["torch.float32"] and last["tied"], last
+    assert last["state"] == ["torch.float32"] and last["tied"] == arch["tied"], last
 
 
 def test_samples_and_hellaswag_during_training_run_on_cuda(train):
@@ -256,12 +273,12 @@ def test_samples_and_hellaswag_during_training_run_on_cuda(train):
 
 # ------------------------------------------------------------- compile, inference, distributed
 
-def test_compile_traces_for_cuda_in_one_graph_per_mode_without_recompiles(children):
+def test_compile_traces_for_cuda_in_one_graph_per_mode_without_recompiles(children, arch):
     """torch.compile as main() calls it, with fullgraph=True (a graph break fails) and the
     aot_eager backend (autograd's graphs traced, no kernels built: inductor needs Triton). Val
     evaluations and train steps alternate four and three times: exactly one graph for training
     and one for evaluation means no recompile."""
-    r = passed(children, "compile")
+    r = passed(children, "compile" + arch["spec"])
     assert configured(r["stdout"], "compile=True"), run_config(r["stdout"])
     assert r["stdout"].count("validation loss:") == 4 and len(step_lines(r["stdout"])) == 3
     assert sorted(g["grad"] for g in r["graphs"]) == [False, True], r["graphs"]
@@ -343,23 +360,58 @@ def test_ddp_rank_0_of_8_wraps_the_model_and_trains(children):
 
 # ----------------------------------------------------------------------- estimates from the code
 
+def estimate_of(children, arch):
+    """bench.py's `--suite gpu-estimate --json` of GPT-2 124M with arch's parts, at B=64."""
+    code, stdout, stderr = children.output(children.owner[f"estimate:{arch}"])
+    assert code == 0, stderr[-3000:]
+    out = json.loads(stdout)
+    setting = out["setting"]
+    assert (setting["preset"], setting["arch"], setting["T"], setting["dtype"]) == \
+        ("gpt2", arch, 1024, "bf16"), setting
+    return out
+
+
 def test_gpu_estimate_of_gpt2_memory_and_flops(children):
     """`bench.py --suite gpu-estimate`: GPT-2 124M's eager bf16 step at T=1024 on a simulated
     H100. Peak tensor memory in the ranges a real H100 run of this configuration would have to
     land in; FLOPs counted op by op against 6N from the parameter count (every parameter in one
     matmul: forward, and twice in backward) and against flops_per_token (flash's backward
     recomputes Q·Kᵀ: a little more attention than 12·L·H·Q·T)."""
-    code, stdout, stderr = children.output(children.owner["estimate"])
-    assert code == 0, stderr[-3000:]
-    out = json.loads(stdout)
-    setting = out["setting"]
-    assert (setting["preset"], setting["T"], setting["dtype"]) == ("gpt2", 1024, "bf16"), setting
-    est = out["estimate"]
+    est = estimate_of(children, "gpt2")["estimate"]
     assert 50 < est["64"]["peak_mem_gib"] < 68, est  # B's growth: the -B auto test above
     for B, row in est.items():
         assert abs(row["matmul_flops_over_6n"] - 1) < 0.002, (B, row)
         assert 1.00 <= row["flops_over_formula"] <= 1.03, (B, row)
         assert row["all_at_peak_ms"] < row["roofline_ms"] and 0 < row["mfu_ceiling"] < 1, (B, row)
+
+
+def test_gpu_estimate_of_the_modern_architecture_against_gpt2(children):
+    """`--arch modern`, GPT-2 124M's shape, B=64. Its non-embedding parameters counted by hand:
+    no biases and no norm weights, the untied lm_head in, wte (a lookup) out; each is a matmul's
+    (exactly 6N of matmul FLOPs, GPT-2 has biases besides). The same matrices as GPT-2 (its own
+    head where GPT-2's is wte) and the same attention: the same FLOPs. Parameters and AdamW's
+    two states in fp32, wte's and the head's both. Peak memory above GPT-2's by more than the head's
+    parameter and AdamW state: the soft-capped logits keep tanh's bf16 (B, T, vocab) output for
+    backward, on top of the logits cross-entropy keeps."""
+    L, C, V = 12, 768, 50304  # GPT-2 124M, its vocabulary padded to a multiple of 64
+    B, T = 64, 1024
+    gpt2, modern = estimate_of(children, "gpt2"), estimate_of(children, "modern")
+    head = V * C
+    n = modern["setting"]["non_embedding_params"]
+    assert n == L * 12 * C**2 + head, n  # per block: qkv 3C², proj C², MLP 8C²
+    g, m = gpt2["estimate"][str(B)], modern["estimate"][str(B)]
+    assert abs(m["matmul_flops_over_6n"] - 1) < 1e-9, m
+    assert m["flops"] == g["flops"] and 1.00 <= m["flops_over_formula"] <= 1.03, (m, g)
+    params = n + head
+    # AdamW's step counters: a scalar per matrix (4 a block, wte, lm_head), each in one 512-byte
+    # block of the caching allocator
+    steps = 512 * (4 * L + 2)
+    assert (m["peak_by_kind_gib"]["Parameter"], m["peak_by_kind_gib"]["Optstate"]) == \
+        (4 * params * 2**-30, (8 * params + steps) * 2**-30), m  # GiB, as the estimate gives
+    tanh_out = B * T * V * 2
+    assert m["peak_mem_gib"] - g["peak_mem_gib"] > (12 * head + tanh_out) * 2**-30, (m, g)
+    assert all(r["all_at_peak_ms"] < r["roofline_ms"] and 0 < r["mfu_ceiling"] < 1
+               for r in (g, m)), (g, m)
 
 
 def test_gpu_estimate_refuses_bad_sizes_in_one_line(capsys):

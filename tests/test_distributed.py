@@ -13,15 +13,43 @@ import settings
 import train_gpt2 as tg
 from helpers import (DIST_FLAGS, REPO, assert_one_line_error, assert_same_log, dist_reference,
                      run_args, run_cli, series, step_lines, stop_then_resume, torchrun,
-                     write_corpus_jsonl, write_hellaswag)
+                     write_corpus_jsonl, write_hellaswag, write_shards)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not built in")
 
 
 @pytest.fixture(scope="module")
-def single(data, tmp_path_factory):
-    return dist_reference(data, str(tmp_path_factory.mktemp("dist") / "single"))
+def narrow_data(tmp_path_factory):
+    """The tiny run's shards in 64 token ids. On `data`'s ids of the whole vocabulary a
+    zero-initialised lm_head starts at the best loss there is, and the losses hardly move; these
+    it learns, so the losses show the head and wte, which AdamW trains (its state restored from
+    the other process count). Muon's matrices hardly show in 8 steps: test_training.py resumes
+    them bit for bit."""
+    root = str(tmp_path_factory.mktemp("narrow") / "data")
+    write_shards(root, "val", [3000], seed=1, vocab=64)
+    write_shards(root, "train", [2000, 1500, 2500], seed=2, vocab=64)
+    return root
+
+
+# The runs that must give one process's: GPT-2 with AdamW, and the modern architecture with Muon
+# + AdamW, a model without 1-D parameters (AdamW has no no-decay group, which torch's distributed
+# state-dict helpers must still save and restore); the fixture of each one's shards
+ARCHS = {"gpt2": ("data", []),
+         "modern-muon": ("narrow_data", ["--arch", "modern", "--optimizer", "muon"])}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request):
+    """(the shards, the flags) of the runs"""
+    shards, flags = ARCHS[request.param]
+    return request.getfixturevalue(shards), flags
+
+
+@pytest.fixture(scope="module")
+def single(arch, tmp_path_factory):
+    data, flags = arch
+    return dist_reference(data, str(tmp_path_factory.mktemp("dist") / "single"), *flags)
 
 
 def write_driver(tmp_path):
@@ -35,13 +63,14 @@ def write_driver(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_process_then_two_then_one(data, single, tmp_path):
+def test_one_process_then_two_then_one(arch, single, tmp_path):
     """Steps 0-1 in one process, 2-5 in two (DDP) from its checkpoint, 6-7 in one again from
     theirs: both ways across process counts, one launch. Under torchrun the workers end with
     os._exit once main() is done (exit_process: gloo threads that torch keeps alive can abort a
     process during Python's shutdown), their output flushed first."""
     log = str(tmp_path / "one-two-one")
-    args = run_args(data, log, *DIST_FLAGS)
+    data, flags = arch
+    args = run_args(data, log, *DIST_FLAGS, *flags)
     assert run_cli(*args, "--stop_step", "2").returncode == 0
     r = torchrun(*args, "--resume", "latest", "--stop_step", "6", script=write_driver(tmp_path))
     assert r.returncode == 0, r.stderr
@@ -55,9 +84,10 @@ def test_one_process_then_two_then_one(data, single, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_matches_ddp_and_resumes_without_fsdp(data, single, tmp_path):
+def test_fsdp_matches_ddp_and_resumes_without_fsdp(arch, single, tmp_path):
     log = str(tmp_path / "fsdp")
-    stop_then_resume(data, log, torchrun, run_cli, "--fsdp")
+    data, flags = arch
+    stop_then_resume(data, log, torchrun, run_cli, "--fsdp", *flags)  # resumed: the checkpoint's
     ckpt = torch.load(os.path.join(log, "model_00003.pt"), weights_only=False)  # written by FSDP
     plain = tg.GPT(tg.GPTConfig(**ckpt["config"]))
     plain.load_state_dict(ckpt["model"])  # a non-FSDP model loads it as is

@@ -10,7 +10,7 @@ import torch
 import common
 import metrics
 import settings
-from helpers import (BF16_LOSS_TOL, GPU_SHAPE, bf16_train_step, fused_vs_plain_adamw,
+from helpers import (BF16_LOSS_TOL, GPU_ARCHS, GPU_SHAPE, bf16_train_step, fused_vs_plain_adamw,
                      hellaswag_batched_vs_one_per_forward_bf16, kv_cache_vs_recompute_bf16,
                      random_batch, run_args, run_cli, tiny_model)
 
@@ -25,10 +25,11 @@ def test_fused_adamw_matches_plain_on_cpu():
 
 
 @pytest.mark.slow
-def test_bf16_autocast_training_step_on_cpu():
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+def test_bf16_autocast_training_step_on_cpu(arch):
     x, y = random_batch("cpu")
-    bf16_loss = bf16_train_step(tiny_model(**GPU_SHAPE), x, y)
-    fp32_loss = tiny_model(**GPU_SHAPE)(x, y)[1].item()
+    bf16_loss = bf16_train_step(tiny_model(**GPU_SHAPE, **GPU_ARCHS[arch]), x, y)
+    fp32_loss = tiny_model(**GPU_SHAPE, **GPU_ARCHS[arch])(x, y)[1].item()
     assert bf16_loss == pytest.approx(fp32_loss, abs=BF16_LOSS_TOL)
 
 

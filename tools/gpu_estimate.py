@@ -1,9 +1,10 @@
-"""GPT-2's training step on one simulated H100 (tools/simcuda/), estimated from the code, not
-measured: peak tensor memory, FLOPs against the MFU formula, a roofline lower bound on the step
-time and the MFU ceiling it allows, eager and (with Triton) compiled by inductor.
-`python bench.py --suite gpu-estimate [--compile]` runs it; docs/performance.md gives the method
-and the figures. The simulation runs in a child process (tools/simcuda/estimate.py): its library
-must be loaded before torch is imported."""
+"""A GPT's training step on one simulated H100 (tools/simcuda/), estimated from the code, not
+measured, for any preset and either architecture (settings.ARCHITECTURES): peak tensor memory,
+FLOPs against the MFU formula, a roofline lower bound on the step time and the MFU ceiling it
+allows, eager and (with Triton) compiled by inductor.
+`python bench.py --suite gpu-estimate [--arch modern] [--compile]` runs it; docs/performance.md
+gives the method and the figures. The simulation runs in a child process
+(tools/simcuda/estimate.py): its library must be loaded before torch is imported."""
 import json
 import os
 import subprocess
@@ -64,13 +65,13 @@ def run_child(lib, specs):
     return {name: entry["result"] for name, entry in found.items()}
 
 
-def estimate(preset, T, sizes, compiled=False, sim_lib=None):
-    """{"setting", "estimate": per B, "compiled": per B (with compiled)} for preset at T tokens
-    per sequence and each micro-batch size; sim_lib: a library harness.build() made (default:
-    built here, a few seconds)."""
+def estimate(preset, T, sizes, compiled=False, sim_lib=None, arch="gpt2"):
+    """{"setting", "estimate": per B, "compiled": per B (with compiled)} for preset with arch's
+    parts (a key of settings.ARCHITECTURES) at T tokens per sequence and each micro-batch size;
+    sim_lib: a library harness.build() made (default: built here, a few seconds)."""
     import torch
 
-    shape = f"{preset}:{','.join(map(str, sizes))}:{T}"
+    shape = f"{preset}:{','.join(map(str, sizes))}:{T}:{arch}"
     specs = [f"eager:{shape}"] + ([f"compiled:{shape}"] if compiled else [])
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -79,7 +80,7 @@ def estimate(preset, T, sizes, compiled=False, sim_lib=None):
             raise EstimateError(str(e)) from None
         found = run_child(lib, specs)
     est = found["eager"]
-    setting = {"preset": preset, "T": T, "dtype": est["dtype"], "compile": compiled,
+    setting = {"preset": preset, "arch": arch, "T": T, "dtype": est["dtype"], "compile": compiled,
                "gpu": simcuda.H100, "peak_flops": est["peak_flops"],
                "bytes_per_s": est["bytes_per_s"],
                "non_embedding_params": est["non_embedding_params"], "torch": torch.__version__}
@@ -166,7 +167,7 @@ def compiled_rows(est):
 def print_estimate(results):
     """The estimate as Markdown tables, eager then compiled."""
     s = results["setting"]
-    print(f"GPU estimate (from the code, not measured): {s['preset']} "
+    print(f"GPU estimate (from the code, not measured): {s['preset']}, --arch {s['arch']} "
           f"({s['non_embedding_params']:,} non-embedding parameters), T={s['T']}, {s['dtype']} "
           f"autocast, eager, fused AdamW, one {s['gpu']} "
           f"({s['peak_flops'] / 1e12:.0f} TFLOP/s bf16 dense, {s['bytes_per_s'] / 1e12:.2f} TB/s); "

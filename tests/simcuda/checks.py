@@ -315,11 +315,12 @@ def compile_for_cuda(graphs):
 
 # ------------------------------------------------------------------------------------- checks
 
-def check_train():
+def check_train(*flags):
     """main() on --device cuda (eager, --dtype auto): three steps of two micro-steps with val,
-    samples, HellaSwag and the final checkpoint; then --resume latest for a fourth step."""
+    samples, HellaSwag and the final checkpoint; then --resume latest for a fourth step. flags:
+    more of main()'s (the spec's `train:--arch:modern`)."""
     data, log = scratch()
-    args = tiny_args(data, log, "--no-compile")
+    args = tiny_args(data, log, "--no-compile", *flags)
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA() as sim, \
             CheckpointsInMemory() as ckpts:
         reads = lambda: sum(sim.reads.values())  # noqa: E731
@@ -334,10 +335,11 @@ def check_train():
             "resume": {"stdout": out2, "stderr": err2, "steps": resumed.steps}}
 
 
-def check_fp16():
+def check_fp16(*flags):
     """main() on a simulated GPU without bf16 (a T4), --dtype auto: fp16 autocast in training, val,
     HellaSwag and samples; the gradient scaler's calls in order each step (scale and backward per
-    micro-step, unscale_, clip, step, update); --fsdp with fp16 refused in one line."""
+    micro-step, unscale_, clip, step, update); --fsdp with fp16 refused in one line. flags: more
+    of main()'s."""
     data, log = scratch()
     events, simulated = [], []  # the simulation's fake mode, once entered
 
@@ -362,12 +364,12 @@ def check_fp16():
             setattr(owner, name, wrapper)
             undo.callback(setattr, owner, name, original)
         with Watch() as watch:
-            out, err = run_main(tiny_args(data, log, "--no-compile"))
+            out, err = run_main(tiny_args(data, log, "--no-compile", *flags))
         saved = [ckpts.describe(obj) for obj in ckpts.saved.values()]
     with simcuda.SimulatedCUDA(**t4), simcuda.FakeProcessGroup(0, 8):
         try:
             run_main(tiny_args(data, log + "_fsdp", "--no-compile", "--fsdp",
-                               "--total_batch_size", "1024"))
+                               "--total_batch_size", "1024", *flags))
             fsdp = None
         except MainFailed as e:
             fsdp = str(e)
@@ -426,12 +428,12 @@ def check_auto_batch(n_layer="1"):
             "plan_wrote": plan_wrote, "n_params": n_params, "peak_64": estimates["peak"](64)}
 
 
-def check_compile():
+def check_compile(*flags):
     """main() with torch.compile on cuda (fullgraph, aot_eager): val evaluations and train steps
-    alternate, eval -> train -> eval -> ... -> train -> final eval."""
+    alternate, eval -> train -> eval -> ... -> train -> final eval. flags: more of main()'s."""
     data, log = scratch()
     args = tiny_args(data, log, "--compile", "--eval_every", "1", "--hellaswag_every", "0",
-                     "--sample_every", "0")
+                     "--sample_every", "0", *flags)
     graphs = []
     import torch._dynamo
 
@@ -446,14 +448,16 @@ def check_compile():
             "recompiles": dict(counters["recompiles"])}
 
 
-def check_inference():
+def check_inference(*flags):
     """On cuda under bf16 autocast: generate() with and without the KV cache; a prefill in two
     chunks through the cache (the second chunk sees the cached keys through an attention mask);
-    hellaswag.evaluate batched (several examples per forward) and one example per forward."""
+    hellaswag.evaluate batched (several examples per forward) and one example per forward. flags:
+    main()'s, of which the architecture's (--arch) counts."""
     scratch()
     out = {}
+    arch = settings.ARCHITECTURES[settings.read_flags(list(flags))[0].arch]
     with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA() as sim:
-        config = tg.GPTConfig(**TINY)
+        config = tg.GPTConfig(**TINY, **arch)
         model = tg.GPT(config).to("cuda")
         ctx, out["dtype"] = common.autocast_for("auto", "cuda")
         prompt = torch.randint(0, config.real_vocab_size, (2, 8), device="cuda")

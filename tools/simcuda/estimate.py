@@ -1,8 +1,10 @@
-"""The GPU estimate's child process: GPT-2's training step on one simulated H100, eager (peak
+"""The GPU estimate's child process: a GPT's training step on one simulated H100, eager (peak
 tensor memory, FLOPs, per-op roofline) and compiled by inductor (every kernel one micro-step
 launches). tools/gpu_estimate.py starts it and turns its results into the estimate.
 
-    python tools/simcuda/estimate.py LIB eager:PRESET:B,B,...:T [compiled:PRESET:B,B,...:T]
+    python tools/simcuda/estimate.py LIB eager:PRESET:B,B,...:T:ARCH [compiled:...]
+
+ARCH: a key of settings.ARCHITECTURES (gpt2 if left out).
 
 LIB is the preload library (harness.build), loaded before torch is imported: one process for the
 whole run. It prints one line `RESULT {json}` per spec: {"spec", "ok", "result"} or, for one that
@@ -54,9 +56,11 @@ class Roofline:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         aten = torch.ops.aten
+        # ops that move no data (_unsafe_view: a view the schema does not mark as one; a Linear
+        # without bias ends with it on a 3-D input)
         self.metadata = {aten.detach, aten.alias, aten.lift_fresh, aten._local_scalar_dense,
                          aten.empty_like, aten.empty, aten.empty_strided, aten.new_empty,
-                         aten.new_empty_strided}  # ops that move no data
+                         aten.new_empty_strided, aten._unsafe_view}
         roofline = self
 
         class Mode(TorchDispatchMode):
@@ -114,7 +118,12 @@ def eager_step(model, optimizer, autocast_ctx, B, T, vocab):
 
     x = torch.randint(0, vocab, (B, T), device="cuda")
     y = torch.randint(0, vocab, (B, T), device="cuda")
-    tracker, flops, roofline = MemTracker(), FlopCounterMode(display=False), Roofline()
+    # FlopCounterMode decomposes each op it has no formula for (keyed by overload) into ops that
+    # Roofline and MemTracker would then see one by one: a fused RMSNorm, which a GPU runs as one
+    # kernel (simcuda.fused_rms_norm_as_on_cuda), gets a formula (none of its FLOPs is a matmul's)
+    whole = {torch.ops.aten._fused_rms_norm.default: lambda *args, **kwargs: 0}
+    flops = FlopCounterMode(display=False, custom_mapping=whole)
+    tracker, roofline = MemTracker(), Roofline()
     tracker.track_external(model, optimizer)
     with tracker, roofline:
         settings.estimated_step(model, optimizer, x, y, autocast_ctx, counted=flops)
@@ -160,16 +169,16 @@ def compiled_step(model, optimizer, autocast_ctx, B, T, vocab):
             "optimizer": roofline.by_op()}
 
 
-def steps(step, preset, batch_sizes, T, context=None):
-    """step (eager_step or compiled_step) of preset at each micro-batch size on one simulated
-    H100: GPT on cuda with its fused AdamW, the state already made (a steady-state step), the
-    autocast the project picks on cuda, and flash attention (strict: any other kernel is an
-    error, as the estimate assumes flash)."""
+def steps(step, preset, batch_sizes, T, arch, context=None):
+    """step (eager_step or compiled_step) of preset with arch's parts at each micro-batch size on
+    one simulated H100: GPT on cuda with its fused AdamW, the state already made (a steady-state
+    step), the autocast the project picks on cuda, flash attention (strict: any other kernel is
+    an error, as the estimate assumes flash) and a CUDA build's fused RMSNorm."""
     T = int(T)
-    config = tg.GPTConfig(**settings.MODEL_PRESETS[preset])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[preset], **settings.ARCHITECTURES[arch])
     rows = {}
-    with simcuda.flash_attention_as_on_h100(strict=True), simcuda.SimulatedCUDA(), \
-            context or contextlib.nullcontext():
+    with simcuda.flash_attention_as_on_h100(strict=True), simcuda.fused_rms_norm_as_on_cuda(), \
+            simcuda.SimulatedCUDA(), context or contextlib.nullcontext():
         model = tg.GPT(config).to("cuda")
         optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
         autocast_ctx, dtype = common.autocast_for("auto", "cuda")
@@ -180,24 +189,25 @@ def steps(step, preset, batch_sizes, T, context=None):
             rows[B]["tokens"] = B * T
             rows[B]["six_n"] = 6 * n_params * B * T
             rows[B]["formula"] = metrics.flops_per_token(config, n_params, T) * B * T
-    return {"preset": preset, "T": T, "dtype": dtype, "non_embedding_params": n_params,
-            "peak_flops": PEAK_FLOPS, "bytes_per_s": BYTES_PER_S, "rows": rows}
+    return {"preset": preset, "arch": arch, "T": T, "dtype": dtype,
+            "non_embedding_params": n_params, "peak_flops": PEAK_FLOPS,
+            "bytes_per_s": BYTES_PER_S, "rows": rows}
 
 
-def eager(preset="gpt2", batch_sizes="16,32,64", T="1024"):
-    out = steps(eager_step, preset, batch_sizes, T)
+def eager(preset="gpt2", batch_sizes="16,32,64", T="1024", arch="gpt2"):
+    out = steps(eager_step, preset, batch_sizes, T, arch)
     matmul = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul")
     for r in out["rows"].values():
         r["matmul_flops"] = sum(v for k, v in r["flops_by_op"].items() if k in matmul)
     return out
 
 
-def compiled(preset="gpt2", batch_sizes="16,32,64", T="1024"):
+def compiled(preset="gpt2", batch_sizes="16,32,64", T="1024", arch="gpt2"):
     problem = inductor.unsupported()
     if problem:
         raise RuntimeError(problem)
     with tempfile.TemporaryDirectory(prefix="simcuda-") as cache:
-        return steps(compiled_step, preset, batch_sizes, T, inductor.for_h100(cache))
+        return steps(compiled_step, preset, batch_sizes, T, arch, inductor.for_h100(cache))
 
 
 def run(spec):

@@ -133,6 +133,12 @@ def flash_attention_as_on_h100(strict=False):
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
+        if q.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+            # CUDA's autocast casts SDPA's inputs to its dtype before the dispatcher picks a
+            # kernel: fp32 queries and keys (from a norm autocast runs in fp32, QK-norm's) get
+            # flash too. This patch runs above autocast and sees them uncast: it casts them
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
         if q.device.type == "cuda" and flash_eligible(q, attn_mask, enable_gqa):
             return flash(q, k, v, dropout_p, is_causal, scale=scale)[0]
         if q.device.type == "cuda" and strict:
@@ -147,6 +153,29 @@ def flash_attention_as_on_h100(strict=False):
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def fused_rms_norm_as_on_cuda():
+    """RMSNorm dispatched as a CUDA build of torch does: aten._fused_rms_norm, one op forward and
+    _fused_rms_norm_backward one op back (a CUDA kernel each).
+
+    A CPU-only build has no CUDA kernel for it, so the dispatcher decomposes it on a cuda tensor
+    too (pow, mean, rsqrt, mul; more ops in backward): right dtypes, but several passes over the
+    activation where a GPU makes one, which an estimate would count. A stand-in CUDA kernel makes
+    the dispatcher take the op's own autograd formula; fake tensors then answer the op (from its
+    decomposition, out of sight of any dispatch mode above them), so the stand-in never runs."""
+    import torch
+
+    def never(*args, **kwargs):
+        raise RuntimeError("_fused_rms_norm on real tensors: use fake ones (SimulatedCUDA)")
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_fused_rms_norm", never, "CUDA")
+    try:
+        yield
+    finally:
+        lib._destroy()
 
 
 def h100_properties(name, total_memory):
