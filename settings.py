@@ -54,7 +54,7 @@ RUN_SETTINGS = {
         ("--norm", None, ["layernorm", "rmsnorm"], "the blocks' and final norm"),
         ("--embed_norm", None, bool, "normalize the token embedding"),
         ("--qk_norm", None, bool, "RMS-normalize each head's queries and keys"),
-        ("--mlp", None, ["gelu", "relu2"], "the MLP's activation (relu2: ReLU squared)"),
+        ("--activation", None, ["gelu", "relu2"], "the MLP's activation (relu2: ReLU squared)"),
         ("--tie_embeddings", None, bool, "lm_head shares wte's weight"),
         ("--zero_init", None, bool, "output projections (and an untied lm_head) start at 0"),
         ("--logit_softcap", None, NONNEG, "logits to cap * tanh(logits / cap) (0: off)"),
@@ -124,9 +124,11 @@ DEFAULTS = {flag_dest(f): default for group in RUN_SETTINGS.values() for f, defa
 # zero-initialised projections, tanh soft-capping of the logits); measured in docs/performance.md
 ARCHITECTURES = {
     "gpt2": dict(bias=True, pos_emb="learned", norm="layernorm", embed_norm=False, qk_norm=False,
-                 mlp="gelu", tie_embeddings=True, zero_init=False, logit_softcap=0.0),
+                 activation="gelu", tie_embeddings=True, zero_init=False,
+                 logit_softcap=0.0),
     "modern": dict(bias=False, pos_emb="rope", norm="rmsnorm", embed_norm=True, qk_norm=True,
-                   mlp="relu2", tie_embeddings=False, zero_init=True, logit_softcap=15.0),
+                   activation="relu2", tie_embeddings=False, zero_init=True,
+                   logit_softcap=15.0),
 }
 ARCH_PARTS = tuple(ARCHITECTURES["gpt2"])
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", *ARCH_PARTS)
@@ -155,9 +157,9 @@ RUN_PRESETS = {
 }
 # Run settings an architecture changes, per preset: where its best LRs differ from GPT-2's. The
 # modern model's on the tiny preset are measured (docs/performance.md, "The modern architecture":
-# its untied zero head wants twice GPT-2's best AdamW LR; Muon's best is the same); GPT-2 124M's
-# apply that ratio to GPT-2's LR, and Muon's tiny-preset LR (unmeasured at that size). The larger
-# presets keep GPT-2's
+# its embedding and untied zero head want twice the AdamW LR of GPT-2 with Muon; Muon's best is
+# the same); GPT-2 124M's apply that ratio to GPT-2's LR and keep Muon's tiny-preset LR (neither
+# measured at that size). The larger presets keep GPT-2's
 ARCH_RUN_PRESETS = {
     "modern": {"tiny": dict(max_lr=8e-3, muon_lr=4e-3),
                "gpt2": dict(max_lr=1.2e-3, muon_lr=4e-3)},

@@ -57,7 +57,7 @@ class GPTConfig:
     norm: str = "layernorm"  # the blocks' and the final norm: layernorm, or rmsnorm (no weights)
     embed_norm: bool = False  # the token embedding normalized before the first block
     qk_norm: bool = False  # each head's queries and keys RMS-normalized before attention
-    mlp: str = "gelu"  # the MLP's activation: gelu (tanh approximation), or relu2 (ReLU squared)
+    activation: str = "gelu"  # the MLP's: gelu (tanh approximation), or relu2 (ReLU squared)
     tie_embeddings: bool = True  # lm_head shares wte's weight
     zero_init: bool = False  # the output projections (and an untied lm_head) start at zero
     logit_softcap: float = 0.0  # logits squashed to (-cap, cap) by cap * tanh(logits / cap); 0: off
@@ -77,7 +77,7 @@ class GPTConfig:
             raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
                              f"1..{self.vocab_size}")
         for part, kinds in (("pos_emb", ("learned", "rope")), ("norm", ("layernorm", "rmsnorm")),
-                            ("mlp", ("gelu", "relu2"))):
+                            ("activation", ("gelu", "relu2"))):
             if getattr(self, part) not in kinds:
                 raise ValueError(f"{part} must be one of {', '.join(kinds)}")
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2 != 0:
@@ -200,7 +200,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
-        self.relu_squared = config.mlp == "relu2"
+        self.relu_squared = config.activation == "relu2"
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_SCALE_INIT = True
         self.c_proj.ZERO_INIT = config.zero_init
