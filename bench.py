@@ -585,7 +585,7 @@ def tokens_to_reach(steps, values, target, tokens_per_step):
     return None
 
 
-def arch_run(flags, data, log_dir):
+def arch_run(flags, log_dir):
     """One arm's run through train_gpt2.main, its step lines on stderr: (val steps, val losses,
     median seconds per step)."""
     with contextlib.redirect_stdout(sys.stderr):
@@ -614,7 +614,7 @@ def bench_arch(args, t):
                          "--log_dir", log_dir, "--eval_every", str(args.arch_eval_every),
                          "--max_steps", str(args.arch_max_steps), "--sample_every", "0",
                          "--device", t.device]
-                steps, values, seconds = arch_run(flags, data, log_dir)
+                steps, values, seconds = arch_run(flags, log_dir)
                 runs[arm].append({"seed": seed, "steps": steps, "val": values,
                                   "s_per_step": seconds})
 

@@ -48,7 +48,7 @@ RUN_SETTINGS = {
         ("--n_kv_head", None, count(1, WIDTH), "key/value heads (GQA; 1: MQA)"),
         ("--dropout", 0.0, FRACTION, "dropout in training"),
         ("--arch", "gpt2", ["gpt2", "modern"],
-         "gpt2: GPT-2's; modern: every part below changed (README, 'The modern architecture')"),
+         "gpt2: GPT-2's; modern: every part below changed (docs/operations.md)"),
         ("--bias", None, bool, "biases in Linear and LayerNorm"),
         ("--pos_emb", None, ["learned", "rope"], "positions: a learned wpe, or rotary"),
         ("--norm", None, ["layernorm", "rmsnorm"], "the blocks' and final norm"),
@@ -275,7 +275,8 @@ def read_flags(argv=None):
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset")
     pre.add_argument("--arch")
-    shown_preset, shown_arch = vars(pre.parse_known_args(argv)[0]).values()
+    pre_args = pre.parse_known_args(argv)[0]
+    shown_preset, shown_arch = pre_args.preset, pre_args.arch
     if shown_preset not in MODEL_PRESETS:
         shown_preset = "gpt2"  # the real parse names a bad --preset
     if shown_arch not in ARCHITECTURES:
