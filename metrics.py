@@ -68,7 +68,7 @@ class Metrics:
         # for the summary: this session's clock, steps and tokens; the whole run's evaluations and
         # skipped steps, a resumed run's earlier ones from its log.txt (already cut to its step)
         self.start, self.steps, self.tokens, self.last_step = time.time(), 0, 0, None
-        self.evals, self.skipped, self.skipped_now = {"val": [], "hella": []}, 0, 0
+        self.evals, self.skipped, self.skipped_now = {"val": [], "hella": [], "core": []}, 0, 0
         if self.master and first_step > 0 and os.path.exists(self.log_file):
             earlier = rundir.read_log(self.log_file)
             for kind in self.evals:
@@ -88,14 +88,14 @@ class Metrics:
                                         config=run.as_dict())
 
     def log(self, step, kind, value, **extra):
-        """kind (train/val/hella) to log.txt on rank 0, with the extra numbers that are log.txt
-        kinds too (lr, norm, dt, ...); all to W&B, the extra ones as kind/name."""
+        """kind (train, val, hella, core, core/LABEL) to log.txt on rank 0, with the extra numbers
+        that are log.txt kinds too (lr, norm, dt, ...); all to W&B, the extra ones as kind/name."""
         if kind in self.evals:
             self.evals[kind].append((step, value))
         if self.master:
             rundir.append_log(self.log_file, step, kind, value)
             for name, number in extra.items():
-                if name in rundir.LOG_FORMATS:
+                if rundir.log_format(name) is not None:
                     rundir.append_log(self.log_file, step, name, number)
         if self.wandb_run is not None:
             extra = {f"{kind}/{k}": v for k, v in extra.items()}
@@ -140,9 +140,9 @@ class Metrics:
 
     def summary(self, last_checkpoint):
         """The run in a few lines, for its end: this session's wall time (from this object's
-        making), steps and tokens; the final and best val loss and the last HellaSwag accuracy
-        (a resumed run's earlier ones included); last_checkpoint (a path, or None); the skipped
-        steps, if any."""
+        making), steps and tokens; the final and best val loss, the last HellaSwag accuracy and
+        CORE (a resumed run's earlier ones included); last_checkpoint (a path, or None); the
+        skipped steps, if any."""
         trained = "no step trained"
         if self.steps:
             trained = (f"steps {self.first_step}-{self.last_step} ({self.steps:,} steps, "
@@ -159,6 +159,9 @@ class Metrics:
         if self.evals["hella"]:
             step, value = self.evals["hella"][-1]
             lines.append(f"  HellaSwag acc_norm: {value:.4f} at step {step}")
+        if self.evals["core"]:
+            step, value = self.evals["core"][-1]
+            lines.append(f"  CORE: {value:.4f} at step {step}")
         lines.append(f"  last checkpoint: {last_checkpoint or 'none'}")
         if self.skipped_now:
             lines.append(f"  skipped steps (fp16 overflow): {self.skipped_now}")

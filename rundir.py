@@ -298,25 +298,35 @@ def save_run_config(log_dir, run_config):
 
 # ===== log.txt: one `step kind value` line per number ============================================
 # each step: its train loss, LR, gradient norm, time (ms) and tokens/s, and on a step the fp16
-# scaler skipped, the run's count of skipped steps so far; each evaluation: val loss, HellaSwag
+# scaler skipped, the run's count of skipped steps so far; each evaluation: val loss, HellaSwag,
+# CORE and each of its tasks' centred accuracy (core/LABEL: a kind of the core family)
 LOG_FORMATS = {"train": "{:.6f}", "lr": "{:.4e}", "norm": "{:.4f}", "dt": "{:.2f}",
-               "tok_s": "{:.0f}", "skipped": "{:d}", "val": "{:.4f}", "hella": "{:.4f}"}
+               "tok_s": "{:.0f}", "skipped": "{:d}", "val": "{:.4f}", "hella": "{:.4f}",
+               "core": "{:.4f}"}
 # the kinds that measure the clock: two runs of the same steps differ in these alone
 TIMING_KINDS = ("dt", "tok_s")
+
+
+def log_format(kind):
+    """The format of a log.txt kind (core/LABEL: core's), or None for no kind of log.txt."""
+    family, _, label = kind.partition("/")
+    if label and family != "core":
+        return None
+    return LOG_FORMATS.get(family)
 
 
 def append_log(path, step, kind, value):
     # never through a symbolic link: the run's log stays its own (the claim refuses one)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
     with os.fdopen(fd, "a") as f:
-        f.write(f"{step} {kind} {LOG_FORMATS[kind].format(value)}\n")
+        f.write(f"{step} {kind} {log_format(kind).format(value)}\n")
 
 
 def parse_log_line(line):
     """(step, kind, value) of a log.txt line, or None for a damaged one (a crash can leave NUL
     bytes)."""
     parts = line.split()
-    if len(parts) != 3 or parts[1] not in LOG_FORMATS:
+    if len(parts) != 3 or log_format(parts[1]) is None:
         return None
     try:
         return int(parts[0]), parts[1], float(parts[2])
@@ -325,8 +335,8 @@ def parse_log_line(line):
 
 
 def read_log(path):
-    """{kind: (steps, values)} for the kinds in a log.txt (LOG_FORMATS; an older log has fewer);
-    bad lines skipped."""
+    """{kind: (steps, values)} for the kinds in a log.txt (LOG_FORMATS and core/LABEL; an older
+    log has fewer); bad lines skipped."""
     series = {}
     with open(path, errors="replace") as f:
         for line in f:

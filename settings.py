@@ -90,6 +90,9 @@ RUN_SETTINGS = {
         ("--sample_tokens", 32, count(1, CONTEXT), "new tokens per sample"),
         ("--hellaswag_every", 250, count(0, STEPS), "HellaSwag every N steps and at the end"),
         ("--hellaswag_limit", None, count(1, STEPS), "only the first N HellaSwag val examples"),
+        ("--core_every", 2000, count(0, STEPS), "CORE's 22 tasks every N steps and at the end"),
+        ("--core_max_per_task", 500, count(1, STEPS),
+         "CORE in training: N examples of each task (nanochat's subsample)"),
         ("--save_every", 5000, count(0, STEPS), "checkpoint every N steps; the last is saved"),
     ],
     "data": [
@@ -152,7 +155,7 @@ RUN_PRESETS = {
     # the CPU demo: ~300k tokens, ~5 minutes at ~1k tokens/s
     "tiny": dict(max_lr=2e-3, warmup_steps=15, max_steps=150, total_batch_size=2048,
                  micro_batch_size=8, sequence_length=256, eval_every=50, val_tokens=16384,
-                 sample_every=50, hellaswag_every=0, save_every=0,
+                 sample_every=50, hellaswag_every=0, core_every=0, save_every=0,
                  data_root=os.path.join(fineweb.REPO_DIR, "edu_fineweb_tiny")),
 }
 # Run settings an architecture changes, per preset: where its best LRs differ from GPT-2's. The

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import core_eval
 import fineweb
 import hellaswag
 import openai_gpt2
@@ -675,7 +676,7 @@ def shard_model(raw_model, precision):
         fully_shard(block, mp_policy=mp)
     fully_shard(raw_model, mp_policy=mp)
 
-# ===== Evaluation: val loss, HellaSwag, samples =====
+# ===== Evaluation: val loss, HellaSwag, CORE, samples =====
 @torch.no_grad()
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
     """Mean loss over the first n_tokens targets of the split (at most all it holds), all ranks
@@ -742,6 +743,26 @@ def hellaswag_accuracy(raw_model, run, proc):
         return None
     print0(f"HellaSwag accuracy: {res['correct_norm']}/{res['n']}={res['acc_norm']:.4f}")
     return res["acc_norm"]
+
+def core_tasks(run, proc):
+    """CORE's tasks for the run's evaluations (--core_max_per_task examples of each), the eval
+    bundle installed by the master on first use; None (with a warning) when it can't be had: the
+    run goes on without CORE."""
+    if run.core_every == 0:
+        return None
+    try:
+        folder = core_eval.ready_on_every_rank(proc)
+        return core_eval.load_tasks(folder, max_per_task=run.core_max_per_task)
+    except core_eval.BundleError as e:
+        print0(f"warning: CORE evaluation turned off: {e}")
+        return None
+
+def core_score(raw_model, tasks, run, proc):
+    """CORE of the model and each task's centred accuracy, the examples split over the ranks."""
+    res = core_eval.evaluate(raw_model, run.device, tasks, proc=proc, device_type=run.device_type,
+                             autocast_dtype=run.precision.dtype)
+    print0(f"CORE: {res['core']:.4f} (se {res['core_se']:.4f}, {len(tasks)} tasks)")
+    return res
 
 # ===== Keeping a run safe: checkpoints (rundir.py handles the files), the step's read-back =====
 @dataclass
@@ -907,6 +928,7 @@ def train(run, proc, ckpt=None):
         meter = Metrics(run, proc, state.step + 1, raw_model.get_num_params(non_embedding=True))
         profiler = Profiler(run, proc)
         hellaswag_on = run.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc)
+        core = core_tasks(run, proc)  # None: CORE off
         enc = fineweb.get_encoding()
 
         # ============================== training ==============================
@@ -929,6 +951,13 @@ def train(run, proc, ckpt=None):
                 hellaswag_on = acc_norm is not None  # None: the data went away
                 if hellaswag_on:
                     meter.log(step, "hella", acc_norm)
+
+            # once in a while: CORE (nanochat's subsample of its 22 tasks), like HellaSwag
+            if core is not None and due(run.core_every, step, last_step):
+                res = core_score(raw_model, core, run, proc)
+                meter.log(step, "core", res["core"])
+                for label, task in res["tasks"].items():
+                    meter.log(step, f"core/{label}", task["centered"])
 
             # once in a while: samples, each rank with its own seed
             if step > 0 and due(run.sample_every, step, last_step):
