@@ -326,37 +326,57 @@ def no_tmp_left(*folders):
             assert not [n for n in dirs + names if n.endswith(".tmp")], top
 
 
+class Serving:
+    """zip_path served at url on 127.0.0.1 by a thread, while the with block runs: the paths
+    asked for in `served`; `asked` set at the first request, whose answer waits for `release`
+    (set from the start unless hold)."""
+
+    def __init__(self, zip_path, hold=False):
+        self.served, self.asked, self.release = [], threading.Event(), threading.Event()
+        if not hold:
+            self.release.set()
+        serving = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                serving.served.append(self.path)
+                serving.asked.set()
+                serving.release.wait(300)
+                with open(zip_path, "rb") as f:
+                    body = f.read()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/eval_bundle.zip"
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def test_install_from_a_zip_a_folder_and_a_url(bundle, tmp_path):
     bundle_zip = zip_folder(bundle, tmp_path / "eval_bundle.zip")
-    served = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            served.append(self.path)
-            body = open(bundle_zip, "rb").read()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/eval_bundle.zip"
-    try:
-        manifests = []
-        for name, source in (("zip", bundle_zip), ("dir", bundle), ("url", url)):
+    manifests = []
+    with Serving(bundle_zip) as server:
+        for name, source in (("zip", bundle_zip), ("dir", bundle), ("url", server.url)):
             folder = core_eval.install(source, str(tmp_path / name))
             with open(os.path.join(folder, core_eval.MANIFEST)) as f:
                 manifests.append(json.load(f))
             assert core_eval.install(source, folder) == folder  # installed: nothing again
             assert core_eval.install(None, folder) == folder
-        assert served == ["/eval_bundle.zip"]
-    finally:
-        server.shutdown()
-        server.server_close()
+    assert server.served == ["/eval_bundle.zip"]
+    url = server.url
     files = [m["sha256"] for m in manifests]
     assert files[0] == files[1] == files[2] and "core.yaml" in files[0]
     assert "eval_data/fixture/lm_shots.jsonl" in files[0]
@@ -466,25 +486,8 @@ def test_two_processes_install_once(bundle_zip, tmp_path):
     """Two processes install from one URL into one folder at the same time: the first downloads
     (the server holds its answer until the second waits on the lock), the second waits, then
     both find the install."""
-    served, asked, release = [], threading.Event(), threading.Event()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            served.append(self.path)
-            asked.set()
-            release.wait(300)
-            body = open(bundle_zip, "rb").read()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/eval_bundle.zip"
+    server = Serving(bundle_zip, hold=True)
+    url = server.url
     ed = str(tmp_path / "ed")
     code = f"import core_eval; print('installed', core_eval.install({url!r}, {ed!r}))"
     env = {**os.environ, "PYTHONPATH": REPO}
@@ -494,27 +497,25 @@ def test_two_processes_install_once(bundle_zip, tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     procs = []
     try:
-        procs.append(start())
-        assert asked.wait(300), "the first process never asked for the bundle"
-        procs.append(start())
-        seen = []
-        for line in procs[1].stdout:  # until the second says it waits for the first
-            seen.append(line)
-            if "waiting for it" in line:
-                break
-        assert seen and "is being installed into by another process" in seen[-1], seen
-        release.set()
-        outs = [p.communicate(timeout=300) for p in procs]
+        with server:
+            procs.append(start())
+            assert server.asked.wait(300), "the first process never asked for the bundle"
+            procs.append(start())
+            seen = []
+            for line in procs[1].stdout:  # until the second says it waits for the first
+                seen.append(line)
+                if "waiting for it" in line:
+                    break
+            assert seen and "is being installed into by another process" in seen[-1], seen
+            server.release.set()
+            outs = [p.communicate(timeout=300) for p in procs]
     finally:
-        release.set()
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        server.shutdown()
-        server.server_close()
     assert [p.returncode for p in procs] == [0, 0], outs
     assert all(f"installed {ed}" in out for out, _ in outs)
-    assert served == ["/eval_bundle.zip"]  # one download
+    assert server.served == ["/eval_bundle.zip"]  # one download
     core_eval.verify(ed)
 
 
