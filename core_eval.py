@@ -528,9 +528,10 @@ def fewshot(task, i):
     task.shots of the other positions of the (shuffled, subsampled) list."""
     if task.shots == 0:
         return []
-    others = [j for j in range(len(task.examples)) if j != i]
-    return [task.examples[j][1] for j in random.Random(FEWSHOT_SEED + i).sample(others,
-                                                                               task.shots)]
+    # sample() picks by index alone, so drawing from range(n - 1) and stepping over i draws what
+    # drawing from the list of the other positions does, without building that list per example
+    picks = random.Random(FEWSHOT_SEED + i).sample(range(len(task.examples) - 1), task.shots)
+    return [task.examples[j if j < i else j + 1][1] for j in picks]
 
 
 def prompts(task, i):
