@@ -227,7 +227,7 @@ def bench_hellaswag(args, t):
     torch.manual_seed(0)
     model = tg.GPT(t.config).to(t.device).eval()
     examples = synthetic_hellaswag(args.hellaswag_examples)
-    modes = {"one_per_forward": dict(batch_tokens=0, full_logits=True),
+    modes = {"one_per_forward": dict(batch_tokens=0),
              "batched": dict(batch_tokens=args.hellaswag_batch_tokens)}
     secs, preds = time_scoring(model, examples, t.device, modes,
                                common.torch_dtype(args.dtype_name))

@@ -589,19 +589,15 @@ def fit(row, context, where):
     """A row cropped from the left to the model's context, start and end shifted with it; a
     UsageError when the scored tokens themselves do not fit."""
     tokens, start, end = row
-    crop = len(tokens) - context
+    crop = 0
+    if context is not None:  # None: a model that does not say (scorer.max_positions)
+        crop = len(tokens) - context
     if crop <= 0:
         return row
     if start - crop < 1:
         raise UsageError(f"{where}: its {end - start} scored tokens and the one before them do "
                          f"not fit the model's context of {context} positions")
     return tokens[crop:], start - crop, end - crop
-
-
-def context_length(model):
-    """The model's context: our GPTConfig's block_size or transformers' n_positions."""
-    config = model.config
-    return getattr(config, "block_size", None) or config.n_positions
 
 
 # ===== Scoring ===================================================================================
@@ -632,7 +628,7 @@ def score_task(model, task, device, positions, enc, *, batch_tokens=8192, autoca
     """The results of the examples at positions (of the shuffled list) of task, one dict each:
     task, index (0-based line in its file), pred (the chosen option; None for LM), gold (None for
     LM) and correct."""
-    context = context_length(model)
+    context = scorer.max_positions(model)
     groups, kept = [], []
     for i in positions:
         where = f"{DATA}/{task.uri}:{task.examples[i][0] + 1}"

@@ -17,7 +17,6 @@ HF ``datasets`` in the original schema. Every record is checked before it is sco
 downloads, spawns and opens nothing, and imports neither torch nor datasets.
 """
 
-import inspect
 import itertools
 import json
 import os
@@ -27,8 +26,8 @@ import time
 import fineweb
 from openai_gpt2 import OPENAI_MODELS, load_hf_model
 from common import (DTYPES, NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write,
-                    autocast, autocast_for, device_type_of, enable_tf32, one_line,
-                    resolve_device, run_cli, torch_dtype)
+                    autocast_for, enable_tf32, one_line, resolve_device, run_cli, torch_dtype)
+from scorer import Row, max_positions, progress_bar, score_groups
 
 # ---------------------------------------------------------------------------
 # data
@@ -69,13 +68,6 @@ def _resolve_data_dir(data_dir=None):
 def _check_split(split):
     if split not in SPLITS:
         raise ValueError(f"unknown HellaSwag split {split!r}; expected one of {', '.join(SPLITS)}")
-
-
-def _progress_bar(**kwargs):
-    """tqdm bar that is disabled when stderr is not a terminal (``disable=None``)."""
-    from tqdm import tqdm
-
-    return tqdm(disable=None, **kwargs)
 
 
 def _load_hf_rows(split):
@@ -136,7 +128,7 @@ def _unavailable_message(split, path, why):
 
 def _write_rows(rows, split, path, f):
     """Write HF rows as jsonl records into ``f``, checking the example count before the rename."""
-    bar = _progress_bar(total=len(rows) if hasattr(rows, "__len__") else None, unit="ex",
+    bar = progress_bar(total=len(rows) if hasattr(rows, "__len__") else None, unit="ex",
                         desc=os.path.basename(path))
     n = 0
     try:
@@ -294,129 +286,7 @@ def render_example(example, enc=None):
 
 
 # ---------------------------------------------------------------------------
-# scoring
-
-
-def _token_losses(picked, targets):
-    """fp32 cross-entropy of each row of ``picked`` (K, V) against ``targets`` (K,); 0 at -100."""
-    import torch
-    import torch.nn.functional as F
-
-    if picked.device.type == "cpu" and picked.shape[0] > 256:
-        # in pieces that stay in cache: the fp32 log-softmax over the vocab is most of the CPU cost
-        return torch.cat([F.cross_entropy(p.float(), t, reduction="none")
-                          for p, t in zip(picked.split(256), targets.split(256))])
-    return F.cross_entropy(picked.float(), targets, reduction="none")
-
-
-def completion_losses(logits, tokens, mask, positions=None, check_positions=True):
-    """Per-row summed and mean cross-entropy of the masked (ending) tokens of ``tokens`` ``(R, N)``;
-    position ``t`` predicts token ``t + 1`` (the shift is done here). ``logits``: ``(R, N, V)``, or
-    what ``model(idx, logits_to_keep=positions)`` returns: ``(R, len(positions), V)`` for 1-D
-    positions, every scored one among them; ``(K, V)`` for an ``(R, N)`` bool mask of exactly the
-    K scored positions, row by row. Checked unless ``check_positions=False`` (a read-back). Losses
-    in fp32 (the logits may be bf16). Returns ``(sum_loss, avg_loss)``, each ``(R,)`` fp32."""
-    import torch
-
-    dev = logits.device
-    tgt_mask, tgt = mask[:, 1:].to(dev).bool(), tokens[:, 1:].to(dev)  # (R, N-1): the targets
-    missed, exact = 0, positions is not None and positions.dim() == 2
-    if positions is None:
-        logits = logits[:, :-1]
-    elif exact:  # position t's target is token t + 1: the last position is never kept
-        keep = positions.to(dev)
-        if check_positions:  # kept positions that are not scored, scored ones not kept
-            missed = int((keep[:, :-1] != tgt_mask).sum() + keep[:, -1].sum())
-        tgt_mask, tgt = keep, tokens.to(dev).roll(-1, dims=1)
-    else:
-        pos = positions.to(dev)
-        if check_positions:  # scored positions the logits lack
-            missed = int(tgt_mask.sum() - tgt_mask[:, pos].sum())
-        tgt_mask, tgt = tgt_mask[:, pos], tgt[:, pos]
-    bad = logits.dim() != 2 if exact else logits.dim() != 3 or logits.shape[:2] != tgt.shape
-    if bad or missed:
-        where = ""
-        if positions is not None:
-            where = f" at {positions.numel()} positions ({missed} scored ones missing or extra)"
-        raise ValueError(f"logits shape {tuple(logits.shape)} does not match tokens shape "
-                         f"{tuple(tokens.shape)}{where}")
-    if positions is None or exact:
-        picked = logits if exact else logits[tgt_mask]
-        token_loss = _token_losses(picked, tgt[tgt_mask])  # (K,)
-    else:
-        # nearly every kept position is scored: cross-entropy over all of them in place (-100: not
-        # scored) beats copying the scored rows out of the logits first
-        ignored = torch.where(tgt_mask, tgt, torch.full_like(tgt, -100))
-        all_losses = _token_losses(logits.reshape(-1, logits.shape[-1]), ignored.reshape(-1))
-        token_loss = all_losses[tgt_mask.reshape(-1)]
-    rows = tgt_mask.nonzero()[:, 0]
-    sum_loss = torch.zeros(tokens.shape[0], dtype=torch.float32, device=dev)
-    sum_loss.index_add_(0, rows, token_loss)
-    count = tgt_mask.sum(dim=1).clamp(min=1).to(torch.float32)
-    return sum_loss, sum_loss / count
-
-
-def _model_logits(out):
-    """Logits from our GPT's ``(logits, loss)`` tuple or an HF output's ``.logits``."""
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return getattr(out, "logits", out)
-
-
-def takes_logits_to_keep(model):
-    """Whether ``model(idx, logits_to_keep=...)`` is a valid call: our GPT, HF GPT2LMHeadModel
-    (which honours it from transformers 4.53 on; before, its ``**kwargs`` swallow it and every
-    position comes back) or any forward with ``**kwargs``."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return any(p.name == "logits_to_keep" or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def takes_logits_mask(model):
-    """Whether ``model(idx, logits_to_keep=)`` takes an ``(R, N)`` bool mask (our GPT; not HF)."""
-    return getattr(model, "masked_logits_to_keep", False) is True
-
-
-def model_logits(model, idx, positions=None, use_kwarg=True):
-    """Logits of ``model`` for ``idx`` at ``positions``: ``(R, N, V)`` for None, ``(R, len, V)``
-    for 1-D positions, ``(K, V)`` for a bool mask (:func:`takes_logits_mask`), asked for by
-    ``logits_to_keep`` (transformers' GPT2LMHeadModel.forward and our GPT.forward); a model that
-    can't be asked (``use_kwarg=False``) or returns every position anyway (transformers < 4.53)
-    is sliced here: same values, only slower."""
-    import torch
-
-    R, N = idx.shape
-    if positions is None:
-        logits = _model_logits(model(idx))
-    elif use_kwarg and takes_logits_mask(model) and positions.dim() == 1:
-        kept, order = torch.unique(positions.to(idx.device), sorted=True, return_inverse=True)
-        keep = torch.zeros(R, N, dtype=torch.bool, device=idx.device)  # the same positions of
-        keep[:, kept] = True  # every row, as a mask; their logits put back in the order asked
-        return _model_logits(model(idx, logits_to_keep=keep)).view(R, kept.numel(), -1)[:, order]
-    else:
-        logits = _model_logits(model(idx, logits_to_keep=positions) if use_kwarg else model(idx))
-        if positions.dim() == 2 and logits.dim() == 2:  # (K, V): the mask's kept positions
-            return logits
-        if logits.dim() == 3 and logits.shape[:2] == (R, N) and positions.numel() != N:
-            logits = logits[:, positions.to(logits.device)]
-    want = N if positions is None else positions.numel()
-    if logits.dim() != 3 or logits.shape[:2] != (R, want):
-        raise UsageError(f"model returned logits of shape {tuple(logits.shape)} for input "
-                         f"{tuple(idx.shape)}; HellaSwag scoring needs ({R}, {want}, vocab)")
-    return logits
-
-
-def _max_positions(model):
-    """The model's context length (our GPTConfig.block_size, HF n_positions), if known."""
-    config = getattr(model, "config", None)
-    for key in ("block_size", "n_positions", "max_position_embeddings"):
-        val = getattr(config, key, None)
-        if isinstance(val, int) and val > 0:
-            return val
-    return None
-
+# scoring: scorer.py's, on each example's four rows
 
 def _fit(rendered, max_len):
     """Drop the oldest context tokens of an example whose rows exceed the model's context (never
@@ -432,149 +302,36 @@ def _fit(rendered, max_len):
     return ctx[-keep:], ends, label
 
 
-# A forward pass projects the same positions of every row (the union of its rows' scored spans): it
-# grows while the projections past the rows' own spans cost at most this fraction of its larger cost
-SPAN_SLACK = 0.25
+def _group(rendered):
+    """An example's rows for the scorer: the context, then each ending, which is scored."""
+    ctx, ends, _ = rendered
+    return [Row(ctx + end, len(ctx), len(ctx) + len(end)) for end in ends]
 
 
-def _body_cost(model):
-    """A token's cost in the blocks (12 n_layer n_embd^2) in vocab projections (n_embd vocab)."""
-    try:
-        return 12 * model.config.n_layer * model.config.n_embd / model.config.vocab_size
-    except (AttributeError, TypeError, ZeroDivisionError):
-        return 0.0
-
-
-def _rows(rendered):
-    """Every (example, ending) row as (example index, ending index, first scored position, one past
-    the last, width). Ending token t is predicted at position t - 1, so a row with a c-token context
-    and an e-token ending is scored at positions c-1 .. c+e-2."""
-    return [(i, j, max(len(ctx) - 1, 0), len(ctx) + len(end) - 1, len(ctx) + len(end))
-            for i, (ctx, ends, _) in enumerate(rendered) for j, end in enumerate(ends)]
-
-
-def _pack(rows, batch_tokens, slack=SPAN_SLACK, body=0.0, exact=False):
-    """Group rows into forward passes. ``batch_tokens`` <= 0: one example (its four rows) per pass,
-    in order, the classic loop. Otherwise rows sorted by their scored span share a pass while rows x
-    width stays within ``batch_tokens`` and rows x (union of the spans) exceeds the rows' own spans
-    by at most ``slack`` x the larger of those spans and ``body`` x rows x width (``_body_cost``: a
-    big model's passes project more to run fewer, fuller passes): rows are the unit, not examples,
-    so rows of different examples with the same span cost nothing extra. ``exact`` (a bool mask
-    projects each row's own positions): rows sorted by width, no span limit."""
-    if not batch_tokens or batch_tokens <= 0:
-        by_example = {}
-        for r in rows:
-            by_example.setdefault(r[0], []).append(r)
-        return list(by_example.values())
-    order = sorted(rows, key=lambda r: (r[4], r[0], r[1]) if exact else (r[2], r[3], r[0], r[1]))
-    batches, cur = [], None
-    for row in order:
-        _, _, lo, hi, width = row
-        if cur is not None:
-            union = cur["union"] + max(0, hi - max(lo, cur["hi"]))  # spans come sorted by start
-            n, need, w = len(cur["batch"]) + 1, cur["need"] + hi - lo, max(cur["width"], width)
-            spans_ok = exact or n * union <= need + slack * max(need, body * n * w)
-            if n * w <= batch_tokens and spans_ok:
-                cur.update(union=union, need=need, hi=max(hi, cur["hi"]), width=w)
-                cur["batch"].append(row)
-                continue
-        cur = {"batch": [row], "union": hi - lo, "need": hi - lo, "hi": hi, "width": width}
-        batches.append(cur["batch"])
-    return batches
-
-
-def _batch_tensors(rendered, batch, device, full_logits, exact=False):
-    """(tokens, mask, positions) of one pass: rows right-padded with 0, mask 1 on ending tokens,
-    positions the union of the rows' scored spans (None: ``full_logits``; ``exact``: a mask)."""
-    import numpy as np
-    import torch
-
-    width = max(r[4] for r in batch)
-    tok = np.zeros((len(batch), width), dtype=np.int64)
-    msk = np.zeros_like(tok)
-    for k, (i, j, _, _, _) in enumerate(batch):
-        ctx, end = rendered[i][0], rendered[i][1][j]
-        tok[k, : len(ctx)] = ctx
-        tok[k, len(ctx): len(ctx) + len(end)] = end
-        msk[k, len(ctx): len(ctx) + len(end)] = 1
-    positions = None
-    if exact:  # position t is scored when token t + 1 is an ending's
-        keep = np.zeros(tok.shape, dtype=bool)
-        keep[:, :-1] = msk[:, 1:]
-        positions = torch.from_numpy(keep).to(device)
-    elif not full_logits:
-        pos = np.unique(np.concatenate([np.arange(lo, hi) for _, _, lo, hi, _ in batch]))
-        positions = torch.from_numpy(pos).to(device)
-    return torch.from_numpy(tok).to(device), torch.from_numpy(msk).to(device), positions
-
-
-def _results(rendered, losses):
-    """One dict per example from {(example, ending): (sum_loss, avg_loss)}."""
+def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype=None,
+                   device_type=None, progress=False, enc=None, rendered=None, proc=None):
+    """A dict per example (in input order): ``pred`` (lowest summed loss), ``pred_norm`` (lowest
+    mean), ``label``, ``sum_loss``, ``avg_loss`` (lists of 4 floats), scored by
+    :func:`scorer.score_groups` (``batch_tokens=0``: one example per forward pass, every
+    position's logits). ``rendered``: the examples as ``_render_lists`` gives them."""
+    if rendered is None:
+        enc = enc or get_encoding()
+        rendered = [_render_lists(ex, enc) for ex in examples]
+    max_len = max_positions(model)
+    if max_len:
+        rendered = [_fit(r, max_len) for r in rendered]
+    scored = score_groups(model, [_group(r) for r in rendered], device,
+                          batch_tokens=batch_tokens, autocast_dtype=autocast_dtype,
+                          device_type=device_type, desc="hellaswag" if progress else None,
+                          proc=proc)
     out = []
-    for i, (_, ends, label) in enumerate(rendered):
-        s = [losses[i, j][0] for j in range(len(ends))]
-        a = [losses[i, j][1] for j in range(len(ends))]
+    for (_, _, label), rows in zip(rendered, scored):
+        s = [r.sum_loss for r in rows]
+        a = [r.mean_loss for r in rows]
         out.append({"pred": min(range(len(s)), key=s.__getitem__),
                     "pred_norm": min(range(len(a)), key=a.__getitem__),
                     "label": label, "sum_loss": s, "avg_loss": a})
     return out
-
-
-def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype=None,
-                   device_type=None, progress=False, enc=None, rendered=None, full_logits=False,
-                   agree_forwards=None):
-    """A dict per example (in input order): ``pred``, ``pred_norm``, ``label``, ``sum_loss``,
-    ``avg_loss`` (lists of 4 floats). Rows share a forward pass up to ``batch_tokens`` tokens
-    (right-padded); ``batch_tokens=0``: one example per pass. Only scored positions are projected
-    onto the vocabulary (``logits_to_keep``); ``full_logits=True`` asks for all (the classic loop,
-    the reference). The caller sets ``no_grad`` / ``eval`` (see :func:`evaluate`), whose
-    ``agree_forwards(n_local) -> n`` may ask for dummy passes so that every rank runs as many."""
-    import torch
-
-    if rendered is None:
-        enc = enc or get_encoding()
-        rendered = [_render_lists(ex, enc) for ex in examples]
-    max_len = _max_positions(model)
-    if max_len:
-        rendered = [_fit(r, max_len) for r in rendered]
-    use_kwarg = takes_logits_to_keep(model)
-    exact = use_kwarg and takes_logits_mask(model) and not full_logits
-    batches = _pack(_rows(rendered), batch_tokens, body=_body_cost(model), exact=exact)
-    dtype_ctx = autocast(device_type_of(device_type or device), autocast_dtype)
-    rows, sums, avgs = [], [], []  # (example, ending) of each row, its losses still on the device
-    bar = None
-    if progress:
-        bar = _progress_bar(total=sum(len(ends) for _, ends, _ in rendered), unit="row",
-                            desc="hellaswag")
-    try:
-        for batch in batches:
-            tokens, mask, positions = _batch_tensors(rendered, batch, device, full_logits, exact)
-            with dtype_ctx:
-                logits = model_logits(model, tokens, positions, use_kwarg)
-            # positions are the rows' scored spans (or their union): none missing, no read back
-            sum_loss, avg_loss = completion_losses(logits, tokens, mask, positions,
-                                                   check_positions=False)
-            rows += [(i, j) for i, j, *_ in batch]
-            sums.append(sum_loss)
-            avgs.append(avg_loss)
-            if bar is not None:
-                bar.update(len(batch))
-        # the losses read back once for all the passes (a mask's x[mask] reads only its count)
-        losses = {}
-        if rows:
-            losses = dict(zip(rows, zip(*torch.stack([torch.cat(sums), torch.cat(avgs)]).tolist())))
-        extra = 0
-        if agree_forwards is not None:
-            extra = agree_forwards(len(batches)) - len(batches)
-        # sharded models (FSDP) gather parameters in every forward: all ranks must run as many
-        dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
-        for _ in range(max(extra, 0)):
-            with dtype_ctx:
-                model(dummy)
-    finally:
-        if bar is not None:
-            bar.close()
-    return _results(rendered, losses)
 
 
 _RENDER_CACHE = {}
@@ -614,7 +371,7 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, proc=
     "acc_norm"}``. Example ``i`` (after ``limit``) is scored on rank ``i % world_size``; with an
     initialized process group the counts are summed (all_reduce) so every rank returns the global
     figures, and all ranks run as many forward passes (tiny dummy ones), as FSDP needs. The model
-    returns ``(logits, ...)`` (our GPT) or ``.logits`` (HF; see :func:`model_logits`); its mode is
+    returns ``(logits, ...)`` (our GPT) or ``.logits`` (HF; see scorer.model_logits); its mode is
     restored afterwards. Raises HellaSwagUnavailable (HellaSwagBadData for an invalid record)."""
     import torch
 
@@ -628,22 +385,9 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, proc=
     rendered = _rendered_subset(split, limit, rank, world_size, data_dir)
     dist = torch.distributed
     distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
-
-    def agree_forwards(n_local):  # the largest number of forward passes over the ranks
-        t = torch.tensor([n_local], dtype=torch.long, device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t.item())
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            results = score_examples(model, None, device, batch_tokens=batch_tokens,
-                                     autocast_dtype=autocast_dtype, device_type=device_type,
-                                     progress=progress, rendered=rendered,
-                                     agree_forwards=agree_forwards if distributed else None)
-    finally:
-        model.train(was_training)
+    results = score_examples(model, None, device, batch_tokens=batch_tokens,
+                             autocast_dtype=autocast_dtype, device_type=device_type,
+                             progress=progress, rendered=rendered, proc=proc)
     n = len(results)
     correct = sum(int(r["pred"] == r["label"]) for r in results)
     correct_norm = sum(int(r["pred_norm"] == r["label"]) for r in results)

@@ -16,6 +16,7 @@ command lines share).
 """
 
 import argparse
+import copy
 import math
 import os
 import random
@@ -113,13 +114,16 @@ def model_config(args, ckpt=None):
 
 # ===== The model =====
 class KVCache:
-    """Keys and values (n_layer, B, n_kv_head, max_len, hs) of the first `pos` tokens."""
+    """Keys and values (n_layer, B, n_kv_head, max_len, hs) of the first `pos` tokens. A cache
+    made by `continue_rows` is ragged: row b's own tokens are its first lengths[b] (the rest of
+    the first `pos` is padding it never sees), and the new tokens sit at positions lengths[b]..."""
 
     def __init__(self, config: GPTConfig, batch_size, max_len, device, dtype):
         hs = config.n_embd // config.n_head
         shape = (config.n_layer, batch_size, config.n_kv_head, max_len, hs)
         self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
         self.pos = 0
+        self.lengths, self.longest = None, 0  # ragged rows: (B,) long, and its largest value
 
     def update(self, layer, k, v):
         """Store k, v (B, nkv, T, hs) after the filled positions; returns all keys and values."""
@@ -127,6 +131,47 @@ class KVCache:
         self.k[layer, :, :, self.pos: self.pos + T] = k
         self.v[layer, :, :, self.pos: self.pos + T] = v
         return self.k[layer, :, :, : self.pos + T], self.v[layer, :, :, : self.pos + T]
+
+    def continue_rows(self, rows, lengths, max_new):
+        """A ragged cache for one more forward: its row i continues the first lengths[i] tokens
+        of this cache's row rows[i], with room for max_new tokens (the prefix that the options of
+        a question share, computed once for all of them)."""
+        out = copy.copy(self)
+        index = torch.tensor(rows, device=self.k.device)
+        out.k, out.v = (F.pad(t[:, index, :, : self.pos], (0, 0, 0, max_new))
+                        for t in (self.k, self.v))  # (n_layer, len(rows), nkv, pos + max_new, hs)
+        out.lengths = torch.tensor(lengths, device=self.k.device)
+        out.longest = max(lengths)
+        return out
+
+    def positions(self, T):
+        """The positions of T new tokens: (T,) after the cached ones, (B, T) for ragged rows."""
+        new = torch.arange(T, device=self.k.device)
+        if self.lengths is None:
+            return new + self.pos
+        return self.lengths[:, None] + new
+
+    def end(self, T):
+        """One past the last position of T new tokens (of the longest ragged row)."""
+        if self.lengths is None:
+            return self.pos + T
+        return self.longest + T
+
+    def attention_mask(self, T):
+        """What T new tokens see of the cache and of each other, as SDPA's (attn_mask,
+        is_causal): the cached keys (a ragged row: its own only) and the new ones up to each."""
+        device = self.k.device
+        if self.pos == 0:
+            return None, True
+        if self.lengths is None and T == 1:  # the one new token sees everything
+            return None, False
+        own = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T)
+        cached = torch.ones(1, self.pos, dtype=torch.bool, device=device)  # (1 or B, pos)
+        if self.lengths is not None:
+            cached = torch.arange(self.pos, device=device) < self.lengths[:, None]
+        B = cached.size(0)
+        mask = torch.cat((cached[:, None].expand(B, T, -1), own.expand(B, T, T)), dim=2)
+        return mask[:, None], False  # (1 or B, 1, T, pos + T)
 
 ROPE_BASE = 10000.0  # rotary embeddings: the slowest pair turns by base^(-(hs-2)/hs) a position
 RMS_EPS = 1e-6
@@ -184,13 +229,8 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         mask, causal = None, True
         if kv_cache is not None:
-            past = kv_cache.pos
+            mask, causal = kv_cache.attention_mask(T)
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, past + T, hs)
-            if past > 0:
-                causal = False
-                if T > 1:  # query i sits at position past + i and sees keys 0 .. past + i
-                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device)
-                    mask = mask.tril(diagonal=past)
         extra = {"enable_gqa": True} if nkv != nh else {}  # nh/nkv query heads share k,v
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
@@ -288,21 +328,24 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
         """idx (B, T) -> logits (B, T, vocab_size) and the mean cross-entropy vs targets (or None).
-        With a kv_cache, idx continues the cached sequence. logits_to_keep: the last N positions'
+        With a kv_cache, idx continues the cached sequences. logits_to_keep: the last N positions'
         logits only (sampling needs one), or a (B, T) bool mask: logits (K, vocab_size) at its K
-        True positions (HellaSwag's scored tokens): the vocab matmul is most of a small model's
-        work."""
+        True positions (an evaluation's scored tokens: the vocab matmul is costly)."""
         B, T = idx.size()
-        past = kv_cache.pos if kv_cache is not None else 0
-        if past + T > self.config.block_size:
-            raise ValueError(f"{past + T} tokens exceed block_size {self.config.block_size}")
+        pos, end = torch.arange(T, device=idx.device), T  # the positions (T,), one past the last
+        if kv_cache is not None:  # after the cache's: (T,), or (B, T) for its ragged rows
+            pos, end = kv_cache.positions(T), kv_cache.end(T)
+        if end > self.config.block_size:
+            raise ValueError(f"{end} tokens exceed block_size {self.config.block_size}")
 
         x = self.transformer.wte(idx)  # (B, T, C)
         rotary = None
         if "wpe" in self.transformer:
-            x = x + self.transformer.wpe(torch.arange(past, past + T, device=idx.device))
-        else:  # the angles of positions past .. past + T - 1: (T, hs/2) each
-            rotary = (self.rotary_cos[past: past + T], self.rotary_sin[past: past + T])
+            x = x + self.transformer.wpe(pos)
+        else:  # the angles of these positions: (T, hs/2) each, or (B, 1, T, hs/2) when ragged
+            rotary = (self.rotary_cos[pos], self.rotary_sin[pos])
+            if pos.dim() == 2:
+                rotary = tuple(r.unsqueeze(1) for r in rotary)
         if "ln_e" in self.transformer:
             x = self.transformer.ln_e(x)
         x = self.transformer.drop(x)
@@ -372,6 +415,11 @@ class GPT(nn.Module):
             return adamw
         return CombinedOptimizer(adamw, make_muon(matrices, weight_decay, learning_rate, **muon))
 
+    def make_kv_cache(self, batch_size, max_len, device, dtype):
+        """An empty KVCache for batch_size sequences of up to max_len tokens (generate, and the
+        evaluations' scorer, which computes a question's shared prefix once)."""
+        return KVCache(self.config, batch_size, max_len, device, dtype)
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, generator=None,
                  use_cache=True):
@@ -387,7 +435,7 @@ class GPT(nn.Module):
         dtype = self.lm_head.weight.dtype
         if torch.is_autocast_enabled(idx.device.type):
             dtype = torch.get_autocast_dtype(idx.device.type)
-        cache = KVCache(self.config, B, T1, idx.device, dtype) if use_cache else None
+        cache = self.make_kv_cache(B, T1, idx.device, dtype) if use_cache else None
         logits, _ = self(idx, kv_cache=cache, logits_to_keep=1)  # prefill
         for i in range(max_new_tokens):
             last = logits[:, -1, : self.config.real_vocab_size]

@@ -12,6 +12,7 @@ import torch
 
 import common
 import hellaswag
+import scorer
 from helpers import (REPO, SHORT, assert_one_line_error, classic_scores, make_records, preds,
                      tiny_hf_model, write_jsonl)
 
@@ -137,35 +138,44 @@ def test_completion_losses_matches_manual():
     starts, ends = [3, 3, 3, 3], [9, 7, 5, 8]
     for r in range(R):
         mask[r, starts[r]: ends[r]] = 1
-    s, a = hellaswag.completion_losses(logits, tokens, mask)
+    s, a, greedy = scorer.completion_losses(logits, tokens, mask)
     for r in range(R):
         losses = [-torch.log_softmax(logits[r, t - 1], -1)[tokens[r, t]]
                   for t in range(starts[r], ends[r])]
         assert s[r].item() == pytest.approx(sum(losses).item(), rel=1e-5)
         assert a[r].item() == pytest.approx(sum(losses).item() / len(losses), rel=1e-5)
+        picks = [int(logits[r, t - 1].argmax()) == int(tokens[r, t])
+                 for t in range(starts[r], ends[r])]
+        assert bool(greedy[r]) is all(picks)
+    # greedy: a row whose scored tokens are the argmax at every scored position
+    hits = tokens.clone()
+    hits[:, 1:] = logits[:, :-1].argmax(-1)
+    assert scorer.completion_losses(logits, hits, mask)[2].all()
+    hits[1, 5] = (hits[1, 5] + 1) % 45  # one scored token of row 1 off: that row only
+    assert scorer.completion_losses(logits, hits, mask)[2].tolist() == [True, False, True, True]
     # logits at a subset of positions (what logits_to_keep returns) give the same losses
     positions = torch.arange(2, 8)
-    s2, a2 = hellaswag.completion_losses(logits[:, positions], tokens, mask, positions)
-    assert torch.equal(s2, s) and torch.equal(a2, a)
+    s2, a2, g2 = scorer.completion_losses(logits[:, positions], tokens, mask, positions)
+    assert torch.equal(s2, s) and torch.equal(a2, a) and torch.equal(g2, greedy)
     with pytest.raises(ValueError, match="missing"):  # position 2 predicts a scored token
-        hellaswag.completion_losses(logits[:, 3:8], tokens, mask, torch.arange(3, 8))
+        scorer.completion_losses(logits[:, 3:8], tokens, mask, torch.arange(3, 8))
     # (K, V) logits at a bool mask of exactly the scored positions (our GPT's logits_to_keep)
     keep = torch.zeros(R, N, dtype=torch.bool)
     keep[:, :-1] = mask[:, 1:].bool()
-    s3, a3 = hellaswag.completion_losses(logits[keep], tokens, mask, keep)
-    assert torch.equal(s3, s) and torch.equal(a3, a)
+    s3, a3, g3 = scorer.completion_losses(logits[keep], tokens, mask, keep)
+    assert torch.equal(s3, s) and torch.equal(a3, a) and torch.equal(g3, greedy)
     with pytest.raises(ValueError, match="missing or extra"):  # a position off
-        hellaswag.completion_losses(logits[keep], tokens, mask, keep.roll(1, dims=1))
+        scorer.completion_losses(logits[keep], tokens, mask, keep.roll(1, dims=1))
     # many scored positions (the CPU path works in pieces)
     big_logits, big_tokens = torch.randn(8, 60, V), torch.randint(0, V, (8, 60))
     big_mask = torch.zeros(8, 60, dtype=torch.long)
     big_mask[:, 19:] = 1
     logp = torch.log_softmax(big_logits[:, :-1], -1)
     ref = -logp.gather(2, big_tokens[:, 1:, None])[..., 0][:, 18:]
-    bs, ba = hellaswag.completion_losses(big_logits, big_tokens, big_mask)
+    bs, ba, _ = scorer.completion_losses(big_logits, big_tokens, big_mask)
     assert torch.allclose(bs, ref.sum(1), rtol=1e-5) and torch.allclose(ba, ref.mean(1), rtol=1e-5)
     # bf16 logits are scored in fp32
-    s16, a16 = hellaswag.completion_losses(logits.bfloat16(), tokens, mask)
+    s16, a16, _ = scorer.completion_losses(logits.bfloat16(), tokens, mask)
     assert s16.dtype == torch.float32 and a16.dtype == torch.float32
     assert torch.allclose(s16, s, rtol=2e-2)
 
@@ -178,15 +188,15 @@ def test_logits_to_keep_is_the_full_logits_slice(which, hf_model, our_model, dat
     _, tokens, _, _ = hellaswag.render_example(rec)
     positions = torch.tensor([0, 3, 4, 5, tokens.shape[1] - 2])
     with torch.no_grad():
-        full = hellaswag.model_logits(model, tokens)
-        kept = hellaswag.model_logits(model, tokens, positions)
+        full = scorer.model_logits(model, tokens)
+        kept = scorer.model_logits(model, tokens, positions)
     assert full.shape[:2] == tokens.shape and kept.shape[:2] == (4, 5)
     assert torch.allclose(kept, full[:, positions], atol=1e-5)
-    assert hellaswag.takes_logits_mask(model) is (which == "ours")
+    assert scorer.takes_logits_mask(model) is (which == "ours")
     if which == "ours":  # a (R, N) bool mask: (K, V), the K kept positions row by row
         keep = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(0)) < 0.5
         with torch.no_grad():
-            masked = hellaswag.model_logits(model, tokens, keep)
+            masked = scorer.model_logits(model, tokens, keep)
         assert masked.shape == (int(keep.sum()), full.shape[-1])
         assert torch.allclose(masked, full[keep], atol=1e-5)
 
@@ -199,8 +209,6 @@ def test_batched_equals_one_at_a_time(which, hf_model, our_model, data_dir):
     with torch.no_grad():
         runs = {bt: hellaswag.score_examples(model, recs, "cpu", batch_tokens=bt)
                 for bt in (0, 400, 8192)}
-        runs["full"] = hellaswag.score_examples(model, recs, "cpu", batch_tokens=0,
-                                                full_logits=True)
     counted = Recorder(model, masks=which == "ours")  # our GPT takes no 1-D positions
     with torch.no_grad():
         hellaswag.score_examples(counted, recs, "cpu", batch_tokens=400)
@@ -208,7 +216,7 @@ def test_batched_equals_one_at_a_time(which, hf_model, our_model, data_dir):
         counted.projected.clear()
         hellaswag.score_examples(counted, recs, "cpu", batch_tokens=8192)
     assert passes_400 > 1 and len(counted.projected) < 4 * len(recs)  # rows share forward passes
-    if which == "ours":  # a mask projects exactly the scored (row, position) pairs
+    if which == "ours":  # masks project exactly the scored (row, position) pairs
         exact = Recorder(model, masks=True)
         with torch.no_grad():
             got = hellaswag.score_examples(exact, recs, "cpu", batch_tokens=8192)
@@ -240,18 +248,20 @@ def test_our_gpt_and_hf_agree(hf_model, our_model, data_dir):
 
 class Recorder(torch.nn.Module):
     """Passes logits_to_keep through and records how many (row, position) pairs were projected;
-    masks=True: says it takes a bool mask (the inner model must, as our GPT does; our GPT takes
-    an int or a mask only, so a Recorder around it says so)."""
+    masks=True: says it takes a bool mask and continues a KV cache (the inner model must, as our
+    GPT does; our GPT takes an int or a mask only, so a Recorder around it says so)."""
 
     def __init__(self, inner, masks=False):
         super().__init__()
         self.inner, self.config, self.projected = inner, inner.config, []
         self.masked_logits_to_keep = masks
+        if masks:
+            self.make_kv_cache = inner.make_kv_cache
 
-    def forward(self, idx, logits_to_keep=0):
+    def forward(self, idx, logits_to_keep=0, **cache):
         if torch.is_tensor(logits_to_keep) and logits_to_keep.dim() == 2:
             self.projected.append(int(logits_to_keep.sum()))
-            return self.inner(idx, logits_to_keep=logits_to_keep)
+            return self.inner(idx, logits_to_keep=logits_to_keep, **cache)
         if torch.is_tensor(logits_to_keep):
             kept = logits_to_keep.numel()
         else:
@@ -269,18 +279,13 @@ def test_few_unneeded_positions_projected(hf_model):
         n_batched, batched_cost = len(model.projected), sum(model.projected)
         model.projected.clear()
         single = hellaswag.score_examples(model, recs, "cpu", batch_tokens=0)
-        single_cost = sum(model.projected)
-        model.projected.clear()
-        hellaswag.score_examples(model, recs, "cpu", batch_tokens=0, full_logits=True)
         full_cost = sum(model.projected)
     classic = [(p, pn) for p, pn, _ in classic_scores(hf_model, recs)]
     assert preds(batched) == preds(single) == classic
     assert n_batched < 2 * len(recs)  # rows share forward passes: over two rows each on average
-    # rows (not whole examples) are packed, so a batch projects no more than one example per pass
-    assert batched_cost <= single_cost
-    # one example per forward projects only the scored span: every ending token of every row
+    # rows (not whole examples) are packed; a pass projects its rows' scored spans and few more
     scored = sum(int(hellaswag.render_example(rec)[2][:, 1:].sum()) for rec in recs)
-    assert scored <= single_cost < full_cost / 2
+    assert scored <= batched_cost < full_cost / 2
 
 
 class NoKwarg(torch.nn.Module):
@@ -305,7 +310,7 @@ class IgnoresKwarg(NoKwarg):
 def test_models_returning_every_position(wrapper, hf_model, data_dir):
     recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))[:6]
     model = wrapper(hf_model)
-    assert hellaswag.takes_logits_to_keep(model) is (wrapper is IgnoresKwarg)
+    assert scorer.takes_logits_to_keep(model) is (wrapper is IgnoresKwarg)
     with torch.no_grad():
         got = hellaswag.score_examples(model, recs, "cpu", batch_tokens=4096)
     assert preds(got) == [(p, pn) for p, pn, _ in classic_scores(hf_model, recs)]
