@@ -186,12 +186,28 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
     "export": ["a checkpoint as a transformers GPT2LMHeadModel directory",
                ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
                ("--out", None, {"required": True}, "a new (or empty) directory to write")],
-    "eval": ["HellaSwag acc and acc_norm of a checkpoint or of OpenAI's GPT-2", *SHARED,
+    "eval": ["HellaSwag, or CORE's tasks, of a checkpoint or of OpenAI's GPT-2", *SHARED,
              CHECKPOINT,
-             ("--limit", None, count(1, STEPS), "only the first N examples"),
+             ("--tasks", "hellaswag", str,
+              "hellaswag (acc, acc_norm of its val split), core (CORE: every task of the eval "
+              "bundle's core.yaml), or a comma list of the bundle's task labels (core:LABEL "
+              "for one that is also a word here, e.g. core:hellaswag, its 10-shot task)"),
+             ("--limit", None, count(1, STEPS), "HellaSwag: only the first N examples"),
+             ("--max_per_task", None, count(1, STEPS),
+              "CORE: the first N of each task's examples after nanochat's shuffle (seed 1337)"),
              ("--batch_tokens", 8192, count(0, CONTEXT * 16), "tokens a pass (0: one example)"),
              ("--hellaswag_dir", None, str,
-              "folder of hellaswag_val.jsonl, if not hellaswag.py's")],
+              "folder of hellaswag_val.jsonl, if not hellaswag.py's"),
+             ("--eval_bundle", None, {"metavar": "URL|ZIP|DIR"},
+              "CORE's eval bundle to install if --eval_dir has none: a URL, a .zip or the folder "
+              "it unpacks to (default: nanochat's eval_bundle.zip, core_eval.BUNDLE_URL)"),
+             ("--eval_dir", None, str,
+              "the folder the eval bundle is installed in (default: $EVAL_BUNDLE_DIR, or "
+              "eval_bundle/ beside the scripts)"),
+             ("--results", None, str, "CORE: write the scores to this JSON file"),
+             ("--examples", None, str, "CORE: write every example's result to this JSONL file"),
+             ("--overwrite", False, {"action": "store_true"},
+              "replace an existing --results or --examples file (refused without it)")],
 }
 
 def build_parser(shown=DEFAULTS, command=None):

@@ -15,8 +15,10 @@ profiler), openai_gpt2.py (OpenAI's weights in, transformers out) and common.py 
 command lines share).
 """
 
+import argparse
 import copy
 import math
+import os
 import random
 import re
 import signal
@@ -1142,15 +1144,42 @@ def export_main(args):
     return 0
 
 def eval_main(args):
+    """HellaSwag (--tasks hellaswag) or CORE's tasks; under torchrun the examples split over the
+    ranks and rank 0 reports."""
+    core = args.tasks != "hellaswag"
+    misplaced = ("limit",) if core else ("max_per_task", "results", "examples")
+    for flag in misplaced:
+        if getattr(args, flag) is not None:
+            goes_with = "--tasks hellaswag" if core else "CORE's tasks (--tasks core or labels)"
+            raise UsageError(f"--{flag} goes with {goes_with}")
+    for path in (args.results, args.examples):  # outputs asked for by name: refused, not replaced
+        if path and os.path.exists(path) and not args.overwrite:
+            raise UsageError(f"{path} exists: give --overwrite to replace it, or another path")
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"{path}: its folder does not exist")
+    proc = setup_distributed(argparse.Namespace(device=args.device, fsdp=False))
     model, device, precision = model_for_command(args)  # a bad checkpoint: before a download
-    hellaswag.download("val", args.hellaswag_dir)
+    if not core:
+        hellaswag.download("val", args.hellaswag_dir)
+        t0 = time.perf_counter()
+        res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
+                                 data_dir=args.hellaswag_dir, progress=proc.master, proc=proc,
+                                 autocast_dtype=precision.dtype)
+        print0(hellaswag.summary(args.checkpoint or args.init_from, device, precision.name, "val",
+                                 res, time.perf_counter() - t0))
+        return 0
+    folder = core_eval.ready_on_every_rank(proc, args.eval_bundle, args.eval_dir)
+    labels = core_eval.select(args.tasks, core_eval.task_labels(folder))
+    tasks = core_eval.load_tasks(folder, labels, args.max_per_task)
     t0 = time.perf_counter()
-    res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
-                             data_dir=args.hellaswag_dir, progress=True,
-                             autocast_dtype=precision.dtype)
-    seconds = time.perf_counter() - t0
-    print(hellaswag.summary(args.checkpoint or args.init_from, device, precision.name, "val", res,
-                            seconds))
+    res = core_eval.evaluate(model, device, tasks, batch_tokens=args.batch_tokens, proc=proc,
+                             autocast_dtype=precision.dtype, progress=True)
+    if proc.master:
+        print(core_eval.report(tasks, res, time.perf_counter() - t0), flush=True)
+        if args.results:
+            core_eval.write_results(args.results, res)
+        if args.examples:
+            core_eval.write_examples(args.examples, res)
     return 0
 
 COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}

@@ -75,6 +75,87 @@ def write_hellaswag(folder, n, seed=0):
     return write_jsonl(os.path.join(folder, "hellaswag_val.jsonl"), rows)
 
 
+# The fixture eval bundle: every task type, 0 and several shots, a delimiter other than a space,
+# questions with 2 to 5 options, and 4-shot LM prompts longer than a 64-position model's context
+CORE_TASKS = [  # (label, type, shots, delimiter or None for core.yaml's default, random baseline)
+    ("mc_zero", "multiple_choice", 0, None, 25.0),
+    ("mc_shots", "multiple_choice", 3, "\nAnswer: ", 30.0),
+    ("schema_zero", "schema", 0, None, 50.0),
+    ("schema_shots", "schema", 2, None, 50.0),
+    ("lm_zero", "language_modeling", 0, None, 0.0),
+    ("lm_shots", "language_modeling", 4, " => ", 0.0),
+]
+CORE_WORDS = ("the a river mountain city school teacher student water light plant animal red blue "
+              "green small large old new runs grows shines falls learned built").split()
+
+
+def core_records(kind, n, seed, lm_answers=()):
+    """n made-up records of a task type in llm-foundry's ICL format. lm_answers: (context,
+    continuation) pairs used first for a language-modeling task."""
+    rng = random.Random(seed)
+
+    def words(lo, hi):
+        return " ".join(rng.choice(CORE_WORDS) for _ in range(rng.randint(lo, hi)))
+
+    recs = []
+    for i in range(n):
+        if kind == "multiple_choice":
+            choices = [words(1, 4) for _ in range(2 + i % 4)]
+            if i == 1:  # a choice whose tokens are the start of another's: an empty scored span
+                choices = ["blue", "blue river", "old city"]
+            recs.append({"query": words(4, 9).capitalize() + "?", "choices": choices,
+                         "gold": rng.randrange(len(choices))})
+        elif kind == "schema":
+            options = [words(3, 7).capitalize() for _ in range(2 + i % 2)]
+            recs.append({"context_options": options, "continuation": words(2, 5) + ".",
+                         "gold": rng.randrange(len(options))})
+        elif i < len(lm_answers):
+            recs.append({"context": lm_answers[i][0], "continuation": lm_answers[i][1]})
+        else:  # a context with trailing whitespace, which the rules strip
+            recs.append({"context": words(20, 40).capitalize() + " ",
+                         "continuation": words(1, 2)})
+    return recs
+
+
+def write_core_bundle(folder, n=8, seed=0, tasks=CORE_TASKS, lm_answers=(), records=None):
+    """An eval bundle in nanochat's layout under folder/eval_bundle (core.yaml, eval_meta_data.csv,
+    eval_data/<category>/<label>.jsonl): n records a task. records: {label: records} instead of
+    made-up ones. Returns the bundle folder."""
+    root = os.path.join(folder, "eval_bundle")
+    os.makedirs(root, exist_ok=True)
+    lines = ["icl_tasks:"]
+    meta = ["Eval Task,Task Category,Task Type,#shots,#datapoints,Random baseline,"
+            "Centered Metric?,Description"]
+    for k, (label, kind, shots, delimiter, baseline) in enumerate(tasks):
+        uri = f"fixture/{label}.jsonl"
+        lines += [f"- label: {label}", f"  dataset_uri: {uri}", f"  num_fewshot: [{shots}]",
+                  f"  icl_task_type: {kind}"]
+        if delimiter is not None:
+            lines.append(f"  continuation_delimiter: {json.dumps(delimiter)}")
+        recs = (records or {}).get(label)
+        if recs is None:
+            recs = core_records(kind, n, seed + k, lm_answers if shots == 0 else ())
+        write_jsonl(os.path.join(root, "eval_data", uri), recs)
+        meta.append(f'{label},fixture,{kind},{shots},{len(recs)},{baseline},,"made up, here"')
+    with open(os.path.join(root, "core.yaml"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(root, "eval_meta_data.csv"), "w") as f:
+        f.write("\n".join(meta) + "\n")
+    return root
+
+
+def zip_folder(folder, path):
+    """folder zipped into path with folder's name as the top entry, as eval_bundle.zip is."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for top, _, names in os.walk(folder):
+            for name in sorted(names):
+                full = os.path.join(top, name)
+                z.write(full, os.path.relpath(full, os.path.dirname(folder)))
+    return str(path)
+
+
 def write_corpus_jsonl(path, n_docs=200, seed=0):
     """A small .jsonl corpus of made-up English-like documents (a `text` field each)."""
     rng = random.Random(seed)
