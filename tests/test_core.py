@@ -20,9 +20,10 @@ import torch
 import yaml
 
 import core_eval
+import rundir
 import settings
-from helpers import (REPO, CORE_TASKS, assert_one_line_error, hf_gpt2, run_cli, tiny_model,
-                     torchrun, write_core_bundle, zip_folder)
+from helpers import (REPO, CORE_TASKS, assert_one_line_error, hf_gpt2, run_args, run_cli,
+                     tiny_model, torchrun, write_core_bundle, zip_folder)
 
 EOT = 50256  # <|endoftext|>
 
@@ -535,3 +536,37 @@ def test_two_ranks_give_what_one_does(ckpt, bundle_zip, tmp_path):
         with open(a) as fa, open(b) as fb:
             assert fa.read() == fb.read()
     assert r.stdout.count("CORE ") == 1  # rank 0 reports
+
+
+# ===== In training ===============================================================================
+@pytest.mark.slow
+def test_training_logs_core_and_goes_on_without_a_bundle(data, bundle_zip, tmp_path, monkeypatch):
+    """--core_every: log.txt gets core and a core/LABEL per task at the steps due and for the final
+    model, the CORE that `eval` gives its checkpoint; the summary ends with it. Offline with no
+    bundle, the run warns once and trains on without CORE."""
+    folder = core_eval.install(str(bundle_zip), str(tmp_path / "installed"))
+    monkeypatch.setenv("EVAL_BUNDLE_DIR", folder)
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--core_every", "4", "--core_max_per_task", "8"))
+    assert r.returncode == 0, r.stderr
+    series = rundir.read_log(os.path.join(log, "log.txt"))
+    labels = core_eval.task_labels(folder)
+    assert series["core"][0] == [0, 4, 8]  # due at 0 and 4, and the final model's (after step 7)
+    for label in labels:
+        assert series[f"core/{label}"][0] == [0, 4, 8]
+    results = str(tmp_path / "final.json")
+    ev = core(os.path.join(log, "model_00007.pt"), "--max_per_task", "8", "--results", results)
+    assert ev.returncode == 0, ev.stderr
+    with open(results) as f:
+        final = json.load(f)
+    assert series["core"][1][-1] == pytest.approx(final["core"], abs=5e-5)  # 4 decimals logged
+    for label in labels:
+        logged = series[f"core/{label}"][1][-1]
+        assert logged == pytest.approx(final["tasks"][label]["centered"], abs=5e-5)
+    assert f"  CORE: {series['core'][1][-1]:.4f} at step 8\n" in r.stdout
+
+    monkeypatch.setenv("EVAL_BUNDLE_DIR", str(tmp_path / "empty"))  # nothing installed, offline
+    r = run_cli(*run_args(data, str(tmp_path / "log2"), "--core_every", "4"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("warning: CORE evaluation turned off:") == 1
+    assert "core" not in rundir.read_log(str(tmp_path / "log2" / "log.txt"))

@@ -120,6 +120,9 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     for step in range(0, 300, 50):
         hella = 0.25 + 0.01 * step / 50 + rng.normal(0, 0.003)
         rundir.append_log(str(log_path), step, "hella", hella)
+    for step in range(0, 300, 100):  # CORE and its tasks' lines (core/LABEL)
+        rundir.append_log(str(log_path), step, "core", 0.02 + 0.01 * step / 100)
+        rundir.append_log(str(log_path), step, "core/copa", 0.1 + 0.02 * step / 100)
     rundir.append_log(str(log_path), 120, "skipped", 1)
     rundir.append_log(str(log_path), 210, "skipped", 2)
     # what a run that diverged at the end logs: the best val loss must be the lowest finite one,
@@ -132,6 +135,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     train_steps, train_values = series["train"]
     val_steps, val_values = series["val"]
     hella_steps, hella_values = series["hella"]
+    core_steps, core_values = series["core"]
+    assert series["core/copa"][0] == core_steps == [0, 100, 200]
     assert math.isnan(val_values[-2]) and val_values[-1] == -math.inf
     assert math.isnan(hella_values[-1])
     i, j = int(np.argmin(val_values[:-2])), int(np.argmax(hella_values[:-1]))
@@ -146,6 +151,7 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     gpt2_val = ref["gpt2_val_loss"]["loss"]["124M"]
     gpt2_hella = ref["gpt2_hellaswag"]["acc_norm"]["124M"]
     gpt3_hella = ref["gpt3_hellaswag"]["accuracy"]["125M"]
+    gpt2_core = ref["gpt2_core"]["core"]["124M"]
     png = run_dir / "plot.png"
     summary = "\n".join([
         f"summary of {log_path}",
@@ -158,6 +164,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
         f"  HellaSwag acc_norm: nan at step 300, best {hella_values[j]:.4f} at step "
         f"{hella_steps[j]} (OpenAI GPT-2 124M: {gpt2_hella:.4f}, GPT-3 125M: {gpt3_hella:.3f}); "
         f"1 non-finite left out",
+        f"  CORE: {core_values[-1]:.4f} at step 200, best {core_values[-1]:.4f} at step 200 "
+        f"(OpenAI GPT-2 124M: {gpt2_core:.4f})",
         f"  throughput: median {sum(throughput) / 2:,.0f} tok/s over 300 steps",
         "  skipped steps (fp16 overflow): 2",
         f"  plot: {png}",
@@ -169,7 +177,7 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     assert summary in terminal
     assert printed.count(summary) == 1  # the notebook's cells: the same lines, once
     for text in (terminal, printed):
-        assert "panels: loss, HellaSwag acc_norm, throughput, learning rate\n" in text
+        assert "panels: loss, HellaSwag acc_norm, CORE, throughput, learning rate\n" in text
         assert "baselines of size (auto): 124M\n" in text  # 7M parameters: 124M's baselines
         assert f"title: {title}\n" in text
         assert "missing" not in text
@@ -193,8 +201,8 @@ def test_headless_run_tolerates_missing_series(jupyter_path, tmp_path):
     terminal, printed = run_headless(jupyter_path, log_path, tmp_path / "out")
     model = f"{n_params:,} parameters (n_layer=24, n_head=16, n_embd=1024), from model_00119.pt"
     for text in (terminal, printed):
-        assert ("missing (not plotted): val loss, HellaSwag acc_norm, throughput (tok/s), "
-                "learning rate\n") in text
+        assert ("missing (not plotted): val loss, HellaSwag acc_norm, CORE, throughput "
+                "(tok/s), learning rate\n") in text
         assert "panels: loss\n" in text
         assert f"model: {model}\n" in text
         assert "baselines of size (auto): 350M\n" in text
