@@ -182,17 +182,19 @@ def bench_generation(args, t):
     return {**rows, "speedup": rows["kv_cache"] / rows["no_cache"], "new_tokens": new}
 
 
+WORDS = ("the a man woman dog ball runs jumps into water slowly then picks up throws it over "
+         "fence and").split()  # the synthetic examples' words: one token each
+
+
 def synthetic_hellaswag(n, seed=0):
     """n made-up examples in HellaSwag's record schema, with realistic lengths (context ~40,
     endings ~20 tokens)."""
     import random
 
     rng = random.Random(seed)
-    words = ("the a man woman dog ball runs jumps into water slowly then picks up throws it over "
-             "fence and").split()
 
     def sentence(lo, hi):
-        return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
     return [{"ctx": sentence(25, 55).capitalize() + ".",
              "endings": [sentence(10, 30) + "." for _ in range(4)], "label": rng.randrange(4)}
             for _ in range(n)]
@@ -235,6 +237,109 @@ def bench_hellaswag(args, t):
     return {**row, "speedup": row["batched"] / row["one_per_forward"], "examples": len(examples),
             "batch_tokens": args.hellaswag_batch_tokens,
             "same_predictions": preds["batched"] == preds["one_per_forward"]}
+
+
+# CORE's 22 tasks as docs/evaluation.md lists them (type, shots, delimiter), each with made-up
+# text of a length in words guessed for its real examples (question or context, each choice or
+# continuation) and its options' count: the real bundle is not on this machine to measure
+ANSWER = "\nAnswer: "
+CORE_SHAPES = [  # (label, type, shots, delimiter, words of the question, of each option, options)
+    ("hellaswag_zeroshot", "MC", 0, " ", 45, 20, 4), ("jeopardy", "LM", 10, ANSWER, 25, 3, 1),
+    ("bigbench_qa_wikidata", "LM", 10, " ", 10, 2, 1), ("arc_easy", "MC", 10, ANSWER, 25, 5, 4),
+    ("arc_challenge", "MC", 10, ANSWER, 30, 6, 4), ("copa", "MC", 0, " ", 10, 8, 2),
+    ("commonsense_qa", "MC", 10, " ", 15, 2, 5), ("piqa", "MC", 10, ANSWER, 10, 20, 2),
+    ("openbook_qa", "MC", 0, " ", 12, 4, 4), ("lambada_openai", "LM", 0, " ", 70, 1, 1),
+    ("hellaswag", "MC", 10, " ", 45, 20, 4), ("winograd", "schema", 0, " ", 15, 6, 2),
+    ("winogrande", "schema", 0, " ", 18, 8, 2),
+    ("bigbench_dyck_languages", "LM", 10, " ", 30, 4, 1),
+    ("agi_eval_lsat_ar", "MC", 3, " ", 200, 15, 5),
+    ("bigbench_cs_algorithms", "LM", 10, " ", 30, 2, 1),
+    ("bigbench_operators", "LM", 10, " ", 15, 2, 1),
+    ("bigbench_repeat_copy_logic", "LM", 10, " ", 20, 15, 1), ("squad", "LM", 10, " ", 120, 3, 1),
+    ("coqa", "LM", 0, " ", 250, 4, 1), ("boolq", "MC", 10, ANSWER, 100, 1, 2),
+    ("bigbench_language_identification", "MC", 10, " ", 20, 1, 11),
+]
+CORE_KINDS = {"MC": "multiple_choice", "schema": "schema", "LM": "language_modeling"}
+
+
+def synthetic_core_bundle(folder, n, seed=0):
+    """An eval bundle in nanochat's layout (core.yaml, eval_meta_data.csv, eval_data/) of
+    CORE_SHAPES' tasks, n made-up examples each."""
+    rng = np.random.default_rng(seed)
+
+    def text(k):
+        return " ".join(rng.choice(WORDS, size=k))
+
+    config, meta = ["icl_tasks:"], ["Eval Task,Random baseline"]
+    for label, kind, shots, delimiter, q, a, options in CORE_SHAPES:
+        config += [f"- label: {label}", f"  dataset_uri: synthetic/{label}.jsonl",
+                   f"  num_fewshot: [{shots}]", f"  icl_task_type: {CORE_KINDS[kind]}",
+                   f"  continuation_delimiter: {json.dumps(delimiter)}"]
+        meta.append(f"{label},{100 / options if kind != 'LM' else 0}")
+        recs = []
+        for _ in range(n):
+            if kind == "MC":
+                rec = {"query": text(q), "choices": [text(a) for _ in range(options)]}
+                rec["gold"] = int(rng.integers(options))
+            elif kind == "schema":
+                rec = {"context_options": [text(q) for _ in range(options)],
+                       "continuation": text(a), "gold": int(rng.integers(options))}
+            else:
+                rec = {"context": text(q), "continuation": text(a)}
+            recs.append(json.dumps(rec))
+        os.makedirs(os.path.join(folder, "eval_data", "synthetic"), exist_ok=True)
+        with open(os.path.join(folder, "eval_data", "synthetic", f"{label}.jsonl"), "w") as f:
+            f.write("\n".join(recs) + "\n")
+    with open(os.path.join(folder, "core.yaml"), "w") as f:
+        f.write("\n".join(config) + "\n")
+    with open(os.path.join(folder, "eval_meta_data.csv"), "w") as f:
+        f.write("\n".join(meta) + "\n")
+
+
+def core_scoring(model, device, dtype, per_task, rounds):
+    """Seconds of each way of scoring per_task examples of each synthetic CORE task (rendering
+    included; the median of rounds, the ways alternated), and whether every example's result is
+    the same both ways: the shared scorer (batch_tokens 8192: packed passes, scored positions
+    only, a question's shared prefix once) and one example per forward with every position's
+    logits (nanochat's way: batch_tokens 0)."""
+    import core_eval
+
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic_core_bundle(tmp, max(per_task, 11))  # 10 shots drawn from the others
+        tasks = core_eval.read_bundle(tmp)
+    enc = fineweb.get_encoding()
+    ways = {"one_per_forward": 0, "shared": 8192}
+    times, results = {way: [] for way in ways}, {}
+    for _ in range(rounds):
+        for way, batch_tokens in ways.items():
+            sync(common.device_type_of(device))
+            t0 = time.perf_counter()
+            results[way] = [core_eval.score_task(model, task, device, range(per_task), enc,
+                                                 batch_tokens=batch_tokens, autocast_dtype=dtype)
+                            for task in tasks]
+            sync(common.device_type_of(device))
+            times[way].append(time.perf_counter() - t0)
+    seconds = {way: statistics.median(ts) for way, ts in times.items()}
+    return {**seconds, "speedup": seconds["one_per_forward"] / seconds["shared"],
+            "examples": per_task * len(tasks), "tasks": len(tasks),
+            "same_results": results["shared"] == results["one_per_forward"]}
+
+
+def bench_core(args, t):
+    """CORE's tasks (synthetic) scored both ways, on the preset's model."""
+    torch.manual_seed(0)
+    model = tg.GPT(t.config).to(t.device).eval()
+    return core_scoring(model, t.device, common.torch_dtype(args.dtype_name), args.core_examples,
+                        args.rounds)
+
+
+def bench_core_gpt2(args, t):
+    """The same on GPT-2 124M's shape (random weights), fewer examples, one round."""
+    torch.manual_seed(0)
+    config = tg.GPTConfig(**settings.MODEL_PRESETS["gpt2"], **settings.ARCHITECTURES[args.arch])
+    model = tg.GPT(config).to(t.device).eval()
+    return core_scoring(model, t.device, common.torch_dtype(args.dtype_name),
+                        args.core_long_examples, 1)
 
 
 def bench_loader(args, t):
@@ -634,12 +739,14 @@ def bench_arch(args, t):
 
 # every row in the order measured; the long ones only by name (--only) or with --long
 ROWS = {"train": bench_training, "train_loop": bench_train_loop, "parity": bench_parity,
-        "optimizers": bench_optimizers, "hellaswag": bench_hellaswag,
+        "optimizers": bench_optimizers, "hellaswag": bench_hellaswag, "core": bench_core,
+        "core_gpt2": bench_core_gpt2,
         "generate": bench_generation, "loader": bench_loader, "save": bench_save,
         "startup": bench_startup, "fineweb": bench_fineweb, "arch": bench_arch}
 LONG_ROWS = {"parity": "train_gpt2.train() vs a build-nanogpt-style loop, alternated",
              "train_loop": "train_gpt2.main's own dt",
-             "arch": "--arch modern vs gpt2 in tokens to a val loss (CPU: hours)"}
+             "arch": "--arch modern vs gpt2 in tokens to a val loss (CPU: hours)",
+             "core_gpt2": "CORE's scorers at GPT-2 124M's size (CPU: minutes)"}
 DEFAULT_ROWS = tuple(name for name in ROWS if name not in LONG_ROWS)
 
 
@@ -696,6 +803,9 @@ FLAGS = [
      f"synthetic HellaSwag examples to score ({per_device('hellaswag_examples')})"),
     ("--hellaswag_batch_tokens", None, common.POSITIVE_INT,
      f"tokens per batched HellaSwag forward ({per_device('hellaswag_batch_tokens')})"),
+    ("--core_examples", 4, common.POSITIVE_INT,
+     "examples of each synthetic CORE task the core row scores"),
+    ("--core_long_examples", 2, common.POSITIVE_INT, "the same for the core_gpt2 row"),
     ("--startup_shards", "2,100", {"metavar": "N,N"},
      "shards in the folders the startup row opens"),
     ("--startup_shard_tokens", 10_000_000, common.POSITIVE_INT,
@@ -854,6 +964,14 @@ def table_rows(r):
         rows += [("HellaSwag ex/s, one per forward", fmt(h["one_per_forward"])),
                  (f"HellaSwag ex/s, batched ({h['batch_tokens']} tok)", fmt(h["batched"])),
                  ("HellaSwag batched speedup", fmt(h["speedup"], "x"))]
+    for name, size in (("core", "preset"), ("core_gpt2", "GPT-2 124M")):
+        if name in r:
+            c = r[name]
+            rows += [(f"CORE s, one per forward ({c['examples']} ex, {size})",
+                      fmt(c["one_per_forward"])),
+                     (f"CORE s, shared scorer ({size})", fmt(c["shared"])),
+                     (f"CORE shared-scorer speedup ({size})", fmt(c["speedup"], "x")),
+                     (f"CORE results the same both ways ({size})", str(c["same_results"]))]
     if "generate" in r:
         g = r["generate"]
         rows += [(f"generate tok/s, KV cache ({g['new_tokens']} new)", fmt(g["kv_cache"])),
