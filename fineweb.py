@@ -660,9 +660,14 @@ def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens
     if inputs is None:
         args.update(dataset=dataset, name=name, streaming=max_tokens is not None)
     else:
-        args["inputs"] = [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))}
-                          for p in _expand_inputs(inputs)]
+        args["inputs"] = _input_records(inputs)
     return args
+
+
+def _input_records(inputs):
+    """What a manifest records of its input files: each one's path, size and modification time."""
+    return [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))}
+            for p in _expand_inputs(inputs)]
 
 
 def _new_manifest(args):
@@ -872,6 +877,62 @@ def _usable_shards(data_root, status, vocab_size):
     return True
 
 
+def first_use_plan(train_tokens, val_tokens, name, inputs):
+    """(max_tokens, val shard tokens) of the prep a run that needs train_tokens and val_tokens
+    makes on first use: what it needs (at least MIN_PREP_TOKENS), or (None, None) for the whole
+    source (local files; most of a FineWeb-Edu sample), as fineweb.py's defaults split it."""
+    needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
+    if inputs is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS.get(name, float("inf")):
+        return None, None
+    return needed, min(max(val_tokens, 1), needed // 2)
+
+
+def planned_sizes(train_tokens, val_tokens, name, inputs):
+    """{"train": tokens, "val": tokens} that a first-use prep for such a run writes, or None where
+    only the prep can tell (first_use_plan takes the whole source). Input files are checked now:
+    a DataPrepError if one is missing or of a type the prep cannot read."""
+    if inputs is not None:
+        _expand_inputs(inputs)
+    max_tokens, val_shard = first_use_plan(train_tokens, val_tokens, name, inputs)
+    if max_tokens is None:
+        return None
+    return {"train": max_tokens - val_shard, "val": val_shard}
+
+
+def split_sizes(data_root):
+    """{"train": tokens, "val": tokens} of the shards in data_root, read from their .npy headers;
+    None where there is no finished prep to read (no shards of a split, an unfinished or damaged
+    prep: ensure_prepared prepares it, or says what is wrong)."""
+    try:
+        status = prep_status(data_root)
+    except DataPrepError:
+        return None
+    if status.has_manifest and not status.complete:
+        return None
+    sizes = {}
+    for split in ("train", "val"):
+        paths = list_shards(data_root, split)
+        try:
+            sizes[split] = sum(_open_checked(p, lambda f, p=p: _read_shard_header(p, f))
+                               for p in paths)
+        except ShardError:
+            return None
+        if not paths:
+            return None
+    return sizes
+
+
+def prepared_from(data_root, inputs):
+    """Whether data_root's manifest records a prep of these very input files (the same paths,
+    sizes and modification times): given again, --input changes nothing."""
+    try:
+        status = prep_status(data_root)
+        files = _input_records(inputs)
+    except (DataPrepError, OSError):
+        return False
+    return status.has_manifest and status.args.get("inputs") == files
+
+
 def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column,
                        print0):
     """prepare() the tokens a run needs (at least MIN_PREP_TOKENS) or the whole source, or finish
@@ -886,10 +947,7 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
         return None
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
-    full = inputs is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS.get(name, float("inf"))
-    max_tokens = None if full else needed
-    val_shard = None if full else min(max(val_tokens, 1), needed // 2)
+    max_tokens, val_shard = first_use_plan(train_tokens, val_tokens, name, inputs)
     what = " ".join(inputs) if inputs else f"FineWeb-Edu {name}"
     size = f" ({max_tokens:,} tokens)" if max_tokens else ""
     print0(f"no shards in {data_root}: preparing them from {what}{size}")

@@ -1,4 +1,4 @@
-"""Every input checked before work (issue 35): each flag bounded by what it can mean, an old
+"""Every input checked before work: each flag bounded by what it can mean, an old
 spelling beside its new one refused, whole flag names only; every field of a checkpoint checked
 where it is read, --resume latest falling back past a bad one; nothing built that the machine
 cannot hold (plan of gpt2-xl on a CPU, a CPU run of hours warned of first); fp16 on a CPU; the
@@ -27,7 +27,7 @@ import train_gpt2 as tg
 from helpers import (CliResult, assert_one_line_error, resume_args, run_args, run_cli, series,
                      write_corpus_jsonl)
 
-HUGE = "99999999999999999999999"  # the issue's: more than any flag can mean
+HUGE = "99999999999999999999999"  # more than any flag can mean
 
 
 def run_main(main, *args):
@@ -90,9 +90,9 @@ def assert_fell_back(r, log, bad, *named):
     assert f"resumed from {os.path.join(log, 'model_00006.pt')} at step 7" in r.stdout, r.stdout
 
 
-# ===== D1: plan answers for gpt2-xl on a CPU without building or timing it =======================
+# ===== plan answers for gpt2-xl on a CPU without building or timing it ============================
 @pytest.mark.slow
-def test_d1_plan_of_gpt2_xl_on_a_cpu_times_no_step_and_builds_no_model(data, tmp_path,
+def test_plan_of_gpt2_xl_on_a_cpu_times_no_step_and_builds_no_model(data, tmp_path,
                                                                       monkeypatch):
     built = only_fake_models(monkeypatch)
     monkeypatch.setattr(settings, "measure_micro_step", no_work)
@@ -110,7 +110,7 @@ def test_d1_plan_of_gpt2_xl_on_a_cpu_times_no_step_and_builds_no_model(data, tmp
     assert not os.path.exists(tmp_path / "log")
 
 
-# the issue's gpt2-xl takes a minute or more to count on fake tensors on 2 cores; two of gpt2's
+# gpt2-xl takes a minute or more to count on fake tensors on 2 cores; two of gpt2's
 # blocks (still over a GiB a step, still days of CPU time) a second or two
 MODELS = [pytest.param(["--preset", "gpt2", "--n_layer", "2"], id="gpt2-2-layers"),
           pytest.param(["--preset", "gpt2-xl"], id="gpt2-xl", marks=pytest.mark.slow)]
@@ -119,7 +119,7 @@ MODELS = [pytest.param(["--preset", "gpt2", "--n_layer", "2"], id="gpt2-2-layers
 @pytest.mark.parametrize("model", MODELS)
 def test_a_training_step_the_machine_cannot_hold_is_refused_before_any_work(tmp_path,
                                                                            monkeypatch, model):
-    """Requirement 3's refusal: a step estimated (on fake tensors) above the machine's memory is
+    """A step estimated (on fake tensors) above the machine's memory is
     one line before anything is built or prepared (a machine of 256 MiB: the fp32 weights,
     gradients and AdamW's state of two gpt2 blocks and its embeddings alone are over 800)."""
     built = only_fake_models(monkeypatch)
@@ -133,12 +133,12 @@ def test_a_training_step_the_machine_cannot_hold_is_refused_before_any_work(tmp_
     assert built == [] and not os.path.exists(log)
 
 
-# ===== D2: a non-tensor in a checkpoint's model ==================================================
+# ===== a non-tensor in a checkpoint's model =======================================================
 def non_tensor(ckpt):
     ckpt["model"]["transformer.wpe.weight"] = "abc"
 
 
-def test_d2_a_non_tensor_in_the_model_is_one_line_for_every_command(reference, tmp_path):
+def test_a_non_tensor_in_the_model_is_one_line_for_every_command(reference, tmp_path):
     _, bad = damaged_copy(reference, tmp_path, non_tensor)
     for command in (["sample", "--checkpoint", bad, "--device", "cpu", "--num_samples", "1",
                      "--max_new_tokens", "2"],
@@ -150,24 +150,24 @@ def test_d2_a_non_tensor_in_the_model_is_one_line_for_every_command(reference, t
     assert not (tmp_path / "hf").exists() and not (tmp_path / "other").exists()
 
 
-def test_d2_resume_latest_falls_back_past_a_non_tensor_in_the_model(reference, tmp_path):
+def test_resume_latest_falls_back_past_a_non_tensor_in_the_model(reference, tmp_path):
     log, bad = damaged_copy(reference, tmp_path, non_tensor)
     r = run_cli(*resume_args(log))
     assert_fell_back(r, log, bad, "transformer.wpe.weight")
     assert series(log)["train"][0] == list(range(8))  # step 7 trained again, after step 6's
 
 
-# ===== D3: a checkpoint's step and args ===========================================================
-D3_CASES = {
+# ===== a checkpoint's step and args ===============================================================
+BAD_FIELD_CASES = {
     "step abc": (lambda c: c.update(step="abc"), "'step'"),
     "step -7": (lambda c: c.update(step=-7), "'step'"),
     "max_lr abc": (lambda c: c["args"].update(max_lr="abc"), "max_lr"),
 }
 
 
-@pytest.mark.parametrize("case", D3_CASES)
-def test_d3_a_bad_step_or_flag_in_a_checkpoint_is_one_line(reference, tmp_path, case):
-    change, field = D3_CASES[case]
+@pytest.mark.parametrize("case", BAD_FIELD_CASES)
+def test_a_bad_step_or_flag_in_a_checkpoint_is_one_line(reference, tmp_path, case):
+    change, field = BAD_FIELD_CASES[case]
     _, bad = damaged_copy(reference, tmp_path, change)
     other = str(tmp_path / "other")
     assert_one_line_error(run_cli("--resume", bad, "--log_dir", other, "--device", "cpu"), bad,
@@ -175,9 +175,9 @@ def test_d3_a_bad_step_or_flag_in_a_checkpoint_is_one_line(reference, tmp_path, 
     assert not os.path.exists(other)
 
 
-@pytest.mark.parametrize("case", D3_CASES)
-def test_d3_resume_latest_falls_back_past_a_bad_step_or_flag(reference, tmp_path, case):
-    change, field = D3_CASES[case]
+@pytest.mark.parametrize("case", BAD_FIELD_CASES)
+def test_resume_latest_falls_back_past_a_bad_step_or_flag(reference, tmp_path, case):
+    change, field = BAD_FIELD_CASES[case]
     log, bad = damaged_copy(reference, tmp_path, change)
     r = run_cli(*resume_args(log))
     assert_fell_back(r, log, bad, field)
@@ -187,8 +187,8 @@ def test_d3_resume_latest_falls_back_past_a_bad_step_or_flag(reference, tmp_path
         ["after_step_00006"]
 
 
-# ===== D4: an old spelling beside its new one ====================================================
-def test_d4_fineweb_local_dir_with_data_root_is_one_line(tmp_path, monkeypatch):
+# ===== an old spelling beside its new one =========================================================
+def test_fineweb_local_dir_with_data_root_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "prepare", no_work)
     corpus = write_corpus_jsonl(str(tmp_path / "corpus.jsonl"), n_docs=5)
     a, b = str(tmp_path / "A"), str(tmp_path / "B")
@@ -198,7 +198,7 @@ def test_d4_fineweb_local_dir_with_data_root_is_one_line(tmp_path, monkeypatch):
     assert not os.path.exists(a) and not os.path.exists(b)
 
 
-def test_d4_eval_and_hellaswag_data_dir_with_hellaswag_dir_is_one_line(reference, tmp_path,
+def test_eval_and_hellaswag_data_dir_with_hellaswag_dir_is_one_line(reference, tmp_path,
                                                                       monkeypatch):
     monkeypatch.setattr(hellaswag, "score", no_work)
     monkeypatch.setattr(hellaswag, "download", no_work)
@@ -211,9 +211,9 @@ def test_d4_eval_and_hellaswag_data_dir_with_hellaswag_dir_is_one_line(reference
     assert_one_line_error(r, "--data_dir", "--hellaswag_dir")
 
 
-# ===== D5: integer flags bounded by what they can mean ===========================================
+# ===== integer flags bounded by what they can mean ================================================
 @pytest.mark.parametrize("flag", ["--num_samples", "--block_size", "--n_layer"])
-def test_d5_a_huge_training_flag_is_one_line_before_any_work(data, tmp_path, monkeypatch, flag):
+def test_a_huge_training_flag_is_one_line_before_any_work(data, tmp_path, monkeypatch, flag):
     monkeypatch.setattr(tg, "GPT", no_work)  # the old code built --n_layer's blocks until OOM
     monkeypatch.setattr(tg, "make_loaders", no_work)
     log = str(tmp_path / "log")
@@ -221,7 +221,7 @@ def test_d5_a_huge_training_flag_is_one_line_before_any_work(data, tmp_path, mon
     assert not os.path.exists(log)
 
 
-def test_d5_a_huge_sample_count_is_one_line(reference, monkeypatch):
+def test_a_huge_sample_count_is_one_line(reference, monkeypatch):
     monkeypatch.setattr(tg, "sample_texts", no_work)
     newest = rundir.find_checkpoints(reference)[-1]
     r = run_cli("sample", "--checkpoint", newest, "--device", "cpu", "--max_new_tokens", "2",
@@ -230,7 +230,7 @@ def test_d5_a_huge_sample_count_is_one_line(reference, monkeypatch):
 
 
 @pytest.mark.parametrize("flag, value", [("--shard_size", HUGE), ("--num_proc", "100000")])
-def test_d5_fineweb_shard_size_and_workers_are_bounded(tmp_path, monkeypatch, flag, value):
+def test_fineweb_shard_size_and_workers_are_bounded(tmp_path, monkeypatch, flag, value):
     monkeypatch.setattr(fineweb, "prepare", no_work)  # the old code started 100000 workers
     corpus = write_corpus_jsonl(str(tmp_path / "corpus.jsonl"), n_docs=5)
     out = str(tmp_path / "out")
