@@ -877,26 +877,10 @@ def _usable_shards(data_root, status, vocab_size):
     return True
 
 
-def first_use_plan(train_tokens, val_tokens, name, inputs):
-    """(max_tokens, val shard tokens) of the prep a run that needs train_tokens and val_tokens
-    makes on first use: what it needs (at least MIN_PREP_TOKENS), or (None, None) for the whole
-    source (local files; most of a FineWeb-Edu sample), as fineweb.py's defaults split it."""
-    needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
-    if inputs is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS.get(name, float("inf")):
-        return None, None
-    return needed, min(max(val_tokens, 1), needed // 2)
-
-
-def planned_sizes(train_tokens, val_tokens, name, inputs):
-    """{"train": tokens, "val": tokens} that a first-use prep for such a run writes, or None where
-    only the prep can tell (first_use_plan takes the whole source). Input files are checked now:
-    a DataPrepError if one is missing or of a type the prep cannot read."""
-    if inputs is not None:
-        _expand_inputs(inputs)
-    max_tokens, val_shard = first_use_plan(train_tokens, val_tokens, name, inputs)
-    if max_tokens is None:
-        return None
-    return {"train": max_tokens - val_shard, "val": val_shard}
+def check_inputs(inputs):
+    """A DataPrepError, before any work, if an input file is missing or of a type the prep cannot
+    read."""
+    _expand_inputs(inputs)
 
 
 def split_sizes(data_root):
@@ -947,7 +931,10 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
         return None
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    max_tokens, val_shard = first_use_plan(train_tokens, val_tokens, name, inputs)
+    needed = max(train_tokens + val_tokens, MIN_PREP_TOKENS)
+    full = inputs is not None or needed >= 0.9 * FINEWEB_SAMPLE_TOKENS.get(name, float("inf"))
+    max_tokens = None if full else needed
+    val_shard = None if full else min(max(val_tokens, 1), needed // 2)
     what = " ".join(inputs) if inputs else f"FineWeb-Edu {name}"
     size = f" ({max_tokens:,} tokens)" if max_tokens else ""
     print0(f"no shards in {data_root}: preparing them from {what}{size}")

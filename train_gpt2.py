@@ -485,34 +485,33 @@ def short_of_a_batch(what, tokens, B, T, split):
             f"{B * T + 1:,}: a smaller -B or -T,{more}")
 
 def data_needs(run):
-    """(train, val) tokens the run reads, what a first-use prep writes for it: its steps' batches;
-    its val loss's targets or one batch of -B x -T, the more of the two, and the last target."""
+    """(train, val) tokens the run reads, what a first-use prep writes for it (so that a loader
+    always fills a batch of it): its steps' batches; its val loss's targets or one batch of
+    -B x -T, the more of the two; each with the last target (+1)."""
     B, T = run.micro_batch_size, run.sequence_length
-    return run.max_steps * run.total_batch_size, max(run.val_tokens, B * T) + 1
+    return run.max_steps * run.total_batch_size + 1, max(run.val_tokens, B * T) + 1
 
 def check_data(run):
-    """Before any work: the run's data against -B, -T and --val_tokens, from the shards' headers,
-    or before a first-use prep from the sizes it will write; a UsageError where a loader could not
-    fill one batch, the notes to print where the data falls short of the run. A prep that only
-    tokenizing can size (--input files, a whole FineWeb-Edu sample) is checked by make_loaders
-    right after it, before the model is built."""
-    sizes, what = fineweb.split_sizes(run.data_root), f"the shards in {run.data_root} hold"
-    notes, planned = [], sizes is None
-    if planned:  # a prep sized for the run: nothing falls short of it
-        sizes = fineweb.planned_sizes(*data_needs(run), run.fineweb_name, run.input)
-        what = f"the prep of {run.data_root} for this run would write"
-    elif not fineweb.prep_status(run.data_root).has_manifest:
+    """Before any work: the run's shards (their headers) against -B, -T and --val_tokens: a
+    UsageError where a loader could not fill one batch; the notes to print where the data falls
+    short of the run. Before a first-use prep, its --input files are checked; the prep is sized
+    for the run (data_needs), or takes a source whole (--input files, most of a FineWeb-Edu
+    sample), whose size only tokenizing tells: make_loaders checks it right after the prep,
+    before the model is built."""
+    sizes = fineweb.split_sizes(run.data_root)
+    if sizes is None:
+        if run.input is not None:
+            fineweb.check_inputs(run.input)
+        return []
+    notes = []
+    if not fineweb.prep_status(run.data_root).has_manifest:
         notes.append(f"warning: {run.data_root} has no manifest.json: its shards were not written "
                      f"by fineweb.py (or lost their record), so they are not checked against a "
                      f"prep")
-    if sizes is None:
-        return []
     for split in ("train", "val"):
         if sizes[split] < run.micro_batch_size * run.sequence_length + 1:
-            raise UsageError(short_of_a_batch(what, sizes[split], run.micro_batch_size,
-                                              run.sequence_length, split))
-    if planned:
-        return []
+            raise UsageError(short_of_a_batch(f"the shards in {run.data_root} hold", sizes[split],
+                                              run.micro_batch_size, run.sequence_length, split))
     reads, held = run.max_steps * run.total_batch_size, sizes["train"]
     if reads > held:
         notes.append(f"note: the run reads {reads:,} train tokens and {run.data_root} holds "

@@ -129,7 +129,7 @@ def test_a_training_step_the_machine_cannot_hold_is_refused_before_any_work(tmp_
     log = str(tmp_path / "log")
     r = run_cli(*model, "-B", "1", "--device", "cpu", "--data_root", str(tmp_path / "data"),
                 "--log_dir", log)
-    assert_one_line_error(r, "-B 1", "a test's 256 MiB")
+    assert_one_line_error(r, "-B 1", "a test's 256 MiB", "--preset tiny")
     assert built == [] and not os.path.exists(log)
 
 
@@ -319,7 +319,7 @@ def test_a_refusal_after_parsing_comes_without_the_run_config(data, reference, t
     log = str(tmp_path / "log")
     shutil.copytree(reference, log)  # a log dir holding an earlier run
     r = run_cli(*run_args(data, log))
-    assert_one_line_error(r, log)
+    assert_one_line_error(r, log, "--overwrite")
     assert "run config:" not in r.stdout, r.stdout
 
 
@@ -382,3 +382,127 @@ def test_keep_last_is_this_invocations(data, tmp_path):
     assert r.returncode == 0, r.stderr
     assert [os.path.basename(p) for p in rundir.find_checkpoints(log)] == \
         ["model_00004.pt", "model_00006.pt", "model_00007.pt"]
+
+
+# ===== Refused before any work: the data, the micro-steps, the log dir ============================
+def no_model_no_data(monkeypatch):
+    """A run that builds a real model (not one on fake tensors) or reads or prepares data fails
+    the test."""
+    only_fake_models(monkeypatch)
+    monkeypatch.setattr(tg, "make_loaders", no_work)
+
+
+@pytest.mark.parametrize("B, T, split, tokens", [("200", "32", "train", "6,000"),
+                                                 ("100", "32", "val", "3,000")])
+def test_shards_too_small_for_a_batch_are_refused_before_the_run_config(data, tmp_path,
+                                                                       monkeypatch, B, T, split,
+                                                                       tokens):
+    """The tiny run's shards (6,000 train, 3,000 val tokens) cannot fill one batch of -B x -T:
+    one line naming the split, its size and both flags, before the run config is printed, any
+    model is built or the data is opened, and no log dir is made."""
+    no_model_no_data(monkeypatch)
+    log = str(tmp_path / "log")
+    total = str(int(B) * int(T))
+    r = run_cli(*run_args(data, log, "-B", B, "-T", T, "--block_size", T,
+                          "--total_batch_size", total))
+    assert_one_line_error(r, f"hold {tokens} {split} tokens", f"-B {B} x -T {T} + 1", "smaller -B")
+    assert "run config:" not in r.stdout and not os.path.exists(log)
+
+
+def test_a_step_of_too_many_micro_steps_is_refused_with_the_numbers_and_the_flag(data, tmp_path,
+                                                                                monkeypatch):
+    """--total_batch_size 10^12 in micro-steps of 2 x 32 tokens: 15,625,000,000 micro-steps a
+    step, refused with the numbers and the flag that insists; -B auto's search of the divisors of
+    a huge step is no hang either. --max_micro_steps insists."""
+    no_model_no_data(monkeypatch)
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--total_batch_size", str(10**12)))
+    line = assert_one_line_error(r, "15,625,000,000 micro-steps of -B 2 x -T 32",
+                                 f"--max_micro_steps {settings.MICRO_STEPS:,}",
+                                 "--max_micro_steps 15625000000")
+    assert "run config:" not in r.stdout and not os.path.exists(log), line
+    assert settings.divisors(720) == [d for d in range(1, 721) if 720 % d == 0]
+    n = 10**12 // 32  # 2^7 * 5^12: a search by trial division up to n would take hours
+    assert settings.divisors(n)[-3:] == [n // 4, n // 2, n]
+    monkeypatch.undo()
+    flags = run_args(data, log, "-B", "1", "--total_batch_size", "128", "--max_steps", "2")
+    assert_one_line_error(run_cli(*flags, "--max_micro_steps", "2"), "4 micro-steps",
+                          "--max_micro_steps 4")
+    run, _, _ = tg.settle([*flags, "--max_micro_steps", "4"])
+    assert run.grad_accum_steps == 4
+
+
+def test_a_tiny_run_of_hours_on_a_cpu_is_warned_of_without_the_tiny_hint(data, tmp_path, capsys):
+    run, _, _ = tg.settle(run_args(data, str(tmp_path / "log"), "--max_steps", "1000000",
+                                   "--total_batch_size", "65536", "-B", "32"))
+    out = capsys.readouterr().out
+    warned = [line for line in out.splitlines() if "takes at least" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: on this CPU"), out
+    assert "--preset" not in warned[0] and run.preset == "tiny"
+
+
+def test_plan_computes_its_time_once_and_prints_it_once(data, tmp_path, monkeypatch):
+    """Two of gpt2's blocks on a CPU, too slow to time: the matmul rate is measured once, and
+    the "at least" figure comes in the report alone, with the tiny hint; nothing is written."""
+    only_fake_models(monkeypatch)
+    rates = []
+
+    def matmul_flops(device, n=512, repeats=8):
+        rates.append(device)
+        return 1e9
+    monkeypatch.setattr(settings, "matmul_flops", matmul_flops)
+    log = str(tmp_path / "log")
+    r = run_cli("plan", "--preset", "gpt2", "--n_layer", "2", "--device", "cpu",
+                "--data_root", data, "--log_dir", log)
+    assert r.returncode == 0, r.stderr
+    figures = [line for line in r.stdout.splitlines() if "at least" in line]
+    assert len(figures) == 1 and figures[0].startswith("  time: at least "), r.stdout
+    assert figures[0].endswith(": for a run of minutes use --preset tiny"), figures
+    assert rates == ["cpu"] and not os.path.exists(log)
+
+
+# ===== Nothing left behind, the fix named =========================================================
+def test_a_run_refused_after_its_data_prep_leaves_no_log_dir(tmp_path, monkeypatch):
+    """Local text too short for one batch is refused right after its prep (only tokenizing tells
+    its size), before any model is built; the log dir the run had made goes again. An input file
+    that is not there is refused before any work."""
+    only_fake_models(monkeypatch)
+    corpus, data, log = str(tmp_path / "c.jsonl"), str(tmp_path / "data"), str(tmp_path / "log")
+    write_corpus_jsonl(corpus, n_docs=2)
+    flags = run_args(data, log, "-B", "8", "--total_batch_size", "256", drop=("--val_tokens",))
+    assert_one_line_error(run_cli(*flags, "--input", str(tmp_path / "no.txt")), "no.txt")
+    assert not os.path.exists(data) and not os.path.exists(log)
+    assert_one_line_error(run_cli(*flags, "--input", corpus), "-B 8 x -T 32 + 1", "smaller -B")
+    assert fineweb.split_sizes(data) is not None and not os.path.exists(log)
+
+
+def test_a_missing_checkpoint_names_those_its_folder_holds(reference, tmp_path):
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    missing = os.path.join(log, "model_00009.pt")
+    assert_one_line_error(run_cli("--resume", missing, "--log_dir", log, "--device", "cpu"),
+                          f"checkpoint not found: {missing} ({log} holds model_00002.pt, "
+                          f"model_00004.pt, model_00006.pt, model_00007.pt)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line_error(run_cli("sample", "--checkpoint", str(empty / "model_00001.pt")),
+                          f"{empty} holds no model_*.pt")
+
+
+def test_local_text_twice_is_warning_free_and_the_refusal_names_overwrite(tmp_path):
+    """The README's offline demo, small: a first run on local text prints no warning (the preset's
+    val tokens are more than 10% of so small a corpus holds: the val loss is over what it holds);
+    a second one into the same log dir is refused before any work, naming --overwrite; with it,
+    the same --input again is no warning either."""
+    corpus, data, log = str(tmp_path / "c.jsonl"), str(tmp_path / "data"), str(tmp_path / "log")
+    write_corpus_jsonl(corpus)
+    flags = run_args(data, log, "--input", corpus, "--max_steps", "2", "--warmup_steps", "1",
+                     "--sample_every", "0",
+                     drop=("--val_tokens", "--sample_every", "--num_samples", "--sample_tokens"))
+    first = run_cli(*flags)
+    assert first.returncode == 0, first.stderr
+    assert "warning" not in first.stdout + first.stderr, first.stdout
+    assert_one_line_error(run_cli(*flags), log, "--overwrite", "--resume latest")
+    again = run_cli(*flags, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert "warning" not in again.stdout + again.stderr, again.stdout
