@@ -480,9 +480,8 @@ class DataLoaderLite:
 
 def short_of_a_batch(what, tokens, B, T, split):
     """The refusal of a split of `tokens` tokens that cannot fill one batch of B x T (+1)."""
-    more = " or more data"
     return (f"{what} {tokens:,} {split} tokens, fewer than one batch of -B {B} x -T {T} + 1 = "
-            f"{B * T + 1:,}: a smaller -B or -T,{more}")
+            f"{B * T + 1:,}: a smaller -B or -T, or more data")
 
 def data_needs(run):
     """(train, val) tokens the run reads, what a first-use prep writes for it (so that a loader
@@ -1095,10 +1094,10 @@ def plan_main(argv):
     seconds = rate = None
     if not run.peak_flops:  # measured once: the report's every figure comes from it
         rate = settings.matmul_flops(run.device)
-    if rate and settings.worth_timing(run, peak, n_params_non_embedding, rate):
-        model = GPT(run.model).to(run.device)  # the run's own micro-step, timed here
-        seconds = settings.measure_micro_step(model, make_optimizer(model, run),
-                                              run.micro_batch_size, run)
+        if settings.worth_timing(run, peak, n_params_non_embedding, rate):
+            model = GPT(run.model).to(run.device)  # the run's own micro-step, timed here
+            seconds = settings.measure_micro_step(model, make_optimizer(model, run),
+                                                  run.micro_batch_size, run)
     print0(run.describe())
     print0(settings.plan_report(run, peak, n_params, n_params_non_embedding, seconds, first_step,
                                 rate))
