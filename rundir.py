@@ -152,7 +152,9 @@ def what_folder_holds(path, shown=4):
     found = [os.path.basename(p) for p in find_checkpoints(folder)]
     if not found:
         return f"{folder} holds no model_*.pt"
-    older = f" and {len(found) - shown} older" if len(found) > shown else ""
+    older = ""
+    if len(found) > shown:
+        older = f" and {len(found) - shown} older"
     return f"{folder} holds {', '.join(found[-shown:])}{older}"
 
 
@@ -435,8 +437,8 @@ class StopSignals:
             self.raised = True
             raise Stopped(signum)
         if self.proc.master:
-            os.write(2, f"{name}: stopping at the next micro-step, then saving the last finished "
-                        f"step (Ctrl-C again: now)\n".encode())
+            os.write(2, f"{name}: stopping at the next micro-step (or this step's end), then "
+                        f"saving the last finished step (Ctrl-C again: now)\n".encode())
 
     def allow_interrupts(self, allowed):
         """Whether a signal interrupts what runs now (not a training step's update). One that came
