@@ -609,10 +609,12 @@ class Proc:
         self.local_world_size = int(environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this host
         self.master = self.rank == 0
         self.device = device
-        self.long_wait_group = None
+        self.long_wait_group = self.cpu_group = None
 
-    def agree(self, ok, long_wait=False):
-        """ok on every rank (a barrier too); long_wait: a gloo group waits 48 h (data prep)."""
+    def agree(self, ok, long_wait=False, on_cpu=False):
+        """ok on every rank (a barrier too); long_wait: a gloo group waits 48 h (data prep);
+        on_cpu: over gloo on the CPU, which a GPU's queued work does not hold up (a vote between
+        micro-steps)."""
         if self.world_size == 1:
             return bool(ok)
         import datetime
@@ -620,10 +622,17 @@ class Proc:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor(float(ok), device="cpu" if long_wait else self.device)
+        on_cpu = on_cpu and device_type_of(self.device) != "cpu"  # a CPU run's group is gloo
+        flag = torch.tensor(float(ok), device="cpu" if long_wait or on_cpu else self.device)
         if long_wait and self.long_wait_group is None:
             hours48 = datetime.timedelta(hours=48)
             self.long_wait_group = dist.new_group(backend="gloo", timeout=hours48)
-        group = self.long_wait_group if long_wait else None
+        if on_cpu and self.cpu_group is None:  # every rank makes it at its first vote
+            self.cpu_group = dist.new_group(backend="gloo")
+        group = None
+        if long_wait:
+            group = self.long_wait_group
+        elif on_cpu:
+            group = self.cpu_group
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return flag.item() == 1.0

@@ -660,9 +660,14 @@ def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens
     if inputs is None:
         args.update(dataset=dataset, name=name, streaming=max_tokens is not None)
     else:
-        args["inputs"] = [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))}
-                          for p in _expand_inputs(inputs)]
+        args["inputs"] = _input_records(inputs)
     return args
+
+
+def _input_records(inputs):
+    """What a manifest records of its input files: each one's path, size and modification time."""
+    return [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))}
+            for p in _expand_inputs(inputs)]
 
 
 def _new_manifest(args):
@@ -870,6 +875,46 @@ def _usable_shards(data_root, status, vocab_size):
     if status.has_manifest:
         _check_against_manifest(data_root, _load_manifest(data_root), val, train, vocab_size)
     return True
+
+
+def check_inputs(inputs):
+    """A DataPrepError, before any work, if an input file is missing or of a type the prep cannot
+    read."""
+    _expand_inputs(inputs)
+
+
+def split_sizes(data_root):
+    """{"train": tokens, "val": tokens} of the shards in data_root, read from their .npy headers;
+    None where there is no finished prep to read (no shards of a split, an unfinished or damaged
+    prep: ensure_prepared prepares it, or says what is wrong)."""
+    try:
+        status = prep_status(data_root)
+    except DataPrepError:
+        return None
+    if status.has_manifest and not status.complete:
+        return None
+    sizes = {}
+    for split in ("train", "val"):
+        paths = list_shards(data_root, split)
+        try:
+            sizes[split] = sum(_open_checked(p, lambda f, p=p: _read_shard_header(p, f))
+                               for p in paths)
+        except ShardError:
+            return None
+        if not paths:
+            return None
+    return sizes
+
+
+def prepared_from(data_root, inputs):
+    """Whether data_root's manifest records a prep of these very input files (the same paths,
+    sizes and modification times): given again, --input changes nothing."""
+    try:
+        status = prep_status(data_root)
+        files = _input_records(inputs)
+    except (DataPrepError, OSError):
+        return False
+    return status.has_manifest and status.args.get("inputs") == files
 
 
 def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column,

@@ -122,7 +122,7 @@ def read_checkpoint(path, keys=("model", "config"), check_weights=True):
     anything is refused and nothing runs), in today's layout, or a UsageError saying why it cannot
     be used; check_weights=False skips the scan for NaN/inf."""
     if not os.path.exists(path):
-        raise UsageError(f"checkpoint not found: {path}")
+        raise UsageError(f"checkpoint not found: {path} ({what_folder_holds(path)})")
     if not os.path.isfile(path):
         raise UsageError(f"{path} is not a checkpoint file (a directory or a device)")
     try:
@@ -142,6 +142,20 @@ def read_checkpoint(path, keys=("model", "config"), check_weights=True):
     if check_weights and (bad := non_finite(ckpt["model"])):
         raise UsageError(f"{path} holds NaN or inf weights ({bad}): a diverged run's")
     return upgrade_checkpoint(ckpt)
+
+
+def what_folder_holds(path, shown=4):
+    """The checkpoints in the folder of a path that is not there, the newest `shown` named."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        return f"there is no folder {folder}"
+    found = [os.path.basename(p) for p in find_checkpoints(folder)]
+    if not found:
+        return f"{folder} holds no model_*.pt"
+    older = ""
+    if len(found) > shown:
+        older = f" and {len(found) - shown} older"
+    return f"{folder} holds {', '.join(found[-shown:])}{older}"
 
 
 def check_fields(ckpt, path):
@@ -222,15 +236,37 @@ def open_checkpoint(path):
 
 
 # ===== The log dir: one run at a time, an earlier run never overwritten by accident ==============
+class LogDirClaim(contextlib.ExitStack):
+    """A run's hold on its log dir: close() unlocks it; abandon(), for a run that ends before its
+    first step, also takes away a log dir the claim made (its lock, run config and empty log), so
+    that a refused or failed run leaves nothing that looks like a run behind."""
+
+    def __init__(self, log_dir):
+        super().__init__()
+        self.log_dir, self.created = log_dir, False
+
+    def abandon(self):
+        self.close()
+        if not self.created:
+            return
+        for name in ("run_config.json", "log.txt", ".lock", ".lock.holder"):
+            path = os.path.join(self.log_dir, name)
+            if os.path.isfile(path) and (name != "log.txt" or os.path.getsize(path) == 0):
+                os.remove(path)
+        with contextlib.suppress(OSError):  # anything else in it (a profile, W&B files) stays
+            os.rmdir(self.log_dir)
+
+
 def claim_log_dir(run, ckpt, proc):
     """Rank 0 locks --log_dir for the run, readies it for a new run or for resuming ckpt, and saves
-    the run config; every rank stops if it cannot. Returns an ExitStack; close() unlocks."""
+    the run config; every rank stops if it cannot. Returns a LogDirClaim; close() unlocks."""
     log_dir, resume_step = run.log_dir, None
     if ckpt is not None:
         resume_step = ckpt["step"]
-    held, error = contextlib.ExitStack(), None
+    held, error = LogDirClaim(log_dir), None
     if proc.master:
         try:
+            held.created = not os.path.exists(log_dir)
             os.makedirs(log_dir, exist_ok=True)
             held.enter_context(dir_lock(log_dir, ".lock", "is in use by a live run ({holder}): "
                                         "wait for it to end, or choose another --log_dir"))
@@ -242,7 +278,7 @@ def claim_log_dir(run, ckpt, proc):
         except UsageError as e:
             error = e
     if not proc.agree(error is None):
-        held.close()
+        held.abandon()
         raise error or UsageError("rank 0 could not claim the log dir (see its message)")
     return held
 
@@ -257,15 +293,8 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
                                                                               ".failure.rank*")):
         os.remove(tmp)  # a crash's temp files, an earlier run's failure notes
     log_file, warnings = os.path.join(log_dir, "log.txt"), []
-    if os.path.islink(log_file):  # appending or truncating would write to wherever it points
-        raise UsageError(f"{log_file} is a symbolic link (to {os.readlink(log_file)}): the run "
-                         f"writes its own log.txt; remove the link or choose another --log_dir")
+    check_log_dir(log_dir, resume_step, overwrite)
     if resume_step is None:
-        earlier = os.path.exists(log_file) and os.path.getsize(log_file) > 0
-        if (earlier or find_checkpoints(log_dir)) and not overwrite:
-            raise UsageError(f"{log_dir} holds an earlier run (log.txt or model_*.pt): pass "
-                             f"--resume latest to continue it, --overwrite to start afresh, or "
-                             f"another --log_dir")
         for path in find_checkpoints(log_dir):
             os.remove(path)
         open(log_file, "w").close()
@@ -288,6 +317,20 @@ def prepare_log_dir(log_dir, resume_step, overwrite):
     if damaged := truncate_log(log_file, resume_step):
         warnings.append(f"dropped {damaged} damaged line(s) from {log_file}")
     return warnings
+
+
+def check_log_dir(log_dir, resume_step, overwrite):
+    """What refuses a run of log_dir (resuming resume_step, or a new one: None), found without
+    changing anything: before any work, and again once the run holds the lock."""
+    log_file = os.path.join(log_dir, "log.txt")
+    if os.path.islink(log_file):  # appending or truncating would write to wherever it points
+        raise UsageError(f"{log_file} is a symbolic link (to {os.readlink(log_file)}): the run "
+                         f"writes its own log.txt; remove the link or choose another --log_dir")
+    earlier = os.path.exists(log_file) and os.path.getsize(log_file) > 0
+    if resume_step is None and (earlier or find_checkpoints(log_dir)) and not overwrite:
+        raise UsageError(f"{log_dir} holds an earlier run (log.txt or model_*.pt): pass "
+                         f"--resume latest to continue it, --overwrite to start afresh, or "
+                         f"another --log_dir")
 
 
 def save_run_config(log_dir, run_config):
@@ -363,20 +406,24 @@ def truncate_log(path, last_step):
 
 # ===== How a run ends: stop signals, and the line that says what stopped it =====================
 class Stopped(KeyboardInterrupt):
-    """A stop signal that arrived outside a training step: evaluation, samples, data prep."""
+    """A stop signal: raised at once outside a training step's micro-steps (evaluation, samples,
+    data prep), or between two micro-steps on every rank together (agreed: the ranks can still
+    save together)."""
 
-    def __init__(self, signum):
+    def __init__(self, signum, agreed=False):
         super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        self.signum, self.agreed = signum, agreed
 
 
 class StopSignals:
-    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before a time limit): during a training step
-    the run finishes the step, saves a checkpoint and exits with 128 + the signal; anywhere else
-    (evaluation, samples, data prep) the signal raises Stopped at once, so that a preempted run
-    saves its last finished step inside the scheduler's kill window. A second Ctrl-C leaves at
-    once. Under torchrun a worker also gets SIGTERM when its launcher dies (Linux), so it never
-    trains on as an orphan. Installed when made; restore() puts the previous handlers back."""
+    """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before a time limit): during a training
+    step's gradient accumulation the run drops the step at the next micro-step (poll; nothing of
+    it applied yet), after its last micro-step it finishes the step; either way it saves the last
+    finished step and exits with 128 + the signal. Anywhere else (evaluation, samples, data prep)
+    the signal raises Stopped at once. So a preempted run saves inside the scheduler's kill window,
+    however long a step is. A second Ctrl-C leaves at once. Under torchrun a worker also gets
+    SIGTERM when its launcher dies (Linux), so it never trains on as an orphan. Installed when
+    made; restore() puts the previous handlers back."""
 
     def __init__(self, proc):
         self.signum, self.previous, self.interruptible, self.raised = None, {}, True, False
@@ -400,8 +447,8 @@ class StopSignals:
             self.raised = True
             raise Stopped(signum)
         if self.proc.master:
-            os.write(2, f"{name}: finishing this step, then saving a checkpoint (Ctrl-C again: "
-                        f"now)\n".encode())
+            os.write(2, f"{name}: stopping at the next micro-step (or this step's end), then "
+                        f"saving the last finished step (Ctrl-C again: now)\n".encode())
 
     def allow_interrupts(self, allowed):
         """Whether a signal interrupts what runs now (not a training step's update). One that came
@@ -412,6 +459,20 @@ class StopSignals:
         if allowed and alone and self.signum is not None and not self.raised:
             self.raised = True
             raise Stopped(self.signum)
+
+    def poll(self):
+        """Between two micro-steps, a point every rank reaches at the same micro-step: a stop signal
+        that came to any rank raises Stopped(agreed) on every rank, so the step is dropped before
+        its update and the ranks save the step before together. One process reads its flag;
+        several vote over the CPU (a GPU's queued work is not waited for) and none is inside
+        DDP's gradient all-reduce, which runs on a step's last micro-step alone."""
+        if self.proc.world_size == 1:
+            stop = self.signum is not None
+        else:
+            stop = not self.proc.agree(self.signum is None, on_cpu=True)
+        if stop:
+            self.raised = True
+            raise Stopped(self.signum or signal.SIGTERM, agreed=True)  # another rank's: the same
 
     def restore(self):
         for s, handler in self.previous.items():
@@ -437,7 +498,7 @@ def report_failure(e, step, log_dir, last_saved, proc):
         line = f"step {step} failed ({e}){saved}"
     elif isinstance(e, OSError):
         line = f"step {step} failed ({type(e).__name__}: {one_line(e)}){saved}"
-    if proc.world_size > 1:
+    if proc.world_size > 1 and not (isinstance(e, Stopped) and e.agreed):
         other = peer_failure(log_dir, line or f"{type(e).__name__}: {one_line(e)}",
                              wait=2.0 if line is None else 0.0, rank=proc.rank)
         if other is not None and line is None:  # our collective broke when that rank left

@@ -31,6 +31,9 @@ FRACTION = bounded(float, 0, 1, high_open=True, what="in [0, 1)")
 # the most that a flag can mean: beyond these a model cannot be built or a run never ends
 LAYERS, WIDTH, CONTEXT, SEQUENCES = 1024, 65_536, 1_048_576, 65_536
 STEPS, TOKENS, SAMPLES = 1_000_000_000, 2**50, 1024
+# the most micro-steps a step takes before the run is refused as a likely typo: GPT-2's batch
+# (2^19 tokens) in micro-steps of one sequence of 32 tokens; --max_micro_steps insists
+MICRO_STEPS = 16_384
 SHARED = [  # the flags that the sample and eval commands take too
     ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
     ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
@@ -79,6 +82,8 @@ RUN_SETTINGS = {
         ("-B --micro_batch_size", 64, auto_or(count(1, SEQUENCES)),
          "sequences a forward pass, per process; auto: most that fit"),
         ("-T --sequence_length", 1024, count(1, CONTEXT), "tokens per sequence"),
+        ("--max_micro_steps", MICRO_STEPS, count(1, STEPS),
+         "refuse a step of more micro-steps (forward and backward passes) than this"),
     ],
     "evaluation, sampling, checkpoints (every 0: off)": [
         ("--eval_every", 250, count(0, STEPS), "val loss every N steps and at the end"),
@@ -503,7 +508,14 @@ def accumulation_steps(args, world_size, block_size):
         raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by "
                          f"B*T*world_size = {B}*{T}*{world_size} = {unit}: make it a multiple, "
                          f"or change -B")
-    return args.total_batch_size // unit
+    steps = args.total_batch_size // unit
+    if steps > args.max_micro_steps:
+        raise UsageError(f"a step of --total_batch_size {args.total_batch_size:,} tokens is "
+                         f"{steps:,} micro-steps of -B {B} x -T {T} x {world_size} process(es), "
+                         f"more than --max_micro_steps {args.max_micro_steps:,}: a smaller "
+                         f"--total_batch_size or a larger -B (to run it as it is: "
+                         f"--max_micro_steps {steps})")
+    return steps
 
 
 def end_step(args):
@@ -544,7 +556,8 @@ def check_flags(args, given, ckpt=None, asked_shape=None, lrs=None):
     if args.init_from and "preset" in given:
         warnings.append(f"--init_from {args.init_from}: --preset {args.preset} gives only run "
                         f"settings, not the shape")
-    if "input" in given and glob.glob(os.path.join(args.data_root, "*.npy")):
+    if ("input" in given and glob.glob(os.path.join(args.data_root, "*.npy"))
+            and not fineweb.prepared_from(args.data_root, args.input)):
         warnings.append(f"--input has no effect: {args.data_root} already holds shards (use "
                         f"another --data_root to prepare one from it)")
 
@@ -719,16 +732,19 @@ def step_memory(models, optimizers, mode, run):
 
 
 def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending (in sqrt(n) steps: n may be a huge step's sequences)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def micro_batch_candidates(args, world_size):
-    """The micro-batches that divide the step's sequences per process, ascending."""
+    """The micro-batches that divide the step's sequences per process, ascending, up to the most
+    that -B can be."""
     T, total = args.sequence_length, args.total_batch_size
     if total % (T * world_size):
         raise UsageError(f"--total_batch_size {total} is not a multiple of T*world_size = "
                          f"{T}*{world_size}: a step must be whole sequences on every process")
-    return divisors(total // (T * world_size))
+    return [B for B in divisors(total // (T * world_size)) if B <= SEQUENCES]
 
 
 def largest_fitting(peak, candidates, budget, of_what):
@@ -845,11 +861,28 @@ def plan_time(run, micro_step, first_step=0):
     return train + val * micro_step / 3
 
 
-def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first_step=0):
+def least_seconds(run, n_params_non_embedding, rate, first_step=0):
+    """Seconds the run's steps from first_step on take at least, at `rate` FLOP/s (a plain
+    matmul's, matmul_flops: a training step reaches less)."""
+    flops = flops_per_token(run.model, n_params_non_embedding, run.sequence_length)
+    return (run.end_step - first_step) * run.total_batch_size * flops / rate
+
+
+def tiny_hint(run, seconds):
+    """What a CPU user wants told of a run of more than an hour: --preset tiny, unless it is
+    already that."""
+    if run.device_type != "cpu" or run.preset == "tiny" or seconds <= 3600:
+        return ""
+    return ": for a run of minutes use --preset tiny"
+
+
+def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first_step=0,
+                rate=None):
     """The plan command's report of a settled run (under torchrun: per process): its size, batch,
     memory, compute and time, worked out before anything is written. peak: step_memory's;
     seconds: measure_micro_step's (fastest, median, slowest) of the run's micro-step, where timed;
-    first_step: a resumed run's next step."""
+    first_step: a resumed run's next step; rate: matmul_flops' on the run's device, where
+    measured."""
     T, total, B = run.sequence_length, run.total_batch_size, run.micro_batch_size
     budget, of_what = memory_budget(run.device, run.local_world_size)
     step_flops = flops_per_token(run.model, n_params_non_embedding, T) * total
@@ -860,13 +893,15 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first
                      f"to 30% MFU of {run.peak_flops / 1e12:.0f} TFLOP/s)")
     elif seconds is not None:  # the run's own micro-step, timed here
         fastest, median, slowest = seconds
-        time_line = (f"about {format_eta(plan_time(run, median, first_step))} (steps and val "
-                     f"passes, from micro-steps of -B {B} x -T {T} timed on {run.device}: "
-                     f"{fastest:.2f} to {slowest:.2f} s, median {median:.2f})")
+        total_time = plan_time(run, median, first_step)
+        time_line = (f"about {format_eta(total_time)} (steps and val passes, from micro-steps of "
+                     f"-B {B} x -T {T} timed on {run.device}: {fastest:.2f} to {slowest:.2f} s, "
+                     f"median {median:.2f}){tiny_hint(run, total_time)}")
     else:  # too large to time here: the matmul rate bounds it
-        rate = matmul_flops(run.device)
-        time_line = (f"at least {format_eta(steps * step_flops / rate)} (the steps' FLOPs at the "
-                     f"{rate / 1e9:,.0f} GFLOP/s of a matmul measured on {run.device})")
+        rate = rate or matmul_flops(run.device)
+        least = least_seconds(run, n_params_non_embedding, rate, first_step)
+        time_line = (f"at least {format_eta(least)} (the steps' FLOPs at the {rate / 1e9:,.0f} "
+                     f"GFLOP/s of a matmul measured on {run.device}){tiny_hint(run, least)}")
     fits = ""
     if peak(B) > budget:
         fits = ": it does not fit, -B auto picks one that does"
@@ -885,36 +920,36 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first
 def check_machine(run, peak, n_params_non_embedding, first_step=0, planning=False):
     """Before any work: a UsageError if a step of the run cannot fit this device's memory at all
     (peak: step_memory's; planning: plan reports it instead); warnings for what works but is not
-    what a user wants: a run a CPU takes hours for (at best: a plain matmul's rate), fp16 on a
-    CPU."""
+    what a user wants: a run a CPU takes hours for (at best: a plain matmul's rate; planning:
+    plan's report gives the time), fp16 on a CPU."""
     memory = device_memory(run.device, run.local_world_size)
     need = peak(run.micro_batch_size)
     if memory is not None and need > memory[0] and not planning:
+        tiny = ""
+        if run.device_type == "cpu" and run.preset != "tiny":
+            tiny = " (on a CPU, --preset tiny is a run of minutes)"
         raise UsageError(f"a training step of -B {run.micro_batch_size} x -T "
                          f"{run.sequence_length} needs about {gib(need)} (estimated), more than "
-                         f"{memory[1]}: -B auto, or a smaller -B, -T or model")
+                         f"{memory[1]}: -B auto, or a smaller -B, -T or model{tiny}")
     warnings = []
     if run.device_type == "cpu" and run.precision.name == "fp16":
         warnings.append("--dtype fp16 on a CPU is emulated, many times slower than fp32 (CPUs "
                         "have no fp16 matmul units): use --dtype fp32 (or bf16)")
-    if run.device_type == "cpu" and run.preset != "tiny":
-        steps = run.end_step - first_step
-        flops = flops_per_token(run.model, n_params_non_embedding, run.sequence_length)
-        seconds = steps * run.total_batch_size * flops / matmul_flops(run.device)
+    if run.device_type == "cpu" and not planning:
+        seconds = least_seconds(run, n_params_non_embedding, matmul_flops(run.device), first_step)
         if seconds > 3600:
             warnings.append(f"on this CPU the run takes at least {format_eta(seconds)} (its "
-                            f"FLOPs at a plain matmul's rate): for a run of minutes use "
-                            f"--preset tiny")
+                            f"FLOPs at a plain matmul's rate){tiny_hint(run, seconds)}")
     return warnings
 
 
-def worth_timing(run, peak, n_params_non_embedding, limit=10.0):
+def worth_timing(run, peak, n_params_non_embedding, rate, limit=10.0):
     """Whether plan times real micro-steps of the run's shape here: the step fits this machine's
-    memory, and at the matmul rate a micro-step takes under `limit` seconds (a full-size model on
-    a CPU would take minutes a step, and the machine's memory)."""
+    memory, and at the matmul rate (matmul_flops') a micro-step takes under `limit` seconds (a
+    full-size model on a CPU would take minutes a step, and the machine's memory)."""
     budget, _ = memory_budget(run.device, run.local_world_size)
     if peak(run.micro_batch_size) > budget:
         return False
     unit = run.micro_batch_size * run.sequence_length
     flops = flops_per_token(run.model, n_params_non_embedding, run.sequence_length) * unit
-    return flops / matmul_flops(run.device) < limit
+    return flops / rate < limit

@@ -476,8 +476,8 @@ class DataLoaderLite:
         self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
         self.epoch_tokens = int(self.lengths.sum())
         if self.epoch_tokens < B * T + 1:
-            raise UsageError(f"the {split} shards in {data_root} hold {self.epoch_tokens} tokens, "
-                             f"fewer than one batch of B*T+1 = {B * T + 1}")
+            raise UsageError(short_of_a_batch(f"the {split} shards in {data_root} hold",
+                                              self.epoch_tokens, B, T, split))
         self.order_key = None  # (seed, epoch) of self.order, self.starts
         self.reset()
 
@@ -529,29 +529,68 @@ class DataLoaderLite:
         self.position += B * T * self.num_processes
         return x, y
 
+def short_of_a_batch(what, tokens, B, T, split):
+    """The refusal of a split of `tokens` tokens that cannot fill one batch of B x T (+1)."""
+    return (f"{what} {tokens:,} {split} tokens, fewer than one batch of -B {B} x -T {T} + 1 = "
+            f"{B * T + 1:,}: a smaller -B or -T, or more data")
+
+def data_needs(run):
+    """(train, val) tokens the run reads, what a first-use prep writes for it (so that a loader
+    always fills a batch of it): its steps' batches; its val loss's targets or one batch of
+    -B x -T, the more of the two; each with the last target (+1)."""
+    B, T = run.micro_batch_size, run.sequence_length
+    return run.max_steps * run.total_batch_size + 1, max(run.val_tokens, B * T) + 1
+
+def check_data(run):
+    """Before any work: the run's shards (their headers) against -B, -T and --val_tokens: a
+    UsageError where a loader could not fill one batch; the notes to print where the data falls
+    short of the run. Before a first-use prep, its --input files are checked; the prep is sized
+    for the run (data_needs), or takes a source whole (--input files, most of a FineWeb-Edu
+    sample), whose size only tokenizing tells: make_loaders checks it right after the prep,
+    before the model is built."""
+    sizes = fineweb.split_sizes(run.data_root)
+    if sizes is None:
+        if run.input is not None:
+            fineweb.check_inputs(run.input)
+        return []
+    notes = []
+    if not fineweb.prep_status(run.data_root).has_manifest:
+        notes.append(f"warning: {run.data_root} has no manifest.json: its shards were not written "
+                     f"by fineweb.py (or lost their record), so they are not checked against a "
+                     f"prep")
+    for split in ("train", "val"):
+        if sizes[split] < run.micro_batch_size * run.sequence_length + 1:
+            raise UsageError(short_of_a_batch(f"the shards in {run.data_root} hold", sizes[split],
+                                              run.micro_batch_size, run.sequence_length, split))
+    reads, held = run.max_steps * run.total_batch_size, sizes["train"]
+    if reads > held:
+        notes.append(f"note: the run reads {reads:,} train tokens and {run.data_root} holds "
+                     f"{held:,}: it passes over them {reads / held:.1f} times")
+    # the val loss is over at most what the val split holds; asked for more than the preset's
+    # default (or --val_steps), the run says so
+    targets = sizes["val"] - 1
+    default = settings.preset_defaults(run.preset, run.arch)["val_tokens"]
+    if run.eval_every > 0 and run.val_tokens > targets + 1 and run.val_tokens != default:
+        notes.append(f"warning: the val loss is asked over {run.val_tokens:,} tokens but the val "
+                     f"shards hold {targets:,} targets: it is taken over those")
+    return notes
+
 def make_loaders(run, proc):
     """The run's train and val DataLoaderLites, their shards prepared on first use (rank 0
-    prepares, the others wait), with a word where the data falls short of the run."""
-    status = fineweb.ensure_prepared(
-        run.data_root, train_tokens=run.max_steps * run.total_batch_size,
-        val_tokens=run.val_tokens, name=run.fineweb_name, inputs=run.input,
-        text_column=run.text_column, proc=proc, vocab_size=run.model.real_vocab_size)
-    train_loader, val_loader = (
-        DataLoaderLite(run.micro_batch_size, run.sequence_length, proc.rank, proc.world_size,
-                       split, run.data_root, run.seed, run.model.real_vocab_size)
-        for split in ("train", "val"))
-    if not status.has_manifest:
-        print0(f"warning: {run.data_root} has no manifest.json: its shards were not written by "
-               f"fineweb.py (or lost their record), so they are not checked against a prep")
-    reads, held = run.max_steps * run.total_batch_size, train_loader.epoch_tokens
-    if reads > held:
-        print0(f"note: the run reads {reads:,} train tokens and {run.data_root} holds "
-               f"{held:,}: it passes over them {reads / held:.1f} times")
-    targets = val_loader.epoch_tokens - 1
-    if run.eval_every > 0 and run.val_tokens > targets + 1:  # ==: a prep's own val size
-        print0(f"warning: the val loss is asked over {run.val_tokens:,} tokens but the val shards "
-               f"hold {targets:,} targets: it is taken over those")
-    return train_loader, val_loader
+    prepares, the others wait); a prep's shards checked (check_data) as settle() checked shards
+    that were there."""
+    first_use = fineweb.split_sizes(run.data_root) is None
+    train_tokens, val_tokens = data_needs(run)
+    fineweb.ensure_prepared(
+        run.data_root, train_tokens=train_tokens, val_tokens=val_tokens, name=run.fineweb_name,
+        inputs=run.input, text_column=run.text_column, proc=proc,
+        vocab_size=run.model.real_vocab_size)
+    if first_use:
+        for note in check_data(run):
+            print0(note)
+    return tuple(DataLoaderLite(run.micro_batch_size, run.sequence_length, proc.rank,
+                                proc.world_size, split, run.data_root, run.seed,
+                                run.model.real_vocab_size) for split in ("train", "val"))
 
 # ===== Optimizers (AdamW, or Muon + AdamW) and schedules (the LR, the batch ramp) =====
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
@@ -778,14 +817,18 @@ class TrainState:
 class Checkpointer:
     """A run's checkpoints, built once from the parts an exact resume needs (the raw model, the
     optimizer, the loss scaler, the train loader, the TrainState): it restores them from a
-    checkpoint, saves model_{step}.pt every --save_every steps, at this invocation's last step and
-    when a stop signal says so, and after a failure keeps the last finished step."""
+    checkpoint, notes where each finished step leaves the run, saves model_{step}.pt every
+    --save_every steps, at this invocation's last step and when a stop signal says so, and after a
+    failure or a dropped step keeps the last finished step."""
 
     def __init__(self, run, proc, raw_model, optimizer, scaler, train_loader):
         self.run, self.proc, self.raw_model = run, proc, raw_model
         self.optimizer, self.scaler, self.train_loader = optimizer, scaler, train_loader
         self.state = TrainState(args=settings.flags_of(run))  # a new run's
         self.last_saved = -1  # the step of the newest checkpoint this run has, -1: none
+        # the loader's position and the random generators as the last finished step left them: a
+        # step that is dropped or fails has moved them on, its checkpoint must not
+        self.after_step = self.position()
 
     def restore(self, ckpt):
         """Load ckpt (or nothing, for None) into the parts (FSDP: each rank its shard); returns
@@ -809,8 +852,18 @@ class Checkpointer:
         self.state.step, self.state.tokens_seen = ckpt["step"], ckpt["tokens_seen"]
         self.state.val_loss = ckpt["val_loss"]
         self.last_saved = self.state.step
+        self.after_step = self.position()
         print0(f"resumed from {self.run.resume} at step {self.state.step + 1}")
         return self.state
+
+    def position(self):
+        """Where the train loader and the random generators stand now."""
+        return {"loader": self.train_loader.state_dict(), "rng": rundir.rng_state()}
+
+    def finished(self, step, batch_size):
+        """Step `step` (batch_size tokens) is applied: where the run stands after it."""
+        self.state.step, self.state.tokens_seen = step, self.state.tokens_seen + batch_size
+        self.after_step = self.position()
 
     def save(self, step, stopping=False):
         """model_{step}.pt if one is due: every --save_every steps, at this invocation's last
@@ -820,11 +873,16 @@ class Checkpointer:
             self.write(step)
             print0(f"saved {self.path(step)}")
 
-    def keep_last_step(self):
-        """After a failure: the last finished step saved if it is not yet, without a collective
-        (the failure may be this rank's alone). FSDP must gather its shards to save: there the
-        newest checkpoint stays the last."""
-        if self.state.step > self.last_saved and not (self.run.fsdp and self.proc.world_size > 1):
+    def keep_last_step(self, together=False):
+        """After a failure or a dropped step: the last finished step saved if it is not yet.
+        together: every rank is here (a stop they agreed on between micro-steps), so they save
+        as at any step; else without a collective (the failure may be this rank's alone), and
+        FSDP, which must gather its shards to save, keeps its newest checkpoint."""
+        if self.state.step <= self.last_saved:
+            return
+        if together:
+            self.write(self.state.step)
+        elif not (self.run.fsdp and self.proc.world_size > 1):
             self.write(self.state.step, collective=False)
 
     def path(self, step):
@@ -849,8 +907,9 @@ class Checkpointer:
             "step": step,
             "tokens_seen": state.tokens_seen,
             "val_loss": state.val_loss,
-            "loader": self.train_loader.state_dict(),  # where the next batch starts
-            "rng": rundir.rng_state(),  # python, numpy, torch (and CUDA) generators
+            # where the next step's batches start; python, numpy, torch (and CUDA) generators
+            "loader": self.after_step["loader"],
+            "rng": self.after_step["rng"],
             "args": state.args,
             "provenance": self.run.provenance,  # the code and machine
         }
@@ -898,10 +957,10 @@ def train(run, proc, ckpt=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
     # one run per log dir (a lock, released however the run ends); stop signals caught
     claim = rundir.claim_log_dir(run, ckpt, proc)
-    print0(run.describe())
-    stop = rundir.StopSignals(proc)  # SIGTERM, SIGINT, SIGUSR1: finish the step, save, exit
+    stop = rundir.StopSignals(proc)  # SIGTERM, SIGINT, SIGUSR1: save the last step, exit
     step, stopped_by = None, None
     try:
+        print0(run.describe())
         # ---- the data, prepared on first use (by rank 0; the others wait)
         train_loader, val_loader = make_loaders(run, proc)
 
@@ -972,13 +1031,15 @@ def train(run, proc, ckpt=None):
                 break
 
             # one optimizer step: gradients accumulated over the micro-steps, clipped, applied
-            stop.allow_interrupts(False)  # from here on: after this step, saved
+            stop.allow_interrupts(False)  # from here on: at the next micro-step (poll)
             t0 = time.time()
             batch_size = run.schedule.batch_size(state.tokens_seen)  # tokens, all ranks
             micro_steps = batch_size // run.schedule.unit  # grad_accum_steps, fewer in a ramp
             optimizer.zero_grad(set_to_none=True)
             loss_accum = torch.zeros((), device=run.device)
             for micro_step in range(micro_steps):
+                if micro_step > 0:  # a stop signal on any rank: this step dropped, not applied
+                    stop.poll()  # (after the last micro-step, check_step's vote finishes it)
                 x, y = train_loader.next_batch()
                 x, y = x.to(run.device), y.to(run.device)
                 if ddp:  # all-reduce the gradients once, on the last micro-step
@@ -1000,7 +1061,7 @@ def train(run, proc, ckpt=None):
             if run.device_type == "cuda":
                 torch.cuda.synchronize()  # dt: the GPU's work, not just the launches
             dt = time.time() - t0
-            state.step, state.tokens_seen = step, state.tokens_seen + batch_size
+            checkpointer.finished(step, batch_size)
             meter.report_step(step, loss, lr, norm, dt, batch_size, skipped=skipped)
             if profiler.step():
                 break  # --profile exit
@@ -1019,9 +1080,11 @@ def train(run, proc, ckpt=None):
             raw_model.reshard()  # FSDP keeps the root's parameters gathered after an eval
         proc.agree(True)  # all ranks done with collectives before the process group goes
     except (Exception, rundir.Stopped) as e:
-        if step is None:  # before the first step: nothing trained to keep
+        if step is None:  # before the first step: nothing trained to keep, nor left behind
+            claim.abandon()
             raise
-        checkpointer.keep_last_step()  # without a collective: the failure may be this rank's
+        # with the other ranks after a stop they all agreed on; else without a collective
+        checkpointer.keep_last_step(together=isinstance(e, rundir.Stopped) and e.agreed)
         return rundir.report_failure(e, step, run.log_dir, checkpointer.last_saved, proc)
     finally:
         stop.restore()
@@ -1067,6 +1130,10 @@ def settle(argv, planning=False):
     for warning in settings.check_machine(run, peak, n_params_non_embedding, first_step,
                                           planning):
         print0(f"warning: {warning}")
+    if not planning:  # what the data and the log dir would refuse, found now
+        for note in check_data(run):
+            print0(note)
+        rundir.check_log_dir(run.log_dir, None if ckpt is None else ckpt["step"], run.overwrite)
     return replace(run, schedule=Schedule.of(run)), proc, ckpt
 
 def estimate_step(run):
@@ -1103,13 +1170,16 @@ def plan_main(argv):
     run, proc, ckpt = settle(argv, planning=True)
     first_step = 0 if ckpt is None else ckpt["step"] + 1
     peak, n_params, n_params_non_embedding = estimate_step(run)
-    seconds = None
-    if not run.peak_flops and settings.worth_timing(run, peak, n_params_non_embedding):
-        model = GPT(run.model).to(run.device)  # the run's own micro-step, timed here
-        seconds = settings.measure_micro_step(model, make_optimizer(model, run),
-                                              run.micro_batch_size, run)
+    seconds = rate = None
+    if not run.peak_flops:  # measured once: the report's every figure comes from it
+        rate = settings.matmul_flops(run.device)
+        if settings.worth_timing(run, peak, n_params_non_embedding, rate):
+            model = GPT(run.model).to(run.device)  # the run's own micro-step, timed here
+            seconds = settings.measure_micro_step(model, make_optimizer(model, run),
+                                                  run.micro_batch_size, run)
     print0(run.describe())
-    print0(settings.plan_report(run, peak, n_params, n_params_non_embedding, seconds, first_step))
+    print0(settings.plan_report(run, peak, n_params, n_params_non_embedding, seconds, first_step,
+                                rate))
     return 0
 
 def model_for_command(args):

@@ -293,12 +293,16 @@ def assert_same_log(a, b, tol):
             assert la[kind][1] == pytest.approx(lb[kind][1], abs=tol), kind
 
 
-def torchrun(*args, nproc=2, script=os.path.join(REPO, "train_gpt2.py"), env=None, wait=True):
+def torchrun(*args, nproc=2, script=os.path.join(REPO, "train_gpt2.py"), env=None, wait=True,
+             files=None):
     """`torchrun --standalone --nproc_per_node=nproc script args`, env added to this process's:
-    its CompletedProcess, or (wait=False) the Popen, stdout and stderr piped as text."""
+    its CompletedProcess, or (wait=False) the Popen, stdout and stderr piped as text, or written
+    to files=(tmp_path, name) as start_hooked's are (output() reads them while it runs)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", script, *args]
+    if files is not None:
+        return popen_to_files(cmd, env, *files)
     if not wait:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -357,10 +361,14 @@ def start_hooked(tmp_path, name, args, **hook):
     and stderr in tmp_path/name.out and .err."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            **{f"HOOK_{k.upper()}": str(v) for k, v in hook.items()}}
+    return popen_to_files([sys.executable, HOOKS, *args], env, tmp_path, name)
+
+
+def popen_to_files(cmd, env, tmp_path, name):
+    """Popen of cmd, its stdout and stderr in tmp_path/name.out and .err (see output())."""
     out = open(tmp_path / f"{name}.out", "w+")
     err = open(tmp_path / f"{name}.err", "w+")
-    proc = subprocess.Popen([sys.executable, HOOKS, *args], stdout=out, stderr=err, env=env,
-                            cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=REPO)
     proc.out, proc.err = out, err
     return proc
 

@@ -122,16 +122,20 @@ def hook_samples():
     tg.sample_texts = sample_texts
 
 
-def hook_batch(real, arg):
-    """fail_batch, arg "RANK CALL": that rank's CALL-th train batch is an OSError."""
-    fail_rank, fail_call = (int(v) for v in arg.split())
+def hook_batch(real, mode, arg):
+    """fail_batch / hold_batch, arg "RANK CALL": that rank's CALL-th train batch (1 is the first)
+    is an OSError, or is read once HOOK_RELEASE exists (a hold mid-step, between micro-steps)."""
+    at_rank, at_call = (int(v) for v in arg.split())
     calls = [0]
 
     def next_batch(self):
-        if self.split == "train" and common.rank() == fail_rank:
+        if self.split == "train" and common.rank() == at_rank:
             calls[0] += 1
-            if calls[0] == fail_call:
+            if calls[0] == at_call and mode == "fail_batch":
                 raise OSError(5, "Input/output error (a test's)", self.shards[0])
+            if calls[0] == at_call:
+                mark()
+                wait_for(os.environ["HOOK_RELEASE"])
         return real(self)
     tg.DataLoaderLite.next_batch = next_batch
 
@@ -142,7 +146,8 @@ HOOKS = {
     "pause_mid_save": lambda real, arg: hook_mid_save(real["atomic_write"], arg),
     "hold_lock": lambda real, arg: hook_lock(real["save_run_config"], arg),
     "slow_samples": lambda real, arg: hook_samples(),
-    "fail_batch": lambda real, arg: hook_batch(real["next_batch"], arg),
+    "fail_batch": lambda real, arg: hook_batch(real["next_batch"], "fail_batch", arg),
+    "hold_batch": lambda real, arg: hook_batch(real["next_batch"], "hold_batch", arg),
 }
 
 

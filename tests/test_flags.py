@@ -148,6 +148,7 @@ def test_missing_data_offline_is_one_line_naming_input(tmp_path):
     # tries to prepare FineWeb-Edu there, offline: says --input reads local files instead
     r = run_cli(*run_args(str(tmp_path / "no" / "data"), str(tmp_path / "log")))
     assert_one_line_error(r, "--input")
+    assert os.listdir(tmp_path) == ["no"]  # no log dir left behind by the failed prep
 
 
 @pytest.mark.parametrize("flag", ["--log_dir", "--data_root"])

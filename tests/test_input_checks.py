@@ -1,4 +1,4 @@
-"""Every input checked before work (issue 35): each flag bounded by what it can mean, an old
+"""Every input checked before work: each flag bounded by what it can mean, an old
 spelling beside its new one refused, whole flag names only; every field of a checkpoint checked
 where it is read, --resume latest falling back past a bad one; nothing built that the machine
 cannot hold (plan of gpt2-xl on a CPU, a CPU run of hours warned of first); fp16 on a CPU; the
@@ -27,7 +27,7 @@ import train_gpt2 as tg
 from helpers import (CliResult, assert_one_line_error, resume_args, run_args, run_cli, series,
                      write_corpus_jsonl)
 
-HUGE = "99999999999999999999999"  # the issue's: more than any flag can mean
+HUGE = "99999999999999999999999"  # more than any flag can mean
 
 
 def run_main(main, *args):
@@ -90,9 +90,9 @@ def assert_fell_back(r, log, bad, *named):
     assert f"resumed from {os.path.join(log, 'model_00006.pt')} at step 7" in r.stdout, r.stdout
 
 
-# ===== D1: plan answers for gpt2-xl on a CPU without building or timing it =======================
+# ===== plan answers for gpt2-xl on a CPU without building or timing it ============================
 @pytest.mark.slow
-def test_d1_plan_of_gpt2_xl_on_a_cpu_times_no_step_and_builds_no_model(data, tmp_path,
+def test_plan_of_gpt2_xl_on_a_cpu_times_no_step_and_builds_no_model(data, tmp_path,
                                                                       monkeypatch):
     built = only_fake_models(monkeypatch)
     monkeypatch.setattr(settings, "measure_micro_step", no_work)
@@ -110,7 +110,7 @@ def test_d1_plan_of_gpt2_xl_on_a_cpu_times_no_step_and_builds_no_model(data, tmp
     assert not os.path.exists(tmp_path / "log")
 
 
-# the issue's gpt2-xl takes a minute or more to count on fake tensors on 2 cores; two of gpt2's
+# gpt2-xl takes a minute or more to count on fake tensors on 2 cores; two of gpt2's
 # blocks (still over a GiB a step, still days of CPU time) a second or two
 MODELS = [pytest.param(["--preset", "gpt2", "--n_layer", "2"], id="gpt2-2-layers"),
           pytest.param(["--preset", "gpt2-xl"], id="gpt2-xl", marks=pytest.mark.slow)]
@@ -119,7 +119,7 @@ MODELS = [pytest.param(["--preset", "gpt2", "--n_layer", "2"], id="gpt2-2-layers
 @pytest.mark.parametrize("model", MODELS)
 def test_a_training_step_the_machine_cannot_hold_is_refused_before_any_work(tmp_path,
                                                                            monkeypatch, model):
-    """Requirement 3's refusal: a step estimated (on fake tensors) above the machine's memory is
+    """A step estimated (on fake tensors) above the machine's memory is
     one line before anything is built or prepared (a machine of 256 MiB: the fp32 weights,
     gradients and AdamW's state of two gpt2 blocks and its embeddings alone are over 800)."""
     built = only_fake_models(monkeypatch)
@@ -129,16 +129,16 @@ def test_a_training_step_the_machine_cannot_hold_is_refused_before_any_work(tmp_
     log = str(tmp_path / "log")
     r = run_cli(*model, "-B", "1", "--device", "cpu", "--data_root", str(tmp_path / "data"),
                 "--log_dir", log)
-    assert_one_line_error(r, "-B 1", "a test's 256 MiB")
+    assert_one_line_error(r, "-B 1", "a test's 256 MiB", "--preset tiny")
     assert built == [] and not os.path.exists(log)
 
 
-# ===== D2: a non-tensor in a checkpoint's model ==================================================
+# ===== a non-tensor in a checkpoint's model =======================================================
 def non_tensor(ckpt):
     ckpt["model"]["transformer.wpe.weight"] = "abc"
 
 
-def test_d2_a_non_tensor_in_the_model_is_one_line_for_every_command(reference, tmp_path):
+def test_a_non_tensor_in_the_model_is_one_line_for_every_command(reference, tmp_path):
     _, bad = damaged_copy(reference, tmp_path, non_tensor)
     for command in (["sample", "--checkpoint", bad, "--device", "cpu", "--num_samples", "1",
                      "--max_new_tokens", "2"],
@@ -150,24 +150,24 @@ def test_d2_a_non_tensor_in_the_model_is_one_line_for_every_command(reference, t
     assert not (tmp_path / "hf").exists() and not (tmp_path / "other").exists()
 
 
-def test_d2_resume_latest_falls_back_past_a_non_tensor_in_the_model(reference, tmp_path):
+def test_resume_latest_falls_back_past_a_non_tensor_in_the_model(reference, tmp_path):
     log, bad = damaged_copy(reference, tmp_path, non_tensor)
     r = run_cli(*resume_args(log))
     assert_fell_back(r, log, bad, "transformer.wpe.weight")
     assert series(log)["train"][0] == list(range(8))  # step 7 trained again, after step 6's
 
 
-# ===== D3: a checkpoint's step and args ===========================================================
-D3_CASES = {
+# ===== a checkpoint's step and args ===============================================================
+BAD_FIELD_CASES = {
     "step abc": (lambda c: c.update(step="abc"), "'step'"),
     "step -7": (lambda c: c.update(step=-7), "'step'"),
     "max_lr abc": (lambda c: c["args"].update(max_lr="abc"), "max_lr"),
 }
 
 
-@pytest.mark.parametrize("case", D3_CASES)
-def test_d3_a_bad_step_or_flag_in_a_checkpoint_is_one_line(reference, tmp_path, case):
-    change, field = D3_CASES[case]
+@pytest.mark.parametrize("case", BAD_FIELD_CASES)
+def test_a_bad_step_or_flag_in_a_checkpoint_is_one_line(reference, tmp_path, case):
+    change, field = BAD_FIELD_CASES[case]
     _, bad = damaged_copy(reference, tmp_path, change)
     other = str(tmp_path / "other")
     assert_one_line_error(run_cli("--resume", bad, "--log_dir", other, "--device", "cpu"), bad,
@@ -175,9 +175,9 @@ def test_d3_a_bad_step_or_flag_in_a_checkpoint_is_one_line(reference, tmp_path, 
     assert not os.path.exists(other)
 
 
-@pytest.mark.parametrize("case", D3_CASES)
-def test_d3_resume_latest_falls_back_past_a_bad_step_or_flag(reference, tmp_path, case):
-    change, field = D3_CASES[case]
+@pytest.mark.parametrize("case", BAD_FIELD_CASES)
+def test_resume_latest_falls_back_past_a_bad_step_or_flag(reference, tmp_path, case):
+    change, field = BAD_FIELD_CASES[case]
     log, bad = damaged_copy(reference, tmp_path, change)
     r = run_cli(*resume_args(log))
     assert_fell_back(r, log, bad, field)
@@ -187,8 +187,8 @@ def test_d3_resume_latest_falls_back_past_a_bad_step_or_flag(reference, tmp_path
         ["after_step_00006"]
 
 
-# ===== D4: an old spelling beside its new one ====================================================
-def test_d4_fineweb_local_dir_with_data_root_is_one_line(tmp_path, monkeypatch):
+# ===== an old spelling beside its new one =========================================================
+def test_fineweb_local_dir_with_data_root_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "prepare", no_work)
     corpus = write_corpus_jsonl(str(tmp_path / "corpus.jsonl"), n_docs=5)
     a, b = str(tmp_path / "A"), str(tmp_path / "B")
@@ -198,7 +198,7 @@ def test_d4_fineweb_local_dir_with_data_root_is_one_line(tmp_path, monkeypatch):
     assert not os.path.exists(a) and not os.path.exists(b)
 
 
-def test_d4_eval_and_hellaswag_data_dir_with_hellaswag_dir_is_one_line(reference, tmp_path,
+def test_eval_and_hellaswag_data_dir_with_hellaswag_dir_is_one_line(reference, tmp_path,
                                                                       monkeypatch):
     monkeypatch.setattr(hellaswag, "score", no_work)
     monkeypatch.setattr(hellaswag, "download", no_work)
@@ -211,9 +211,9 @@ def test_d4_eval_and_hellaswag_data_dir_with_hellaswag_dir_is_one_line(reference
     assert_one_line_error(r, "--data_dir", "--hellaswag_dir")
 
 
-# ===== D5: integer flags bounded by what they can mean ===========================================
+# ===== integer flags bounded by what they can mean ================================================
 @pytest.mark.parametrize("flag", ["--num_samples", "--block_size", "--n_layer"])
-def test_d5_a_huge_training_flag_is_one_line_before_any_work(data, tmp_path, monkeypatch, flag):
+def test_a_huge_training_flag_is_one_line_before_any_work(data, tmp_path, monkeypatch, flag):
     monkeypatch.setattr(tg, "GPT", no_work)  # the old code built --n_layer's blocks until OOM
     monkeypatch.setattr(tg, "make_loaders", no_work)
     log = str(tmp_path / "log")
@@ -221,7 +221,7 @@ def test_d5_a_huge_training_flag_is_one_line_before_any_work(data, tmp_path, mon
     assert not os.path.exists(log)
 
 
-def test_d5_a_huge_sample_count_is_one_line(reference, monkeypatch):
+def test_a_huge_sample_count_is_one_line(reference, monkeypatch):
     monkeypatch.setattr(tg, "sample_texts", no_work)
     newest = rundir.find_checkpoints(reference)[-1]
     r = run_cli("sample", "--checkpoint", newest, "--device", "cpu", "--max_new_tokens", "2",
@@ -230,7 +230,7 @@ def test_d5_a_huge_sample_count_is_one_line(reference, monkeypatch):
 
 
 @pytest.mark.parametrize("flag, value", [("--shard_size", HUGE), ("--num_proc", "100000")])
-def test_d5_fineweb_shard_size_and_workers_are_bounded(tmp_path, monkeypatch, flag, value):
+def test_fineweb_shard_size_and_workers_are_bounded(tmp_path, monkeypatch, flag, value):
     monkeypatch.setattr(fineweb, "prepare", no_work)  # the old code started 100000 workers
     corpus = write_corpus_jsonl(str(tmp_path / "corpus.jsonl"), n_docs=5)
     out = str(tmp_path / "out")
@@ -319,7 +319,7 @@ def test_a_refusal_after_parsing_comes_without_the_run_config(data, reference, t
     log = str(tmp_path / "log")
     shutil.copytree(reference, log)  # a log dir holding an earlier run
     r = run_cli(*run_args(data, log))
-    assert_one_line_error(r, log)
+    assert_one_line_error(r, log, "--overwrite")
     assert "run config:" not in r.stdout, r.stdout
 
 
@@ -382,3 +382,127 @@ def test_keep_last_is_this_invocations(data, tmp_path):
     assert r.returncode == 0, r.stderr
     assert [os.path.basename(p) for p in rundir.find_checkpoints(log)] == \
         ["model_00004.pt", "model_00006.pt", "model_00007.pt"]
+
+
+# ===== Refused before any work: the data, the micro-steps, the log dir ============================
+def no_model_no_data(monkeypatch):
+    """A run that builds a real model (not one on fake tensors) or reads or prepares data fails
+    the test."""
+    only_fake_models(monkeypatch)
+    monkeypatch.setattr(tg, "make_loaders", no_work)
+
+
+@pytest.mark.parametrize("B, T, split, tokens", [("200", "32", "train", "6,000"),
+                                                 ("100", "32", "val", "3,000")])
+def test_shards_too_small_for_a_batch_are_refused_before_the_run_config(data, tmp_path,
+                                                                       monkeypatch, B, T, split,
+                                                                       tokens):
+    """The tiny run's shards (6,000 train, 3,000 val tokens) cannot fill one batch of -B x -T:
+    one line naming the split, its size and both flags, before the run config is printed, any
+    model is built or the data is opened, and no log dir is made."""
+    no_model_no_data(monkeypatch)
+    log = str(tmp_path / "log")
+    total = str(int(B) * int(T))
+    r = run_cli(*run_args(data, log, "-B", B, "-T", T, "--block_size", T,
+                          "--total_batch_size", total))
+    assert_one_line_error(r, f"hold {tokens} {split} tokens", f"-B {B} x -T {T} + 1", "smaller -B")
+    assert "run config:" not in r.stdout and not os.path.exists(log)
+
+
+def test_a_step_of_too_many_micro_steps_is_refused_with_the_numbers_and_the_flag(data, tmp_path,
+                                                                                monkeypatch):
+    """--total_batch_size 10^12 in micro-steps of 2 x 32 tokens: 15,625,000,000 micro-steps a
+    step, refused with the numbers and the flag that insists; -B auto's search of the divisors of
+    a huge step is no hang either. --max_micro_steps insists."""
+    no_model_no_data(monkeypatch)
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--total_batch_size", str(10**12)))
+    line = assert_one_line_error(r, "15,625,000,000 micro-steps of -B 2 x -T 32",
+                                 f"--max_micro_steps {settings.MICRO_STEPS:,}",
+                                 "--max_micro_steps 15625000000")
+    assert "run config:" not in r.stdout and not os.path.exists(log), line
+    assert settings.divisors(720) == [d for d in range(1, 721) if 720 % d == 0]
+    n = 10**12 // 32  # 2^7 * 5^12: a search by trial division up to n would take hours
+    assert settings.divisors(n)[-3:] == [n // 4, n // 2, n]
+    monkeypatch.undo()
+    flags = run_args(data, log, "-B", "1", "--total_batch_size", "128", "--max_steps", "2")
+    assert_one_line_error(run_cli(*flags, "--max_micro_steps", "2"), "4 micro-steps",
+                          "--max_micro_steps 4")
+    run, _, _ = tg.settle([*flags, "--max_micro_steps", "4"])
+    assert run.grad_accum_steps == 4
+
+
+def test_a_tiny_run_of_hours_on_a_cpu_is_warned_of_without_the_tiny_hint(data, tmp_path, capsys):
+    run, _, _ = tg.settle(run_args(data, str(tmp_path / "log"), "--max_steps", "1000000",
+                                   "--total_batch_size", "65536", "-B", "32"))
+    out = capsys.readouterr().out
+    warned = [line for line in out.splitlines() if "takes at least" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: on this CPU"), out
+    assert "--preset" not in warned[0] and run.preset == "tiny"
+
+
+def test_plan_computes_its_time_once_and_prints_it_once(data, tmp_path, monkeypatch):
+    """Two of gpt2's blocks on a CPU, too slow to time: the matmul rate is measured once, and
+    the "at least" figure comes in the report alone, with the tiny hint; nothing is written."""
+    only_fake_models(monkeypatch)
+    rates = []
+
+    def matmul_flops(device, n=512, repeats=8):
+        rates.append(device)
+        return 1e9
+    monkeypatch.setattr(settings, "matmul_flops", matmul_flops)
+    log = str(tmp_path / "log")
+    r = run_cli("plan", "--preset", "gpt2", "--n_layer", "2", "--device", "cpu",
+                "--data_root", data, "--log_dir", log)
+    assert r.returncode == 0, r.stderr
+    figures = [line for line in r.stdout.splitlines() if "at least" in line]
+    assert len(figures) == 1 and figures[0].startswith("  time: at least "), r.stdout
+    assert figures[0].endswith(": for a run of minutes use --preset tiny"), figures
+    assert rates == ["cpu"] and not os.path.exists(log)
+
+
+# ===== Nothing left behind, the fix named =========================================================
+def test_a_run_refused_after_its_data_prep_leaves_no_log_dir(tmp_path, monkeypatch):
+    """Local text too short for one batch is refused right after its prep (only tokenizing tells
+    its size), before any model is built; the log dir the run had made goes again. An input file
+    that is not there is refused before any work."""
+    only_fake_models(monkeypatch)
+    corpus, data, log = str(tmp_path / "c.jsonl"), str(tmp_path / "data"), str(tmp_path / "log")
+    write_corpus_jsonl(corpus, n_docs=2)
+    flags = run_args(data, log, "-B", "8", "--total_batch_size", "256", drop=("--val_tokens",))
+    assert_one_line_error(run_cli(*flags, "--input", str(tmp_path / "no.txt")), "no.txt")
+    assert not os.path.exists(data) and not os.path.exists(log)
+    assert_one_line_error(run_cli(*flags, "--input", corpus), "-B 8 x -T 32 + 1", "smaller -B")
+    assert fineweb.split_sizes(data) is not None and not os.path.exists(log)
+
+
+def test_a_missing_checkpoint_names_those_its_folder_holds(reference, tmp_path):
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    missing = os.path.join(log, "model_00009.pt")
+    assert_one_line_error(run_cli("--resume", missing, "--log_dir", log, "--device", "cpu"),
+                          f"checkpoint not found: {missing} ({log} holds model_00002.pt, "
+                          f"model_00004.pt, model_00006.pt, model_00007.pt)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line_error(run_cli("sample", "--checkpoint", str(empty / "model_00001.pt")),
+                          f"{empty} holds no model_*.pt")
+
+
+def test_local_text_twice_is_warning_free_and_the_refusal_names_overwrite(tmp_path):
+    """The README's offline demo, small: a first run on local text prints no warning (the preset's
+    val tokens are more than 10% of so small a corpus holds: the val loss is over what it holds);
+    a second one into the same log dir is refused before any work, naming --overwrite; with it,
+    the same --input again is no warning either."""
+    corpus, data, log = str(tmp_path / "c.jsonl"), str(tmp_path / "data"), str(tmp_path / "log")
+    write_corpus_jsonl(corpus)
+    flags = run_args(data, log, "--input", corpus, "--max_steps", "2", "--warmup_steps", "1",
+                     "--sample_every", "0",
+                     drop=("--val_tokens", "--sample_every", "--num_samples", "--sample_tokens"))
+    first = run_cli(*flags)
+    assert first.returncode == 0, first.stderr
+    assert "warning" not in first.stdout + first.stderr, first.stdout
+    assert_one_line_error(run_cli(*flags), log, "--overwrite", "--resume latest")
+    again = run_cli(*flags, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert "warning" not in again.stdout + again.stderr, again.stdout

@@ -51,7 +51,7 @@ def test_the_hooks_find_what_they_replace(monkeypatch, capsys):
     assert real["append_log"] is rundir.append_log and real["sample_texts"] is tg.sample_texts
     assert real["next_batch"] is tg.DataLoaderLite.next_batch
     assert set(hooks.HOOKS) == {"hold_after_log", "pause_after_log", "pause_mid_save", "hold_lock",
-                                "slow_samples", "fail_batch"}
+                                "slow_samples", "fail_batch", "hold_batch"}
     monkeypatch.setenv("HOOK_MODE", "hold_afterlog")
     assert hooks.main() == 2
     assert capsys.readouterr().err == ("error: tests/hooks.py: no hook 'hold_afterlog'; there are "
@@ -218,6 +218,59 @@ def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_pa
     assert log_of(log) == log_of(reference)
 
 
+ACCUMULATING = ("-B", "1", "-T", "16")  # the tiny run's steps in micro-steps of 16 tokens
+
+
+def final_weights(log):
+    return torch.load(rundir.find_checkpoints(log)[-1], weights_only=True)["model"]
+
+
+def assert_same_weights(a, b):
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def signal_when_held(proc, held, release, sig, pid=None):
+    """Once the hook holds (writing `held`), send sig (to the held process, or pid), wait for
+    rank 0's handler to say it will stop at the next micro-step, then let the run go on."""
+    wait_until(held.exists, [proc], "the hold mid-step")
+    os.kill(pid or int(held.read_text()), sig)
+    wait_until(lambda: "stopping at the next micro-step" in output(proc)[1], [proc],
+               "the handler's line")
+    release.touch()
+
+
+@pytest.mark.slow
+def test_a_signal_mid_accumulation_drops_the_step_and_the_resume_is_exact(data, tmp_path):
+    """Four micro-steps a step; held inside step 4's second one (its batch read) the run gets
+    SIGTERM: it stops at the next micro-step, step 4 dropped (no update, no log line), and saves
+    step 3, which was not due a checkpoint, with the loader and random generators as step 3 left
+    them. Resumed, it gives the uninterrupted run's log.txt and final weights to the last bit."""
+    reference = str(tmp_path / "reference")
+    r = run_cli(*run_args(data, reference, *ACCUMULATING))
+    assert r.returncode == 0, r.stderr
+    log, held, release = str(tmp_path / "log"), tmp_path / "held", tmp_path / "release"
+    proc = start_hooked(tmp_path, "run", run_args(data, log, *ACCUMULATING), mode="hold_batch",
+                        arg="0 18", marker=held, release=release)  # step 4 (calls 17-20), 2nd
+    try:
+        signal_when_held(proc, held, release, signal.SIGTERM)
+        assert proc.wait(timeout=300) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()  # a test that failed leaves no process behind
+    out, err = output(proc)
+    assert "Traceback" not in err, err
+    assert (f"stopped by SIGTERM at step 4; {rundir.checkpoint_path(log, 3)} holds step 3: "
+            f"continue with python train_gpt2.py --resume latest --log_dir {log}") in out
+    assert steps_saved(log) == [2, 3] and no_temp_files(log)
+    assert max(series(log)["train"][0]) == 3  # nothing of step 4 logged
+    r = run_cli(*resume_args(log))
+    assert r.returncode == 0, r.stderr
+    assert log_of(log) == log_of(reference)
+    assert_same_weights(log, reference)
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
     log = str(tmp_path / "log")
@@ -226,7 +279,7 @@ def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
     try:
         wait_until(lambda: (tmp_path / "held").exists(), [proc], "the hold at step 4")
         proc.send_signal(signal.SIGINT)
-        wait_until(lambda: "SIGINT: finishing this step" in output(proc)[1], [proc],
+        wait_until(lambda: "SIGINT: stopping at the next micro-step" in output(proc)[1], [proc],
                    "the first Ctrl-C's line")
         proc.send_signal(signal.SIGINT)  # the hold never ends: only the second Ctrl-C can end it
         assert proc.wait(timeout=300) == 130
@@ -291,6 +344,37 @@ def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_ran
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert log_of(log) == log_of(two_rank_reference)
+
+
+@pytest.mark.slow
+def test_torchrun_drops_the_step_a_signal_to_one_rank_comes_in(data, tmp_path):
+    """Two ranks of two micro-steps a step: rank 0 alone gets SIGTERM while held in step 4's
+    first micro-step; rank 1 waits at the vote before its second. Both stop there, step 4
+    dropped, step 3 saved once, exit 143, no hang; resumed, the run gives the uninterrupted
+    two-rank run's log.txt and final weights to the last bit."""
+    flags = (*ACCUMULATING, "--sample_every", "0")
+    reference = str(tmp_path / "reference")
+    r = torchrun(*run_args(data, reference, *flags))
+    assert r.returncode == 0, r.stderr
+    log, held, release = str(tmp_path / "log"), tmp_path / "held", tmp_path / "release"
+    hold = {"HOOK_MODE": "hold_batch", "HOOK_ARG": "0 9", "HOOK_MARKER": str(held),
+            "HOOK_RELEASE": str(release)}  # rank 0's step 4 (calls 9-10), its first micro-step
+    run = torchrun(*run_args(data, log, *flags), script=HOOKS, env=hold,
+                   files=(tmp_path, "run"))
+    try:
+        signal_when_held(run, held, release, signal.SIGTERM)
+        assert run.wait(timeout=300) != 0
+    finally:
+        run.kill()
+    out, err = output(run)
+    assert 'train_gpt2.py", line' not in err, err  # torchrun's report only
+    assert "exitcode  : 143" in err or "143" in err
+    assert f"stopped by SIGTERM at step 4; {rundir.checkpoint_path(log, 3)} holds step 3" in out
+    assert steps_saved(log) == [2, 3]
+    resumed = torchrun(*run_args(data, log, *flags, "--resume", "latest"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert log_of(log) == log_of(reference)
+    assert_same_weights(log, reference)
 
 
 # --------------------------------------------------------------------------------------- divergence
@@ -495,7 +579,7 @@ def test_a_full_disk_under_log_txt_and_the_lock_is_one_line(data, tmp_path, monk
     log2 = str(tmp_path / "log2")
     assert_one_line_error(run_cli(*run_args(data, log2)), f"--log_dir {log2}: cannot write there",
                           "no space")
-    assert os.listdir(log2) == [".lock"]  # no record of a holder that never held it
+    assert not os.path.exists(log2)  # the log dir it made goes: nothing of a run that never ran
 
 
 def test_files_follow_the_umask(data, tmp_path):
