@@ -850,22 +850,37 @@ def evaluations(every, run, first_step):
     return due + int(run.end_step == run.max_steps)
 
 
+CORE_TASKS = 22  # core.yaml's tasks, what --core_every scores
+
+
+def core_tokens(run, first_step=0):
+    """Forward tokens of the run's CORE evaluations from first_step on, at most: 22 tasks x
+    --core_max_per_task examples (fewer where a task has fewer), each at most one context of
+    tokens (the prefix its options share once, then their own tokens). The bundle is not read."""
+    each = CORE_TASKS * run.core_max_per_task * run.model.block_size
+    return evaluations(run.core_every, run, first_step) * each
+
+
 def plan_time(run, micro_step, first_step=0):
     """Seconds the run's loop takes at `micro_step` seconds a micro-step (forward, backward and an
-    optimizer step of B x T tokens): its optimizer steps from first_step on, and its val passes (a
-    forward each, a third of a micro-step). Samples and HellaSwag are not counted."""
+    optimizer step of B x T tokens): its optimizer steps from first_step on, its val passes and
+    its CORE evaluations (core_tokens), their forward passes a third of a micro-step of as many
+    tokens. Samples and HellaSwag are not counted."""
     steps = run.end_step - first_step
     train = steps * run.grad_accum_steps * micro_step
     unit = run.micro_batch_size * run.sequence_length * run.world_size
     val = evaluations(run.eval_every, run, first_step) * math.ceil(run.val_tokens / unit)
-    return train + val * micro_step / 3
+    core = core_tokens(run, first_step) / unit
+    return train + (val + core) * micro_step / 3
 
 
 def least_seconds(run, n_params_non_embedding, rate, first_step=0):
-    """Seconds the run's steps from first_step on take at least, at `rate` FLOP/s (a plain
-    matmul's, matmul_flops: a training step reaches less)."""
+    """Seconds the run's steps (and CORE evaluations: a forward is a third of a step's work a
+    token) from first_step on take at least, at `rate` FLOP/s (a plain matmul's, matmul_flops:
+    a training step reaches less)."""
     flops = flops_per_token(run.model, n_params_non_embedding, run.sequence_length)
-    return (run.end_step - first_step) * run.total_batch_size * flops / rate
+    tokens = (run.end_step - first_step) * run.total_batch_size + core_tokens(run, first_step) / 3
+    return tokens * flops / rate
 
 
 def tiny_hint(run, seconds):
@@ -874,6 +889,17 @@ def tiny_hint(run, seconds):
     if run.device_type != "cpu" or run.preset == "tiny" or seconds <= 3600:
         return ""
     return ": for a run of minutes use --preset tiny"
+
+
+def core_line(run, first_step, core_flops, steps_flops):
+    """plan's words for the CORE evaluations: how many, their FLOPs at most and their share."""
+    n = evaluations(run.core_every, run, first_step)
+    if n == 0:
+        return "CORE off"
+    share = ""
+    if steps_flops > 0:
+        share = f" ({100 * core_flops / steps_flops:.1f}% of the steps')"
+    return f"CORE {n} time(s), at most {core_flops / 1e18:,.3f} EFLOP{share}"
 
 
 def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first_step=0,
@@ -887,21 +913,23 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first
     budget, of_what = memory_budget(run.device, run.local_world_size)
     step_flops = flops_per_token(run.model, n_params_non_embedding, T) * total
     steps = run.end_step - first_step
+    core_flops = core_tokens(run, first_step) * step_flops / total / 3  # forward passes
     if run.peak_flops:  # compiled GPT-2 training runs reach about 30-50% of a GPU's peak
-        fast = steps * step_flops / (run.world_size * run.peak_flops * 0.5)
-        time_line = (f"{format_eta(fast)} to {format_eta(fast * 0.5 / 0.3)} (the steps at 50% "
-                     f"to 30% MFU of {run.peak_flops / 1e12:.0f} TFLOP/s)")
+        fast = (steps * step_flops + core_flops) / (run.world_size * run.peak_flops * 0.5)
+        time_line = (f"{format_eta(fast)} to {format_eta(fast * 0.5 / 0.3)} (the steps and CORE "
+                     f"at 50% to 30% MFU of {run.peak_flops / 1e12:.0f} TFLOP/s)")
     elif seconds is not None:  # the run's own micro-step, timed here
         fastest, median, slowest = seconds
         total_time = plan_time(run, median, first_step)
-        time_line = (f"about {format_eta(total_time)} (steps and val passes, from micro-steps of "
+        time_line = (f"about {format_eta(total_time)} (steps, val and CORE, from micro-steps of "
                      f"-B {B} x -T {T} timed on {run.device}: {fastest:.2f} to {slowest:.2f} s, "
                      f"median {median:.2f}){tiny_hint(run, total_time)}")
     else:  # too large to time here: the matmul rate bounds it
         rate = rate or matmul_flops(run.device)
         least = least_seconds(run, n_params_non_embedding, rate, first_step)
-        time_line = (f"at least {format_eta(least)} (the steps' FLOPs at the {rate / 1e9:,.0f} "
-                     f"GFLOP/s of a matmul measured on {run.device}){tiny_hint(run, least)}")
+        time_line = (f"at least {format_eta(least)} (steps' and CORE's FLOPs at the "
+                     f"{rate / 1e9:,.0f} GFLOP/s of a matmul measured on {run.device})"
+                     f"{tiny_hint(run, least)}")
     fits = ""
     if peak(B) > budget:
         fits = ": it does not fit, -B auto picks one that does"
@@ -914,6 +942,8 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first
         f"    of {gib(budget)} usable of {of_what}{fits}",
         f"  compute: {step_flops / 1e12:,.1f} TFLOP a step (6N + attention), "
         f"{steps * step_flops / 1e18:,.2f} EFLOP in all",
+        f"  evaluations: val {evaluations(run.eval_every, run, first_step)} time(s); "
+        f"{core_line(run, first_step, core_flops, steps * step_flops)}",
         f"  time: {time_line}"])
 
 

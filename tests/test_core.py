@@ -570,3 +570,23 @@ def test_training_logs_core_and_goes_on_without_a_bundle(data, bundle_zip, tmp_p
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("warning: CORE evaluation turned off:") == 1
     assert "core" not in rundir.read_log(str(tmp_path / "log2" / "log.txt"))
+
+
+def test_plan_counts_core():
+    """plan's time and FLOPs count CORE's forward passes: at most 22 tasks x --core_max_per_task
+    examples of a context each, at every evaluation due (here steps 0, 50, 100 and the final
+    model's)."""
+    import dataclasses
+
+    import train_gpt2
+
+    run, _, _ = train_gpt2.settle(["--preset", "tiny", "--device", "cpu", "--core_every", "50",
+                                   "--core_max_per_task", "100"], planning=True)
+    off = dataclasses.replace(run, core_every=0)
+    assert settings.evaluations(run.core_every, run, 0) == 4
+    assert settings.core_tokens(run) == 4 * 22 * 100 * 256 and settings.core_tokens(off) == 0
+    unit = run.micro_batch_size * run.sequence_length
+    extra = settings.plan_time(run, 1.0) - settings.plan_time(off, 1.0)
+    assert extra == pytest.approx(settings.core_tokens(run) / unit / 3)
+    assert settings.least_seconds(run, 10**6, 1e9) > settings.least_seconds(off, 10**6, 1e9)
+    assert settings.core_tokens(run, first_step=120) == 22 * 100 * 256  # the final model's alone
