@@ -99,13 +99,16 @@ def random_groups(model, n_groups, seed, vocab=VOCAB):
 
     groups = []
     for g in range(n_groups):
-        shared = rand(rng.choice([0, 1, rng.randint(2, 30), BLOCK - 1, BLOCK + 9]))
+        shared = rand(rng.choice([0, 1, rng.randint(2, 30), rng.randint(30, 50), BLOCK - 1,
+                                  BLOCK + 9]))
+        first = shared or rand(1)  # a scored token needs one before it
         kind = ("options", "contexts", "spans")[g % 3]
         cont = rand(rng.randint(1, 8))  # the continuation that the contexts share
+        n_own = rng.randint(1, 10)
+        same_length = rng.random() < 0.5  # options all as long: cropped alike, still shared
         rows = []
         for j in range(rng.randint(1, 5)):
-            ctx = shared or rand(1)  # a scored token needs one before it
-            own = rand(rng.randint(1, 10))
+            ctx, own = first, rand(n_own if same_length else rng.randint(1, 10))
             if kind == "contexts":
                 ctx, own = shared + rand(rng.randint(1, 6)), cont
             elif j % 2 == 1:  # the model's own choices after the context the row keeps
@@ -171,17 +174,34 @@ def test_ragged_rows_equal_whole_rows(arch, n_kv_head):
 # ---------------------------------------------------------------------------
 # score_groups against the plain scorer
 
+class Packed(torch.nn.Module):
+    """Our GPT without its KV cache: whole rows packed into passes, as other models get them."""
+
+    masked_logits_to_keep = True
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, idx, logits_to_keep=0):
+        return self.inner(idx, logits_to_keep=logits_to_keep)
+
+
 @pytest.mark.parametrize("arch,n_kv_head", CASES)
 def test_score_groups_equals_one_row_per_forward(arch, n_kv_head):
     """Random groups scored in passes of every size (a budget below one group: each group alone;
-    0: the plain way) give the plain scorer's losses and greedy values, in input order."""
+    0: the plain way), with shared prefixes and as whole rows, give the plain scorer's losses and
+    greedy values, in input order."""
     model = make_model(arch, n_kv_head)
-    groups = random_groups(model, 14, seed=2)
+    groups = random_groups(model, 16, seed=3)
     assert any(len(r.tokens) == BLOCK for rows in groups for r in rows)  # cropped or filled
-    assert any(scorer._shared_prefix(rows) > 20 for rows in groups)
+    shared = {scorer._shared_prefix(rows) for rows in groups}
+    assert len(shared) > 8 and max(shared) > 50  # ragged chunks of short and long prefixes
     ref = reference(model, groups)
-    for batch_tokens in (0, 1, 60, 200, 8192):
-        got = scorer.score_groups(model, groups, "cpu", batch_tokens=batch_tokens)
+    runs = [(model, bt) for bt in (0, 1, 60, 200, 8192)] + [(Packed(model), 60),
+                                                            (Packed(model), 8192)]
+    for scored, batch_tokens in runs:
+        got = scorer.score_groups(scored, groups, "cpu", batch_tokens=batch_tokens)
         compared = assert_matches(got, ref)
         assert True in compared and False in compared, batch_tokens
 
