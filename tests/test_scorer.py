@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import scorer
+import settings
 from helpers import GPU_ARCHS, TINY, hf_gpt2, tiny_model
 from scorer import Row
 from train_gpt2 import GPT
@@ -204,6 +205,20 @@ def test_score_groups_equals_one_row_per_forward(arch, n_kv_head):
         got = scorer.score_groups(scored, groups, "cpu", batch_tokens=batch_tokens)
         compared = assert_matches(got, ref)
         assert True in compared and False in compared, batch_tokens
+
+
+def test_greedy_ties_go_to_the_lowest_id():
+    """The modern model as initialized (its head zero) gives every id the same logit: argmax's
+    choice is id 0, so a row is greedy exactly where every scored token is 0."""
+    model = tiny_model(n_head=4, vocab_size=VOCAB, real_vocab_size=VOCAB,
+                       **settings.ARCHITECTURES["modern"]).eval()
+    groups = [[Row([5, 0, 0], 1, 3), Row([5, 0, 7], 1, 3), Row([5, 7, 0], 1, 3)],
+              [Row([3, 4, 0, 0], 2, 4)], [Row([9, 0], 1, 2), Row([9, 1], 1, 2)]]
+    for scored in (model, Packed(model)):
+        for batch_tokens in (0, 8192):
+            got = scorer.score_groups(scored, groups, "cpu", batch_tokens=batch_tokens)
+            assert [[r.greedy for r in rows] for rows in got] == [[True, False, False], [True],
+                                                                  [True, False]]
 
 
 class Counting(torch.nn.Module):
