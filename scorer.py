@@ -63,6 +63,23 @@ def _token_losses(picked, targets):
     return F.cross_entropy(picked.float(), targets, reduction="none")
 
 
+def _greedy_hits(logits, targets, index=None):
+    """Whether the argmax of row ``index[k]`` of ``logits`` (N, V) is ``targets[k]`` (index None:
+    row k). On the CPU the maximum first, a third of argmax's cost over the vocab, then argmax
+    only where the target's logit reaches it (a tie goes to the lowest id, as argmax's)."""
+    import torch
+
+    if index is None:
+        index = torch.arange(logits.shape[0], device=logits.device)
+    if logits.device.type != "cpu":  # no read-back in the middle of the passes
+        return logits[index].argmax(dim=-1) == targets
+    hit = logits[index, targets] == logits.amax(dim=-1)[index]
+    reach = hit.nonzero()[:, 0]
+    if reach.numel():
+        hit[reach] = logits[index[reach]].argmax(dim=-1) == targets[reach]
+    return hit
+
+
 def completion_losses(logits, tokens, mask, positions=None, check_positions=True):
     """Per-row summed and mean cross-entropy of the masked (scored) tokens of ``tokens`` ``(R, N)``
     and whether greedy decoding picks every one of them; position ``t`` predicts token ``t + 1``
@@ -99,14 +116,14 @@ def completion_losses(logits, tokens, mask, positions=None, check_positions=True
     if positions is None or exact:
         picked = logits if exact else logits[tgt_mask]
         token_loss = _token_losses(picked, targets)  # (K,)
-        hit = picked.argmax(dim=-1) == targets
+        hit = _greedy_hits(picked, targets)
     else:
         # nearly every kept position is scored: cross-entropy over all of them in place (-100: not
         # scored) beats copying the scored rows out of the logits first
         flat = logits.reshape(-1, logits.shape[-1])
         ignored = torch.where(tgt_mask, tgt, torch.full_like(tgt, -100))
         token_loss = _token_losses(flat, ignored.reshape(-1))[tgt_mask.reshape(-1)]
-        hit = flat.argmax(dim=-1)[tgt_mask.reshape(-1)] == targets
+        hit = _greedy_hits(flat, targets, tgt_mask.reshape(-1).nonzero()[:, 0])
     rows = tgt_mask.nonzero()[:, 0]
     sum_loss = torch.zeros(tokens.shape[0], dtype=torch.float32, device=dev)
     sum_loss.index_add_(0, rows, token_loss)
@@ -281,11 +298,18 @@ def _shared_prefix(rows):
     return max(limit, 0)
 
 
+# A chunk's rows read a ragged copy of its prefixes' keys and values: rows x (the longest prefix +
+# the widest suffix) tokens of every layer, at most this many times batch_tokens. A question's
+# options each copy its prefix: the cache holds a few times the tokens that the passes run
+CACHE_TOKENS = 4
+
+
 def _chunks(groups, shared, batch_tokens, block_size):
     """Groups into chunks of two passes each (their shared prefixes, then their rows' own tokens),
-    sorted by prefix length: a chunk's prefixes x the longest stay within ``batch_tokens``, and
-    its rows x (the longest prefix + the widest suffix) too (the cache the rows read), and the
-    longest prefix + the widest suffix within the model's context. A group always fits alone."""
+    sorted by prefix length: each pass runs at most ``batch_tokens`` tokens (the prefixes x the
+    longest; the rows x the widest suffix), the cache that the rows read (rows x (the longest
+    prefix + the widest suffix)) stays within ``CACHE_TOKENS`` x ``batch_tokens``, and the longest
+    prefix + the widest suffix within the model's context. A group always fits alone."""
     order = sorted(range(len(groups)),
                    key=lambda g: (shared[g], max(len(r.tokens) for r in groups[g]) - shared[g]))
     chunks, cur = [], None
@@ -295,7 +319,8 @@ def _chunks(groups, shared, batch_tokens, block_size):
             n_pre = cur["n_pre"] + int(shared[g] > 0)
             rows, pre = cur["rows"] + len(groups[g]), max(cur["pre"], shared[g])
             w = max(cur["width"], width)
-            fits = n_pre * pre <= batch_tokens and rows * (pre + w) <= batch_tokens
+            fits = (n_pre * pre <= batch_tokens and rows * w <= batch_tokens
+                    and rows * (pre + w) <= CACHE_TOKENS * batch_tokens)
             if fits and (block_size is None or pre + w <= block_size):
                 cur.update(n_pre=n_pre, rows=rows, pre=pre, width=w)
                 cur["groups"].append(g)
