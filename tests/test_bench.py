@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import common
-from helpers import REPO, assert_one_line_error, tiny_model
+from helpers import HANG_LIMIT_S, REPO, assert_one_line_error, tiny_model
 
 
-def bench(*args, timeout=300):
+def bench(*args, timeout=HANG_LIMIT_S):
     return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
@@ -94,7 +94,7 @@ def test_headers_only_open_leaves_the_ids_to_the_reader(tmp_path):
 def test_bench_bad_device_is_one_line():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: --device cuda is not an error")
-    r = bench("--device", "cuda", "--only", "train", timeout=120)
+    r = bench("--device", "cuda", "--only", "train", timeout=HANG_LIMIT_S)
     assert_one_line_error(r, "--device")
 
 

@@ -137,7 +137,8 @@ def test_torchrun_refusal_and_one_process_exit(data, tmp_path):
     refused alone leaves without a word. One process without torchrun still leaves through the
     interpreter's usual shutdown."""
     def refused(name, hook, *flags):
-        env = {f"HOOK_{k.upper()}": v for k, v in {**hook, "marker": str(tmp_path / f"{name}.marker")}.items()}
+        hook = {**hook, "marker": str(tmp_path / f"{name}.marker")}
+        env = {f"HOOK_{k.upper()}": v for k, v in hook.items()}
         r = torchrun(*run_args(data, str(tmp_path / name / "log"), *flags), script=HOOKS, env=env)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode != 0 and len(errors) == 1, r.stderr

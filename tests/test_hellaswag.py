@@ -12,8 +12,8 @@ import torch
 
 import common
 import hellaswag
-from helpers import (REPO, SHORT, assert_one_line_error, classic_scores, make_records, preds,
-                     tiny_hf_model, write_jsonl)
+from helpers import (HANG_LIMIT_S, REPO, SHORT, assert_one_line_error, classic_scores, make_records,
+                     preds, tiny_hf_model, write_jsonl)
 
 # --------------------------------------------------------------------------
 # fixtures
@@ -487,7 +487,7 @@ def test_ddp_all_reduce_gloo(data_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run([sys.executable, str(script), data_dir, str(tmp_path / "init"), str(out)],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=HANG_LIMIT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads((out / "single.json").read_text())
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -710,7 +710,7 @@ def test_real_datasets_offline_is_one_line(tmp_path):
                HF_HOME=str(tmp_path / "hf_home"))
     env.pop("HF_DATASETS_CACHE", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=HANG_LIMIT_S, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("HellaSwag data unavailable")
@@ -728,7 +728,7 @@ def test_no_work_at_import():
     code = ("import sys, threading; sys.path.insert(0, %r); import hellaswag; "
             "assert not {'torch', 'requests', 'datasets', 'transformers'} & set(sys.modules); "
             "assert threading.active_count() == 1" % REPO)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=HANG_LIMIT_S)
 
 
 # --------------------------------------------------------------------------
@@ -738,7 +738,7 @@ def test_no_work_at_import():
 def _cli(args, **kw):
     env = dict(os.environ, HELLASWAG_OFFLINE="1")
     return subprocess.run([sys.executable, os.path.join(REPO, "hellaswag.py"), *args],
-                          capture_output=True, text=True, timeout=120, env=env,
+                          capture_output=True, text=True, timeout=HANG_LIMIT_S, env=env,
                           cwd=kw.get("cwd", REPO))
 
 
@@ -877,7 +877,7 @@ def test_older_transformers(tmp_path):
     script.write_text(_OLD_SCRIPT.format(old=OLD_TRANSFORMERS, repo=REPO,
                                          tests=os.path.join(REPO, "tests")))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_LIMIT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert int(out["version"].split(".")[0]) < 5, out  # really the older one, not today's
