@@ -12,8 +12,8 @@ import torch
 
 import common
 import hellaswag
-from helpers import (HANG_LIMIT_S, REPO, SHORT, assert_one_line_error, classic_scores, make_records,
-                     preds, tiny_hf_model, write_jsonl)
+from helpers import (HANG_LIMIT_S, REPO, SHORT, assert_one_line_error, classic_scores, hf_gpt2,
+                     make_records, preds, tiny_hf_model, write_jsonl)
 
 # --------------------------------------------------------------------------
 # fixtures
@@ -715,6 +715,29 @@ def test_real_datasets_offline_is_one_line(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("HellaSwag data unavailable")
     assert "Rowan/hellaswag" in lines[0]
+
+
+@pytest.mark.slow
+def test_eval_with_the_hub_unreachable_is_one_line_at_once(tmp_path):
+    """`eval` of a local model without HellaSwag data, offline but not told so (the hub's address a
+    closed local port): one line saying where a local copy goes, without datasets' retries (a
+    hang-limit only: no time is asserted)."""
+    _, model_dir = hf_gpt2(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy",
+                        "ALL_PROXY", "all_proxy", "HELLASWAG_OFFLINE", "HELLASWAG_DIR")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf_home"))
+    empty = str(tmp_path / "hs")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "eval", "--init_from",
+                        model_dir, "--hellaswag_dir", empty, "--device", "cpu"],
+                       capture_output=True, text=True, timeout=HANG_LIMIT_S, env=env, cwd=REPO)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]  # transformers' bar
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr
+    for part in ("the hub is unreachable", "hellaswag_val.jsonl", "--hellaswag_dir",
+                 "HF_HUB_OFFLINE=1"):
+        assert part in errors[0], errors[0]
+    assert "fetching" not in r.stdout + r.stderr, r.stderr
+    assert not os.path.exists(empty)  # nothing left behind
 
 
 def test_offline_env_skips_network(tmp_path, monkeypatch, fake_load_dataset):
