@@ -51,7 +51,8 @@ def test_the_hooks_find_what_they_replace(monkeypatch, capsys):
     assert real["append_log"] is rundir.append_log and real["sample_texts"] is tg.sample_texts
     assert real["next_batch"] is tg.DataLoaderLite.next_batch
     assert set(hooks.HOOKS) == {"hold_after_log", "pause_after_log", "pause_mid_save", "hold_lock",
-                                "slow_samples", "fail_batch"}
+                                "slow_samples", "fail_batch", "rank0_last", "refuse_alone"}
+    assert real["outlived_the_launcher"] is common.outlived_the_launcher
     monkeypatch.setenv("HOOK_MODE", "hold_afterlog")
     assert hooks.main() == 2
     assert capsys.readouterr().err == ("error: tests/hooks.py: no hook 'hold_afterlog'; there are "
