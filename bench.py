@@ -706,6 +706,7 @@ def bench_arch(args, t):
     reach the GPT-2 recipe's final val loss (the better of its arms' seed means)."""
     tiny = settings.RUN_PRESETS["tiny"]
     tokens_per_step = tiny["total_batch_size"]
+    val_tokens = args.arch_val_tokens or tiny["val_tokens"]
     runs = {arm: [] for arm in ARCH_ARMS}
     with tempfile.TemporaryDirectory() as tmp:
         inputs = args.arch_input or [stdlib_docstrings(os.path.join(tmp, "docstrings.txt"))]
@@ -718,6 +719,7 @@ def bench_arch(args, t):
                 flags = ["--preset", "tiny", *arm_flags, "--seed", str(seed), "--data_root", data,
                          "--log_dir", log_dir, "--eval_every", str(args.arch_eval_every),
                          "--max_steps", str(args.arch_max_steps), "--sample_every", "0",
+                         "--val_tokens", str(val_tokens),
                          "--device", t.device]
                 steps, values, seconds = arch_run(flags, log_dir)
                 runs[arm].append({"seed": seed, "steps": steps, "val": values,
@@ -815,6 +817,8 @@ FLAGS = [
     ("--arch_eval_every", 10, common.POSITIVE_INT, "the arch row's val loss every N steps"),
     ("--arch_max_steps", settings.RUN_PRESETS["tiny"]["max_steps"], common.POSITIVE_INT,
      "the arch row's steps a run (the tiny preset's schedule)"),
+    ("--arch_val_tokens", None, common.POSITIVE_INT,
+     "the arch row's val tokens an evaluation (default: the tiny preset's)"),
     ("--arch_input", None, {"nargs": "+", "metavar": "PATH"},
      "the arch row's corpus (default: this Python's standard-library docstrings)"),
     ("--json", False, STORE_TRUE, "print the results as JSON instead of a table"),

@@ -333,9 +333,7 @@ class OneLineParser(argparse.ArgumentParser):
             nearest = difflib.get_close_matches(unknown, sorted(known), n=1, cutoff=0.5)
             if unknown.startswith("-") and nearest:
                 message += f" (did you mean {nearest[0]}?)"
-        if rank() == 0:
-            print(f"error: {one_line(message, 10_000)} (see --help)", file=sys.stderr, flush=True)
-        record_error(f"error: {one_line(message, 10_000)}")
+        report_error(f"error: {one_line(message, 10_000)} (see --help)", said_elsewhere=rank() > 0)
         sys.exit(1)
 
 
@@ -424,13 +422,15 @@ def run_cli(main, *args):
     (status 1; under torchrun from rank 0, or from the rank it concerns), an OSError such as a full
     disk (1), Ctrl-C or a stop signal outside a training step (128 + the signal). Anything else is
     a bug and keeps its traceback. Under torchrun the line (or the traceback) also goes to
-    torchrun's error file, so that its failure summary names the cause."""
+    torchrun's error file, so that its failure summary names the cause; a rank stopped because
+    another one left (PeerLost) leaves without a word."""
     try:
         return main(*args)
     except UsageError as e:
-        if e.rank_specific or rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        record_error(f"error: {e}")
+        report_error(f"error: {e}", said_elsewhere=rank() > 0 and not e.rank_specific)
+        return 1
+    except PeerLost as e:  # the rank that left says why
+        report_error(f"error: {e}", said_elsewhere=under_torchrun())
         return 1
     except OSError as e:  # the machine's: a full disk, a file that cannot be read or written
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
@@ -443,6 +443,46 @@ def run_cli(main, *args):
     except Exception:
         record_error(traceback.format_exc())
         raise
+
+
+def report_error(line, said_elsewhere=False):
+    """line on stderr and in torchrun's error file. said_elsewhere: another rank says why (rank 0
+    of a problem that every rank meets; the rank that left, of a PeerLost). Under torchrun such a
+    rank waits to be stopped (outlived_the_launcher) rather than leave first, which would have
+    torchrun stop the rank that says why before it does; it says the line only if no stop comes."""
+    record_error(line)
+    if said_elsewhere and under_torchrun():
+        said_elsewhere = not outlived_the_launcher()
+    if not said_elsewhere:
+        print(line, file=sys.stderr, flush=True)
+
+
+class PeerLost(RuntimeError):
+    """A collective failed: another process of the run left or stopped answering (its own message
+    says why: a refusal, a crash, a signal)."""
+
+
+def under_torchrun():
+    """True in a worker that torchrun started (it stops every worker once one has exited)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1
+
+
+# How long a worker whose run is over waits for torchrun to stop it (see outlived_the_launcher):
+# torchrun notices an exited worker within a second; this bound only matters if it never does.
+LAUNCHER_GRACE_S = 120.0
+
+
+def outlived_the_launcher(seconds=LAUNCHER_GRACE_S):
+    """Wait for torchrun to stop this worker: once one worker has exited, torchrun stops the
+    others (SIGTERM). A rank > 0 that met a problem rank 0 meets too, or whose collective broke
+    because another rank left, waits here rather than leave first: leaving first would have
+    torchrun stop rank 0 before it says why. True if the stop never came (the caller then reports
+    the problem itself); False after Ctrl-C, which every worker gets and torchrun reports."""
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        return False
+    return True
 
 
 def record_error(text):
@@ -624,15 +664,19 @@ class Proc:
 
         on_cpu = on_cpu and device_type_of(self.device) != "cpu"  # a CPU run's group is gloo
         flag = torch.tensor(float(ok), device="cpu" if long_wait or on_cpu else self.device)
-        if long_wait and self.long_wait_group is None:
-            hours48 = datetime.timedelta(hours=48)
-            self.long_wait_group = dist.new_group(backend="gloo", timeout=hours48)
-        if on_cpu and self.cpu_group is None:  # every rank makes it at its first vote
-            self.cpu_group = dist.new_group(backend="gloo")
-        group = None
-        if long_wait:
-            group = self.long_wait_group
-        elif on_cpu:
-            group = self.cpu_group
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        try:
+            if long_wait and self.long_wait_group is None:
+                hours48 = datetime.timedelta(hours=48)
+                self.long_wait_group = dist.new_group(backend="gloo", timeout=hours48)
+            if on_cpu and self.cpu_group is None:  # every rank makes it at its first vote
+                self.cpu_group = dist.new_group(backend="gloo")
+            group = None
+            if long_wait:
+                group = self.long_wait_group
+            elif on_cpu:
+                group = self.cpu_group
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        except RuntimeError as e:  # gloo, NCCL: a peer's connection closed, or a timeout
+            raise PeerLost(f"rank {self.rank} stopped: another process of the run left or stopped "
+                           f"answering ({one_line(e, 200)})") from e
         return flag.item() == 1.0

@@ -26,7 +26,8 @@ import time
 import fineweb
 from openai_gpt2 import OPENAI_MODELS, load_hf_model
 from common import (DTYPES, NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write,
-                    autocast_for, enable_tf32, one_line, resolve_device, run_cli, torch_dtype)
+                    autocast_for, enable_tf32, hub_unreachable, one_line, resolve_device, run_cli,
+                    torch_dtype)
 from scorer import Row, max_positions, progress_bar, score_groups
 
 # ---------------------------------------------------------------------------
@@ -161,6 +162,9 @@ def download(split, data_dir=None):
         return path
     if os.environ.get("HELLASWAG_OFFLINE", "") not in ("", "0"):
         raise HellaSwagUnavailable(_unavailable_message(split, path, "HELLASWAG_OFFLINE is set"))
+    if hub_unreachable():  # datasets' client would retry for half a minute before saying so
+        why = "the hub is unreachable; HF_HUB_OFFLINE=1 reads a copy in the datasets cache"
+        raise HellaSwagUnavailable(_unavailable_message(split, path, why))
     try:
         os.makedirs(data_dir, exist_ok=True)
     except OSError as e:

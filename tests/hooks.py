@@ -36,6 +36,11 @@ TARGETS = {
     "save_run_config": (rundir, "save_run_config", ()),
     "sample_texts": (tg, "sample_texts", ()),
     "next_batch": (tg.DataLoaderLite, "next_batch", ("self",)),
+    "run": (tg, "run", ("argv",)),
+    "train": (tg, "train", ("run", "proc")),
+    "record_error": (common, "record_error", ("text",)),
+    "outlived_the_launcher": (common, "outlived_the_launcher", ()),
+    "agree": (common.Proc, "agree", ("self", "ok")),
 }
 
 
@@ -140,6 +145,64 @@ def hook_batch(real, mode, arg):
     tg.DataLoaderLite.next_batch = next_batch
 
 
+def hook_rank0_last(real):
+    """rank0_last (under torchrun): a refusal that every rank meets is left by rank 1 first; rank 0
+    raises its own only once rank 1 has recorded it (HOOK_MARKER) and then exited or started to
+    wait to be stopped (HOOK_MARKER + ".waits")."""
+    marker = os.environ["HOOK_MARKER"]
+
+    def run(argv):
+        try:
+            return real["run"](argv)
+        except common.UsageError:
+            if common.rank() == 0:
+                wait_for(marker)
+                with open(marker) as f:
+                    rank1 = int(f.read())
+                while not os.path.exists(marker + ".waits") and alive(rank1):
+                    time.sleep(0.01)
+                if not alive(rank1):  # rank 1 left first: torchrun stops rank 0 while it holds
+                    pause()
+            raise
+
+    def record_error(text):
+        real["record_error"](text)
+        if common.rank() == 1:
+            mark()
+
+    def outlived_the_launcher(*a, **k):
+        if common.rank() == 1:
+            open(marker + ".waits", "w").close()
+        return real["outlived_the_launcher"](*a, **k)
+    tg.run, common.record_error = run, record_error
+    common.outlived_the_launcher = outlived_the_launcher
+
+
+def alive(pid):
+    """pid is running (a zombie, exited but not yet reaped by torchrun, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def hook_refuse_alone(real, arg):
+    """refuse_alone, arg a message: rank 0 refuses with it at the start of train(), alone, once
+    rank 1 has entered a collective (Proc.agree): rank 1's collective breaks when rank 0 leaves."""
+    def agree(self, ok, *a, **k):
+        if self.rank == 1:
+            open(os.environ["HOOK_MARKER"], "w").close()
+        return real["agree"](self, ok, *a, **k)
+
+    def train(run, proc, *a, **k):
+        if proc.rank == 0:
+            wait_for(os.environ["HOOK_MARKER"])
+            raise common.UsageError(arg)
+        return real["train"](run, proc, *a, **k)
+    common.Proc.agree, tg.train = agree, train
+
+
 HOOKS = {
     "hold_after_log": lambda real, arg: hook_log(real["append_log"], "hold_after_log", arg),
     "pause_after_log": lambda real, arg: hook_log(real["append_log"], "pause_after_log", arg),
@@ -148,6 +211,8 @@ HOOKS = {
     "slow_samples": lambda real, arg: hook_samples(),
     "fail_batch": lambda real, arg: hook_batch(real["next_batch"], "fail_batch", arg),
     "hold_batch": lambda real, arg: hook_batch(real["next_batch"], "hold_batch", arg),
+    "rank0_last": lambda real, arg: hook_rank0_last(real),
+    "refuse_alone": hook_refuse_alone,
 }
 
 

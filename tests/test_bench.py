@@ -11,21 +11,26 @@ import pytest
 import torch
 
 import common
-from helpers import REPO, assert_one_line_error, tiny_model
+from helpers import HANG_LIMIT_S, REPO, assert_one_line_error, tiny_model
 
 
-def bench(*args, timeout=300):
+def bench(*args, timeout=HANG_LIMIT_S):
     return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 @pytest.mark.slow
 def test_bench_json_has_every_row():
+    """Every row, long ones too, at the fewest steps and tokens that still give each its figures:
+    one timed step, one round, one arch seed of one step between two val passes of one batch, a
+    fineweb row on the repository's docs."""
+    docs = ("README.md", "docs/performance.md", "docs/operations.md")
     r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
               "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--long",
               "--rounds", "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000",
-              "--arch_seeds", "1", "--arch_max_steps", "3", "--arch_eval_every", "3",
-              "--arch_input", "README.md", "docs/performance.md", "docs/operations.md", "--json")
+              "--arch_seeds", "1", "--arch_max_steps", "1", "--arch_eval_every", "1",
+              "--arch_val_tokens", "2048", "--arch_input", *docs, "--fineweb_input", *docs,
+              "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64
@@ -41,15 +46,15 @@ def test_bench_json_has_every_row():
     assert startup["shards"] == [2, 3] and set(startup["loader_s"]) == {"2", "3"}
     assert out["hellaswag"]["same_predictions"] and out["hellaswag"]["examples"] == 4
     assert out["generate"]["kv_cache"] > 0 and out["generate"]["new_tokens"] == 4
-    assert out["loader"]["us_per_batch"] > 0 and out["fineweb"]["tokens"] > 100_000
+    assert out["loader"]["us_per_batch"] > 0 and out["fineweb"]["tokens"] > 10_000
     assert out["save"]["seconds"] > 0 and 0.05 < out["save"]["gib"] < 0.2  # tiny: ~83 MiB
     # every arm trained on the same text from the same seed; the target is the first arm's end
     arch = out["arch"]
     recipes = [arch["runs"][arm][0] for arm in arch["arms"] if arm.startswith("gpt2_adamw")]
     first = min(recipes, key=lambda r: r["val"][-1])  # the better LR's run sets the target
     assert len(recipes) == 2 and arch["target_val"] == first["val"][-1]
-    assert first["steps"] == [0, 3]
-    assert first["tokens_to_target"] == pytest.approx(3 * 2048)  # reached at its last eval
+    assert first["steps"] == [0, 1]
+    assert first["tokens_to_target"] == pytest.approx(2048)  # reached at its last eval
     assert {r["val"][0] for r in arch["runs"]["gpt2_muon"] + recipes} == {first["val"][0]}
     assert arch["runs"]["modern_muon"][0]["val"][0] == pytest.approx(math.log(50257), abs=1e-4)
 
@@ -94,7 +99,7 @@ def test_headers_only_open_leaves_the_ids_to_the_reader(tmp_path):
 def test_bench_bad_device_is_one_line():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: --device cuda is not an error")
-    r = bench("--device", "cuda", "--only", "train", timeout=120)
+    r = bench("--device", "cuda", "--only", "train", timeout=HANG_LIMIT_S)
     assert_one_line_error(r, "--device")
 
 

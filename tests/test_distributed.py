@@ -11,9 +11,10 @@ import torch
 import hellaswag
 import settings
 import train_gpt2 as tg
-from helpers import (DIST_FLAGS, REPO, assert_one_line_error, assert_same_log, dist_reference,
-                     run_args, run_cli, series, step_lines, stop_then_resume, torchrun,
-                     write_corpus_jsonl, write_hellaswag, write_shards)
+from helpers import (DIST_FLAGS, HANG_LIMIT_S, HOOKS, REPO, assert_one_line_error,
+                     assert_same_log, dist_reference, run_args, run_cli, series, step_lines,
+                     stop_then_resume, torchrun, write_corpus_jsonl, write_hellaswag,
+                     write_shards)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not built in")
@@ -130,15 +131,27 @@ def test_two_processes_prepare_the_data_and_split_hellaswag(tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_torchrun_refusal_and_one_process_exit(data, tmp_path):
-    """Under torchrun a refusal keeps its exit code and its one message, from rank 0 alone; one
-    process without torchrun still leaves through the interpreter's usual shutdown."""
+    """Under torchrun a refusal keeps its exit code and its one message, from rank 0 alone, even
+    when rank 1 is done with it first (rank 1 waits for torchrun to stop it: leaving first would
+    have torchrun stop rank 0 before it says why); a rank whose collective breaks because rank 0
+    refused alone leaves without a word. One process without torchrun still leaves through the
+    interpreter's usual shutdown."""
+    def refused(name, hook, *flags):
+        hook = {**hook, "marker": str(tmp_path / f"{name}.marker")}
+        env = {f"HOOK_{k.upper()}": v for k, v in hook.items()}
+        r = torchrun(*run_args(data, str(tmp_path / name / "log"), *flags), script=HOOKS, env=env)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode != 0 and len(errors) == 1, r.stderr
+        assert f'File "{REPO}' not in r.stderr, r.stderr  # torchrun's own traceback only
+        return errors[0]
+
+    assert "not divisible" in refused("last", {"mode": "rank0_last"}, "--total_batch_size", "192")
+    alone = refused("alone", {"mode": "refuse_alone", "arg": "rank 0 alone refuses (a test's)"},
+                    "-B", "1")
+    assert alone == "error: rank 0 alone refuses (a test's)"
+
     driver = write_driver(tmp_path)
-    bad = torchrun(*run_args(data, str(tmp_path / "bad"), "--total_batch_size", "192"),
-                   script=driver)
-    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
-    assert bad.returncode != 0 and len(errors) == 1 and "not divisible" in errors[0], bad.stderr
-    assert 'train_gpt2.py", line' not in bad.stderr  # torchrun adds its own report
     flags = ("--max_steps", "2", "--eval_every", "0", "--sample_every", "0", "-B", "1")
     one = subprocess.run([sys.executable, driver, *run_args(data, str(tmp_path / "one"), *flags)],
-                         capture_output=True, text=True, cwd=REPO, timeout=300)
+                         capture_output=True, text=True, cwd=REPO, timeout=HANG_LIMIT_S)
     assert one.returncode == 0 and "interpreter shutdown" in one.stdout, one.stderr

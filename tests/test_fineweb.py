@@ -20,8 +20,8 @@ import pytest
 import common
 import fineweb
 from fineweb import EOT, DataPrepError, prepare
-from helpers import (REPO, assert_one_line_error, dir_bytes, write_corpus_jsonl, write_jsonl,
-                     write_shards)
+from helpers import (HANG_LIMIT_S, REPO, assert_one_line_error, dir_bytes, write_corpus_jsonl,
+                     write_jsonl, write_shards)
 
 WORDS = ("the of and to in is was for on that with as by at from education learning school "
          "students teacher science history water energy cell plant animal river mountain city "
@@ -69,7 +69,7 @@ def load(paths):
 def cli(*args, env_extra=None):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", **(env_extra or {}))
     return subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=HANG_LIMIT_S)
 
 
 # -----------------------------------------------------------------------------
@@ -565,7 +565,7 @@ def test_import_has_no_side_effects():
             "assert not mp.active_children(); assert 'datasets' not in sys.modules; "
             "assert 'tiktoken' not in sys.modules; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+                       timeout=HANG_LIMIT_S)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
@@ -592,7 +592,7 @@ def test_no_progress_bar_in_non_interactive_logs(tmp_path):
     write_corpus_jsonl(corpus, 300)
     r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), "--input", corpus,
                         "--data_root", str(tmp_path / "out"), "--num_proc", "1"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_LIMIT_S)
     assert r.returncode == 0, r.stderr
     # stderr is a pipe: tqdm stays quiet
     assert "tok/s" not in r.stderr and "shard 0" not in r.stderr
@@ -800,7 +800,7 @@ def test_resume_command_finishes_the_prep(tmp_path, monkeypatch):
     words = shlex.split(status.resume_command)
     assert words[:2] == ["python", "fineweb.py"]
     r = subprocess.run([sys.executable, os.path.join(REPO, "fineweb.py"), *words[2:],
-                        "--num_proc", "1"], capture_output=True, text=True, timeout=120)
+                        "--num_proc", "1"], capture_output=True, text=True, timeout=HANG_LIMIT_S)
     assert r.returncode == 0, r.stderr
     assert fineweb.prep_status(out).complete
     reference = prepare(tmp_path / "reference", num_proc=1, progress=False, **kwargs)
@@ -813,7 +813,7 @@ def test_resume_command_finishes_the_prep(tmp_path, monkeypatch):
 
 def bench(*args):
     return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+                          capture_output=True, text=True, timeout=HANG_LIMIT_S, cwd=REPO)
 
 
 @pytest.mark.slow
@@ -1118,7 +1118,7 @@ def test_two_concurrent_fineweb_processes(tmp_path):
     first = subprocess.Popen([sys.executable, "-c", script, *first_args], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_LIMIT_S
         while not os.path.exists(holding) and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert os.path.exists(holding), first.communicate()
@@ -1132,7 +1132,7 @@ def test_two_concurrent_fineweb_processes(tmp_path):
         assert not os.path.exists(os.path.join(root, fineweb.MANIFEST))
     finally:
         open(go, "w").close()
-        out, err = first.communicate(timeout=120)
+        out, err = first.communicate(timeout=HANG_LIMIT_S)
     assert first.returncode == 0, err
     reference = prepare(tmp_path / "reference", inputs=[src], shard_size=1000, num_proc=1,
                         progress=False)

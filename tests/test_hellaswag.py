@@ -13,8 +13,8 @@ import torch
 import common
 import hellaswag
 import scorer
-from helpers import (REPO, SHORT, assert_one_line_error, classic_scores, make_records, preds,
-                     tiny_hf_model, write_jsonl)
+from helpers import (HANG_LIMIT_S, REPO, SHORT, assert_one_line_error, classic_scores, hf_gpt2,
+                     make_records, preds, tiny_hf_model, write_jsonl)
 
 # --------------------------------------------------------------------------
 # fixtures
@@ -492,7 +492,7 @@ def test_ddp_all_reduce_gloo(data_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run([sys.executable, str(script), data_dir, str(tmp_path / "init"), str(out)],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=HANG_LIMIT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads((out / "single.json").read_text())
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -715,11 +715,34 @@ def test_real_datasets_offline_is_one_line(tmp_path):
                HF_HOME=str(tmp_path / "hf_home"))
     env.pop("HF_DATASETS_CACHE", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=HANG_LIMIT_S, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("HellaSwag data unavailable")
     assert "Rowan/hellaswag" in lines[0]
+
+
+@pytest.mark.slow
+def test_eval_with_the_hub_unreachable_is_one_line_at_once(tmp_path):
+    """`eval` of a local model without HellaSwag data, offline but not told so (the hub's address a
+    closed local port): one line saying where a local copy goes, without datasets' retries (a
+    hang-limit only: no time is asserted)."""
+    _, model_dir = hf_gpt2(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy",
+                        "ALL_PROXY", "all_proxy", "HELLASWAG_OFFLINE", "HELLASWAG_DIR")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf_home"))
+    empty = str(tmp_path / "hs")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "train_gpt2.py"), "eval", "--init_from",
+                        model_dir, "--hellaswag_dir", empty, "--device", "cpu"],
+                       capture_output=True, text=True, timeout=HANG_LIMIT_S, env=env, cwd=REPO)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]  # transformers' bar
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr
+    for part in ("the hub is unreachable", "hellaswag_val.jsonl", "--hellaswag_dir",
+                 "HF_HUB_OFFLINE=1"):
+        assert part in errors[0], errors[0]
+    assert "hellaswag: fetching" not in r.stderr, r.stderr  # no attempt made
+    assert not os.path.exists(empty)  # nothing left behind
 
 
 def test_offline_env_skips_network(tmp_path, monkeypatch, fake_load_dataset):
@@ -733,7 +756,7 @@ def test_no_work_at_import():
     code = ("import sys, threading; sys.path.insert(0, %r); import hellaswag; "
             "assert not {'torch', 'requests', 'datasets', 'transformers'} & set(sys.modules); "
             "assert threading.active_count() == 1" % REPO)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=HANG_LIMIT_S)
 
 
 # --------------------------------------------------------------------------
@@ -743,7 +766,7 @@ def test_no_work_at_import():
 def _cli(args, **kw):
     env = dict(os.environ, HELLASWAG_OFFLINE="1")
     return subprocess.run([sys.executable, os.path.join(REPO, "hellaswag.py"), *args],
-                          capture_output=True, text=True, timeout=120, env=env,
+                          capture_output=True, text=True, timeout=HANG_LIMIT_S, env=env,
                           cwd=kw.get("cwd", REPO))
 
 
@@ -882,7 +905,7 @@ def test_older_transformers(tmp_path):
     script.write_text(_OLD_SCRIPT.format(old=OLD_TRANSFORMERS, repo=REPO,
                                          tests=os.path.join(REPO, "tests")))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_LIMIT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert int(out["version"].split(".")[0]) < 5, out  # really the older one, not today's

@@ -26,7 +26,7 @@ from PIL import Image
 import rundir
 import settings
 import train_gpt2
-from helpers import REPO
+from helpers import HANG_LIMIT_S, REPO
 
 NOTEBOOK = os.path.join(REPO, "play.ipynb")
 BASELINES = os.path.join(REPO, "baselines.json")
@@ -62,9 +62,10 @@ def run_headless(jupyter_path, log_path, executed_dir):
     executed = os.path.join(str(executed_dir), "executed")
     # `jupyter execute` is nbclient's app (the jupyter-execute entry point): run with this Python
     jupyter_execute = [sys.executable, "-c", "from nbclient.cli import main; main()"]
-    proc = subprocess.run(jupyter_execute + ["--timeout=120", f"--kernel_name={KERNEL_NAME}",
+    proc = subprocess.run(jupyter_execute + [f"--timeout={HANG_LIMIT_S}",  # a cell's: a hang only
+                                             f"--kernel_name={KERNEL_NAME}",
                                              f"--output={executed}", NOTEBOOK],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_LIMIT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(NOTEBOOK, "rb") as f:
         assert f.read() == before, "jupyter execute changed play.ipynb"

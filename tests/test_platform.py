@@ -18,7 +18,7 @@ import torch
 
 import common
 import fineweb
-from helpers import REPO, log_of, run_args, write_corpus_jsonl
+from helpers import HANG_LIMIT_S, REPO, log_of, run_args, write_corpus_jsonl
 
 # What Windows lacks, taken away before anything is imported (macOS lacks prctl and /proc only).
 # Kept where numpy's and torch's own Linux branches use them (os.uname, signal.SIGKILL). The
@@ -62,7 +62,7 @@ def windows_like(data, tmp_path_factory):
                                           run_args=run_args(data, str(tmp / "log"))))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the reference run's numbers, to the last bit
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO,
-                       timeout=300, env=env)
+                       timeout=HANG_LIMIT_S, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == '{"prep": 0, "run": 0}', r.stdout
     return tmp

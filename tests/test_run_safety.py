@@ -26,9 +26,9 @@ import fineweb
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import (HOOKS, assert_one_line_error, dir_bytes, log_of, newest_step, output,
-                     read_text, resume_args, run_args, run_cli, series, start_hooked, torchrun,
-                     wait_until, write_corpus_jsonl, write_shards)
+from helpers import (HANG_LIMIT_S, HOOKS, assert_one_line_error, dir_bytes, log_of, newest_step,
+                     output, read_text, resume_args, run_args, run_cli, series, start_hooked,
+                     torchrun, wait_until, write_corpus_jsonl, write_shards)
 
 
 def steps_saved(log):
@@ -51,7 +51,9 @@ def test_the_hooks_find_what_they_replace(monkeypatch, capsys):
     assert real["append_log"] is rundir.append_log and real["sample_texts"] is tg.sample_texts
     assert real["next_batch"] is tg.DataLoaderLite.next_batch
     assert set(hooks.HOOKS) == {"hold_after_log", "pause_after_log", "pause_mid_save", "hold_lock",
-                                "slow_samples", "fail_batch", "hold_batch"}
+                                "slow_samples", "fail_batch", "hold_batch", "rank0_last",
+                                "refuse_alone"}
+    assert real["outlived_the_launcher"] is common.outlived_the_launcher
     monkeypatch.setenv("HOOK_MODE", "hold_afterlog")
     assert hooks.main() == 2
     assert capsys.readouterr().err == ("error: tests/hooks.py: no hook 'hold_afterlog'; there are "
@@ -82,7 +84,7 @@ def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
     loser = next(p for p in procs if p.poll() is not None)
     winner = next(p for p in procs if p is not loser)
     release.touch()
-    assert winner.wait(timeout=300) == 0, output(winner)[1]
+    assert winner.wait(timeout=HANG_LIMIT_S) == 0, output(winner)[1]
     out, err = output(loser)
     r = subprocess.CompletedProcess([], loser.returncode, out, err)
     line = assert_one_line_error(r, "in use by a live run", f"pid {winner.pid} ")
@@ -206,7 +208,7 @@ def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_pa
     wait_until(lambda: (tmp_path / "held").exists(), [proc], "the hold at step 4")
     proc.send_signal(sig)  # as Slurm, a scheduler or Ctrl-C would: mid-step
     (tmp_path / "release").touch()
-    assert proc.wait(timeout=300) == 128 + sig
+    assert proc.wait(timeout=HANG_LIMIT_S) == 128 + sig
     out, err = output(proc)
     assert "Traceback" not in err
     name = signal.Signals(sig).name
@@ -282,7 +284,7 @@ def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
         wait_until(lambda: "SIGINT: stopping at the next micro-step" in output(proc)[1], [proc],
                    "the first Ctrl-C's line")
         proc.send_signal(signal.SIGINT)  # the hold never ends: only the second Ctrl-C can end it
-        assert proc.wait(timeout=300) == 130
+        assert proc.wait(timeout=HANG_LIMIT_S) == 130
     finally:
         proc.kill()  # a test that failed leaves no process behind
     out, err = output(proc)
@@ -322,7 +324,7 @@ def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_ran
     assert run.poll() is None
     os.kill(int((tmp_path / "held").read_text()), signal.SIGTERM)  # rank 0 alone gets the signal
     (tmp_path / "release").touch()
-    out, err = run.communicate(timeout=300)
+    out, err = run.communicate(timeout=HANG_LIMIT_S)
     assert run.returncode != 0 and 'train_gpt2.py", line' not in err, err  # torchrun's report only
     assert "stopped by SIGTERM after step 4" in out  # seen at the next step's read-back, by all
     assert "exitcode  : 143" in err or "143" in err
@@ -333,7 +335,7 @@ def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_ran
     try:
         wait_until(lambda: (tmp_path / "sampling").exists(), [], "the sample block of step 6")
         run.send_signal(signal.SIGTERM)  # the blocks sleep 300 s: only an interrupt ends them
-        out, err = run.communicate(timeout=240)
+        out, err = run.communicate(timeout=HANG_LIMIT_S)
     finally:
         run.kill()
     assert "stopped by SIGTERM at step 6" in out, out + err
@@ -341,7 +343,7 @@ def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_ran
     assert steps_saved(log)[-1] == 5
 
     resumed = hooked_torchrun({}, "--resume", "latest")
-    out, err = resumed.communicate(timeout=300)
+    out, err = resumed.communicate(timeout=HANG_LIMIT_S)
     assert resumed.returncode == 0, err
     assert log_of(log) == log_of(two_rank_reference)
 
@@ -866,8 +868,8 @@ def test_a_launcher_killed_by_sigusr1_leaves_no_worker_behind(data, tmp_path):
         workers = child_pids(run.pid)
         assert len(workers) == 2
         run.send_signal(signal.SIGUSR1)
-        run.wait(timeout=60)
-        deadline = time.monotonic() + 60
+        run.wait(timeout=HANG_LIMIT_S)
+        deadline = time.monotonic() + HANG_LIMIT_S
         while any(alive(p) for p in workers):
             assert time.monotonic() < deadline, "workers left running without their launcher"
             time.sleep(0.1)

@@ -19,7 +19,7 @@ import pytest
 import fineweb
 from fineweb import DataPrepError
 
-from helpers import REPO
+from helpers import HANG_LIMIT_S, REPO
 
 SHARED_CACHE = os.path.join(os.path.dirname(REPO), "shared", "tiktoken_cache")
 EOT_TEXT = "<|endoftext|>"
@@ -129,7 +129,7 @@ def test_same_as_tiktokens_gpt2(enc):
         "           'ref_ordinary': ordinary(ref), 'ours_ordinary': ordinary(ours)}, sys.stdout)\n")
     env = {**os.environ, "TIKTOKEN_CACHE_DIR": SHARED_CACHE}
     r = subprocess.run([sys.executable, "-c", code], input=json.dumps(ALL_TEXTS), cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_LIMIT_S)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tables"] == [True] * 5
@@ -178,7 +178,7 @@ def test_fresh_process_offline_with_no_cache(tmp_path):
            if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
     env.update(TMPDIR=str(tmp_path), TEMP=str(tmp_path), TMP=str(tmp_path), HOME=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=HANG_LIMIT_S)
     assert r.returncode == 0, r.stderr
     # the second line shows the sandbox holds: tiktoken's own loader finds neither a cache nor the
     # network
