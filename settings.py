@@ -914,20 +914,23 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first
     step_flops = flops_per_token(run.model, n_params_non_embedding, T) * total
     steps = run.end_step - first_step
     core_flops = core_tokens(run, first_step) * step_flops / total / 3  # forward passes
+    steps_and, and_core = "steps and val passes", ""  # what the time counts
+    if core_flops:
+        steps_and, and_core = "steps, val passes and CORE", " and CORE"
     if run.peak_flops:  # compiled GPT-2 training runs reach about 30-50% of a GPU's peak
         fast = (steps * step_flops + core_flops) / (run.world_size * run.peak_flops * 0.5)
-        time_line = (f"{format_eta(fast)} to {format_eta(fast * 0.5 / 0.3)} (the steps and CORE "
+        time_line = (f"{format_eta(fast)} to {format_eta(fast * 0.5 / 0.3)} (the steps{and_core} "
                      f"at 50% to 30% MFU of {run.peak_flops / 1e12:.0f} TFLOP/s)")
     elif seconds is not None:  # the run's own micro-step, timed here
         fastest, median, slowest = seconds
         total_time = plan_time(run, median, first_step)
-        time_line = (f"about {format_eta(total_time)} (steps, val and CORE, from micro-steps of "
-                     f"-B {B} x -T {T} timed on {run.device}: {fastest:.2f} to {slowest:.2f} s, "
-                     f"median {median:.2f}){tiny_hint(run, total_time)}")
+        time_line = (f"about {format_eta(total_time)} ({steps_and}, from micro-steps of -B {B} x "
+                     f"-T {T} timed on {run.device}: {fastest:.2f} to {slowest:.2f} s, median "
+                     f"{median:.2f}){tiny_hint(run, total_time)}")
     else:  # too large to time here: the matmul rate bounds it
         rate = rate or matmul_flops(run.device)
         least = least_seconds(run, n_params_non_embedding, rate, first_step)
-        time_line = (f"at least {format_eta(least)} (steps' and CORE's FLOPs at the "
+        time_line = (f"at least {format_eta(least)} (the FLOPs of the steps{and_core} at the "
                      f"{rate / 1e9:,.0f} GFLOP/s of a matmul measured on {run.device})"
                      f"{tiny_hint(run, least)}")
     fits = ""
