@@ -30,7 +30,8 @@ SOURCE = os.path.join(HERE, "fake_cuda_preload.cpp")
 TORCH_SERIES = "2.13."
 # frames in these files are the project's: their torch.cuda calls and read-backs are recorded
 PROJECT_FILES = ("train_gpt2.py", "settings.py", "rundir.py", "metrics.py", "common.py",
-                 "openai_gpt2.py", "hellaswag.py", "fineweb.py", "bench.py")
+                 "openai_gpt2.py", "hellaswag.py", "scorer.py", "core_eval.py", "fineweb.py",
+                 "bench.py")
 # what torch.cuda.get_device_name() says: an H100 SXM, the GPU the MFU column and the estimates
 # assume (its peak FLOP/s: metrics.peak_flops), and its HBM3 bandwidth from NVIDIA's datasheet
 H100 = "NVIDIA H100 80GB HBM3"
