@@ -334,9 +334,11 @@ def bench_core(args, t):
 
 
 def bench_core_gpt2(args, t):
-    """The same on GPT-2 124M's shape (random weights), fewer examples, one round."""
+    """The same on GPT-2 124M's shape (--core_long_preset; random weights), fewer examples, one
+    round."""
     torch.manual_seed(0)
-    config = tg.GPTConfig(**settings.MODEL_PRESETS["gpt2"], **settings.ARCHITECTURES[args.arch])
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[args.core_long_preset],
+                          **settings.ARCHITECTURES[args.arch])
     model = tg.GPT(config).to(t.device).eval()
     return core_scoring(model, t.device, common.torch_dtype(args.dtype_name),
                         args.core_long_examples, 1)
@@ -808,6 +810,8 @@ FLAGS = [
     ("--core_examples", 4, common.POSITIVE_INT,
      "examples of each synthetic CORE task the core row scores"),
     ("--core_long_examples", 2, common.POSITIVE_INT, "the same for the core_gpt2 row"),
+    ("--core_long_preset", "gpt2", sorted(settings.MODEL_PRESETS),
+     "the core_gpt2 row's model shape (GPT-2 124M's; the tests' check: tiny)"),
     ("--startup_shards", "2,100", {"metavar": "N,N"},
      "shards in the folders the startup row opens"),
     ("--startup_shard_tokens", 10_000_000, common.POSITIVE_INT,

@@ -23,13 +23,15 @@ def bench(*args, timeout=HANG_LIMIT_S):
 def test_bench_json_has_every_row():
     """Every row, long ones too, at the fewest steps and tokens that still give each its figures:
     one timed step, one round, one arch seed of one step between two val passes of one batch, a
-    fineweb row on the repository's docs."""
+    fineweb row on the repository's docs, one example of each CORE task (the long row's on the
+    tiny preset's shape)."""
     docs = ("README.md", "docs/performance.md", "docs/operations.md")
     r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
               "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--long",
               "--rounds", "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000",
               "--arch_seeds", "1", "--arch_max_steps", "1", "--arch_eval_every", "1",
               "--arch_val_tokens", "2048", "--arch_input", *docs, "--fineweb_input", *docs,
+              "--core_examples", "1", "--core_long_examples", "1", "--core_long_preset", "tiny",
               "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -45,6 +47,10 @@ def test_bench_json_has_every_row():
     startup = out["startup"]
     assert startup["shards"] == [2, 3] and set(startup["loader_s"]) == {"2", "3"}
     assert out["hellaswag"]["same_predictions"] and out["hellaswag"]["examples"] == 4
+    for row in ("core", "core_gpt2"):  # CORE's 22 tasks, one example each, both ways alike
+        core = out[row]
+        assert core["same_results"] and core["examples"] == core["tasks"] == 22
+        assert core["speedup"] == pytest.approx(core["one_per_forward"] / core["shared"])
     assert out["generate"]["kv_cache"] > 0 and out["generate"]["new_tokens"] == 4
     assert out["loader"]["us_per_batch"] > 0 and out["fineweb"]["tokens"] > 10_000
     assert out["save"]["seconds"] > 0 and 0.05 < out["save"]["gib"] < 0.2  # tiny: ~83 MiB
@@ -66,7 +72,8 @@ def test_bench_names_the_rows_it_left_out(capsys):
     out = capsys.readouterr().out
     assert "data start-up s, 2 / 3 shards" in out
     left = out.splitlines()[-1]
-    assert left.startswith("not measured") and "--long adds parity and train_loop and arch" in left
+    assert left.startswith("not measured")
+    assert "--long adds parity and train_loop and arch and core_gpt2" in left
     assert "; ".join(f"{k} ({v})" for k, v in bench.LONG_ROWS.items()) in left
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cpu", "--only", "train,nosuchrow"])

@@ -59,13 +59,13 @@ def scratch_dir():
     return tempfile.mkdtemp(dir=_SCRATCH[0].name)
 
 
-def scratch():
-    """A data root with tiny shards and a HellaSwag file (HELLASWAG_DIR), and a log dir, in a new
-    temp dir."""
+def scratch(batch=0):
+    """A data root with tiny shards (each split at least one batch of `batch` tokens: the run
+    checks) and a HellaSwag file (HELLASWAG_DIR), and a log dir, in a new temp dir."""
     root = scratch_dir()
     data = os.path.join(root, "data")
-    write_shards(data, "val", [5000], seed=1)
-    write_shards(data, "train", [7000, 6000, 6500], seed=2)
+    write_shards(data, "val", [max(5000, batch + 1)], seed=1)
+    write_shards(data, "train", [7000, 6000, max(6500, batch + 1)], seed=2)
     write_hellaswag(os.path.join(root, "hellaswag"), 8)
     os.environ["HELLASWAG_DIR"] = os.path.join(root, "hellaswag")
     return data, os.path.join(root, "log")
@@ -392,7 +392,7 @@ def check_auto_batch(n_layer="1"):
         return estimates["peak"]
 
     config = tg.GPTConfig(**{**settings.MODEL_PRESETS["gpt2"], "n_layer": int(n_layer)})
-    data, log = scratch()
+    data, log = scratch(batch=524288)  # -B auto may take the whole step in one micro-batch
     flags = ["--device", "cuda", "--n_layer", n_layer, "--dtype", "bf16", "-T", "1024",
              "--total_batch_size", "524288", "--data_root", data, "--log_dir", log]
     chosen = {}

@@ -435,6 +435,9 @@ class FakeProcessGroup:
 
         self._set(dist, "init_process_group", init_process_group,
                   "one rank alone: torch's fake backend")
+        self._set(dist, "new_group", lambda *args, **kwargs: None,
+                  "the run's own groups (gloo votes on the CPU) are the fake world too: the fake "
+                  "backend makes no second group")
         mesh = device_mesh.init_device_mesh
 
         def init_device_mesh(*args, **kwargs):
