@@ -419,6 +419,14 @@ def score_groups(model, groups, device, *, batch_tokens=8192, autocast_dtype=Non
     _check_rows(groups, max_positions(model))
     use_kwarg = takes_logits_to_keep(model)
     shared, passes = _passes(model, groups, batch_tokens)
+    # sharded models (FSDP) gather parameters in every forward, a collective: every rank runs as
+    # many, agreed before the first (a rank with fewer passes runs dummy ones after its own)
+    planned = 0
+    for kind, batch in passes:
+        planned += 1
+        if kind == "prefix" and any(shared[g] > 0 for g in batch):
+            planned += 1  # its prefix pass
+    agreed = _agreed_passes(planned, device, proc)
     dtype_ctx = autocast(device_type_of(device_type or device), autocast_dtype)
     order, results, n_forward = [], [], 0  # (group, row) of each result row, its tensors
     bar = None
@@ -443,9 +451,10 @@ def score_groups(model, groups, device, *, batch_tokens=8192, autocast_dtype=Non
                     n_forward += 1 + int(cache is not None)
                 if bar is not None:
                     bar.update(results[-1][0].numel())
-            # sharded models (FSDP) gather parameters in every forward: all ranks run as many
+            if n_forward != planned:
+                raise RuntimeError(f"scorer: {n_forward} forward passes run, {planned} planned")
             dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
-            for _ in range(_agreed_passes(n_forward, device, proc) - n_forward):
+            for _ in range(agreed - n_forward):
                 model(dummy)
         # read back once for all the passes
         values = []

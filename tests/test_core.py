@@ -590,3 +590,23 @@ def test_plan_counts_core():
     assert extra == pytest.approx(settings.core_tokens(run) / unit / 3)
     assert settings.least_seconds(run, 10**6, 1e9) > settings.least_seconds(off, 10**6, 1e9)
     assert settings.core_tokens(run, first_step=120) == 22 * 100 * 256  # the final model's alone
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_log_the_core_of_one(data, bundle_zip, tmp_path, monkeypatch):
+    """CORE in a run sharded by FSDP over 2 torchrun ranks (examples split, every rank running as
+    many forward passes) logs what one process logs."""
+    folder = core_eval.install(str(bundle_zip), str(tmp_path / "installed"))
+    monkeypatch.setenv("EVAL_BUNDLE_DIR", folder)  # torchrun's ranks inherit it
+    flags = ("--core_every", "4", "--core_max_per_task", "8", "--total_batch_size", "128",
+             "--max_steps", "4", "--save_every", "0", "--sample_every", "0")
+    logs = [str(tmp_path / "one"), str(tmp_path / "two")]
+    r = run_cli(*run_args(data, logs[0], *flags))
+    assert r.returncode == 0, r.stderr
+    r = torchrun(*run_args(data, logs[1], "--fsdp", *flags))
+    assert r.returncode == 0, r.stderr
+    one, two = (rundir.read_log(os.path.join(log, "log.txt")) for log in logs)
+    kinds = [k for k in one if k == "core" or k.startswith("core/")]
+    assert len(kinds) == 1 + len(core_eval.task_labels(folder))
+    for kind in kinds:
+        assert one[kind] == two[kind], kind  # steps 0 and 4, to the logged digit
