@@ -182,6 +182,12 @@ def make_norm(config: GPTConfig, dim):
         return nn.RMSNorm(dim, eps=RMS_EPS, elementwise_affine=False)
     return nn.LayerNorm(dim, bias=config.bias)
 
+def head_rms_norm(x):
+    """Each head's vector x (..., hs) RMS-normalized in x's own dtype: autocast would return it in
+    fp32 (its copy kept for the backward), and the cast back costs more passes than the norm."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.rms_norm(x, (x.size(-1),), eps=RMS_EPS)
+
 def rotary_tables(config: GPTConfig):
     """cos and sin (block_size, hs/2) of the angle pos * base^(-2i/hs) by which rotary embeddings
     turn pair i of a head at position pos: the dot product of a query and a key then depends on
@@ -191,12 +197,31 @@ def rotary_tables(config: GPTConfig):
     angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
+def rotate(x, cos, sin):
+    """x (..., hs) with each pair (x[..., i], x[..., i + hs/2]) turned by the angle whose cos and
+    sin are given (..., hs/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((torch.addcmul(x1 * cos, x2, sin, value=-1),  # x1 cos - x2 sin
+                      torch.addcmul(x2 * cos, x1, sin)), dim=-1)  # x2 cos + x1 sin
+
+class Rotary(torch.autograd.Function):
+    """rotate() with its gradient: the turn by the opposite angle, nothing kept but the tables
+    (autograd's own would keep and sum more, in three times the passes)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return rotate(grad, cos, -sin), None, None
+
 def apply_rotary(x, cos, sin):
     """x (B, nh, T, hs) with each pair (x[..., i], x[..., i + hs/2]) turned by its position's
     angle (cos, sin: (T, hs/2)); the halves' pairing is Llama's."""
-    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return Rotary.apply(x, cos.to(x.dtype), sin.to(x.dtype))
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx=0):
@@ -222,9 +247,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         if self.qk_norm:  # bounded logits q.k / sqrt(hs): no head's softmax saturates
-            # autocast computes rms_norm in fp32: back to v's dtype for the rotation and attention
-            q = F.rms_norm(q, (hs,), eps=RMS_EPS).to(v.dtype)
-            k = F.rms_norm(k, (hs,), eps=RMS_EPS).to(v.dtype)
+            q, k = head_rms_norm(q), head_rms_norm(k)
         if rotary is not None:  # before the cache: cached keys keep their own positions
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         mask, causal = None, True
@@ -237,6 +260,21 @@ class CausalSelfAttention(nn.Module):
                                            is_causal=causal and mask is None, **extra)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
+
+class ReLUSquared(torch.autograd.Function):
+    """relu(h)^2, keeping relu(h) for the backward (as much as GELU keeps) and taking its
+    gradient 2 relu(h) grad in one pass (autograd's h * h takes four)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        r = F.relu(h)
+        ctx.save_for_backward(r)
+        return r * r  # not .square(): autocast runs pow in fp32, a (B, T, 4C) fp32 copy kept
+
+    @staticmethod
+    def backward(ctx, grad):
+        (r,) = ctx.saved_tensors
+        return torch.addcmul(torch.zeros((), dtype=r.dtype, device=r.device), grad, r, value=2)
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -252,8 +290,7 @@ class MLP(nn.Module):
     def forward(self, x):
         h = self.c_fc(x)  # (B, T, 4C)
         if self.relu_squared:  # ReLU(h)^2: as cheap as ReLU, learns faster than GELU (Primer)
-            h = F.relu(h)
-            h = h * h  # not .square(): autocast runs pow in fp32, a (B, T, 4C) fp32 copy kept
+            h = ReLUSquared.apply(h)
         else:
             h = self.gelu(h)
         return self.dropout(self.c_proj(h))
@@ -270,6 +307,77 @@ class Block(nn.Module):
         # pre-norm: the residual stream itself is never normalized
         x = x + self.attn(self.ln_1(x), kv_cache, rotary)
         return x + self.mlp(self.ln_2(x))
+
+# elements of one chunk's (rows, vocab) logits in the soft-capped head: enough rows for fast
+# matmuls and few re-reads of the head's gradient, a few fp32 copies of a chunk at once
+HEAD_CHUNK = {"cpu": 1 << 25, "other": 1 << 28}
+
+class SoftcapHeadLoss(torch.autograd.Function):
+    """The logits cap * tanh(x @ w.T / cap) and their mean cross-entropy against targets, a chunk
+    of rows at a time, with the gradients of x and w computed in the forward: nothing of size
+    (N, vocab) is kept for the backward (the plain formula keeps the tanh's output and the
+    softmax) and each chunk takes a few elementwise passes (the plain formula's autograd takes
+    twice as many over the whole tensor). The tanh is 2 * sigmoid(2u) - 1, whose derivative
+    1 - tanh^2 is 4s(1 - s): sigmoid is the cheaper op. The passes run in the matmul's dtype
+    (autocast's, as the plain formula's tanh); the sums and the gradients' scale in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, cap, n_real, grads):
+        # x (N, C), weight (V, C), targets (N,); ids >= n_real (padding) are never predicted
+        N, V = x.size(0), weight.size(0)
+        rows = max(1, HEAD_CHUNK.get(x.device.type, HEAD_CHUNK["other"]) // V)
+        logits, losses = None, []
+        valid = targets != -100  # F.cross_entropy's ignore_index
+        wide = torch.promote_types(x.dtype, torch.float32)
+        grad_x, grad_w = None, None
+        if grads:
+            grad_x = torch.empty_like(x)
+            grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, wide))
+        cap_ = torch.tensor(cap, device=x.device)
+        w = weight  # the matmuls' copy: autocast's dtype, cast once, not once a chunk
+        if torch.is_autocast_enabled(x.device.type):
+            w = weight.to(torch.get_autocast_dtype(x.device.type))
+        for i in range(0, N, rows):
+            xc, tc, vc = x[i: i + rows], targets[i: i + rows].clamp(min=0), valid[i: i + rows]
+            xs = xc.to(wide) * (2 / cap)  # (r, C): then z = 2u, u = logits / cap
+            s = F.linear(xs, w).sigmoid_()  # (r, V) in autocast's dtype; tanh(u) = 2s - 1
+            if logits is None:
+                logits = torch.empty(N, V, dtype=s.dtype, device=x.device)
+            # cap * tanh(u) = 2 cap s - cap, in one pass (the -cap a 0-dim tensor)
+            out = torch.add(-cap_, s, alpha=2 * cap, out=logits[i: i + rows])
+            out[:, n_real:] = float("-inf")
+            e = torch.add(-2 * cap_, s, alpha=2 * cap).exp_()  # exp(logit - cap) <= 1: no max
+            e[:, n_real:] = 0
+            total = e.sum(dim=1, dtype=wide)  # (r,)
+            # the targets' own logits in `wide` from their rows of the head (r,)
+            s_t = torch.sigmoid((xs * weight[tc].to(wide)).sum(dim=1))
+            losses.append(((total.log() + cap - (2 * cap * s_t - cap)) * vc).sum())
+            if not grads:
+                continue
+            # d loss / d logit_true = (softmax - onehot) * 4s(1 - s), by rows: softmax = e / total
+            g = e.mul_(s.addcmul_(s, s, value=-1))  # e * s(1 - s), in the matmul's dtype
+            scale = (4 * vc / total)[:, None]  # (r, 1) fp32: the softmax's and the slope's 4
+            hit = (4 * vc * s_t * (1 - s_t))[:, None]  # (r, 1): the onehot's part
+            grad_x[i: i + rows] = (g @ w).to(wide) * scale - hit * weight[tc].to(wide)
+            if g.dtype == grad_w.dtype:
+                grad_w.addmm_(g.t(), xc * scale)  # accumulated in place
+            else:  # autocast: the product in its dtype, summed in fp32
+                grad_w += g.t() @ (xc.to(wide) * scale)
+            grad_w.index_add_(0, tc, (-hit * xc.to(wide)).to(grad_w.dtype))
+        count = valid.sum().clamp(min=1)
+        ctx.save_for_backward(grad_x, grad_w, count)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(logits)
+        ctx.set_materialize_grads(False)  # no (N, vocab) zeros made for the logits' gradient
+        return logits, torch.stack(losses).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_logits, grad_loss):
+        # the logits come without a graph: only the loss is differentiated
+        grad_x, grad_w, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return ((grad_x * scale).to(grad_x.dtype), (grad_w * scale).to(ctx.weight_dtype),
+                None, None, None, None)
 
 class GPT(nn.Module):
     masked_logits_to_keep = True  # forward takes a (B, T) bool mask as logits_to_keep
@@ -363,15 +471,23 @@ class GPT(nn.Module):
             x = x[:, -logits_to_keep:]  # (B, logits_to_keep, C)
         if targets is not None and x.shape[:2] != (B, T):
             raise ValueError("targets need every position's logits: leave logits_to_keep 0")
-        x = self.transformer.ln_f(x)
+        return self.head(self.transformer.ln_f(x), targets)
+
+    def head(self, x, targets=None):
+        """x (..., C) -> logits (..., vocab_size) and their mean cross-entropy vs targets."""
+        cap, weight = self.config.logit_softcap, self.lm_head.weight
+        if cap > 0 and targets is not None:  # the loss's gradients computed as it goes
+            grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            logits, loss = SoftcapHeadLoss.apply(x.flatten(0, -2), weight, targets.reshape(-1),
+                                                 cap, self.config.real_vocab_size, grads)
+            return logits.view(*x.shape[:-1], -1), loss
         # -inf added to the padding ids' logits in the matmul itself: they are never predicted
-        cap = self.config.logit_softcap
         if cap > 0:  # squashed into (-cap, cap) first: the -inf stays -inf
-            logits = F.linear(x, self.lm_head.weight)  # (B, T, vocab_size), autocast's dtype
+            logits = F.linear(x, weight)  # (B, T, vocab_size), autocast's dtype
             # the mask cast to it: an fp32 mask would make the (B, T, vocab_size) logits fp32
             logits = cap * torch.tanh(logits / cap) + self.vocab_mask.to(logits.dtype)
         else:
-            logits = F.linear(x, self.lm_head.weight, self.vocab_mask)  # (B, T, vocab_size)
+            logits = F.linear(x, weight, self.vocab_mask)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))

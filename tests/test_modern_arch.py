@@ -146,6 +146,19 @@ def test_rotated_dot_product_depends_only_on_the_distance():
     assert min(abs(a - b) for i, a in enumerate(distances) for b in distances[i + 1:]) > 1e-3
 
 
+def test_rotary_gradient_is_the_turn_back():
+    """Rotary's own backward (the opposite turn) against autograd through the complex formula."""
+    cos, sin = tg.rotary_tables(tg.GPTConfig(**SHAPE, **MODERN))
+    positions = torch.arange(5, 37)
+    q = randn(2, 4, 32, HS, seed=6).double().requires_grad_()
+    grad = randn(2, 4, 32, HS, seed=7).double()
+    ours = tg.apply_rotary(q, cos[5:37].double(), sin[5:37].double())
+    (want,) = torch.autograd.grad(rotate_reference(q, positions), q, grad)
+    (got,) = torch.autograd.grad(ours, q, grad)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the tables are fp32
+    assert not torch.allclose(got, grad, atol=1e-3)  # it turns something
+
+
 # ------------------------------------------------------------------------------ RMSNorm, QK-norm
 
 def test_rmsnorm_is_x_over_root_mean_square_plus_eps():
@@ -170,6 +183,23 @@ def test_attention_with_qk_norm_and_rotary_written_out(qk_norm):
     # the norm matters at these weights: an attention that skipped it would fail above
     other = attention_reference(attn, x, not qk_norm)
     assert (got - other).abs().max() > 1e-3
+
+
+def test_relu_squared_and_head_norm_against_their_plain_formulas():
+    h = (randn(4, 8, 3 * C, seed=8).double() * 2).requires_grad_()
+    grad = randn(4, 8, 3 * C, seed=9).double()
+    ours = tg.ReLUSquared.apply(h)
+    want = F.relu(h) ** 2
+    assert ours.equal(want) and (h < 0).any() and (h > 0).any()
+    torch.testing.assert_close(torch.autograd.grad(ours, h, grad)[0],
+                               torch.autograd.grad(want, h, grad)[0], rtol=0, atol=0)
+    # QK-norm in the head's own dtype under autocast (bf16 in, bf16 out), the norm in fp32 rounded
+    q = randn(2, 4, 16, HS, seed=10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = tg.head_rms_norm(q.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), rms_reference(q.bfloat16().float()), rtol=2e-2,
+                               atol=2e-2)
 
 
 def test_modern_forward_is_its_parts_written_out():
@@ -207,6 +237,59 @@ def test_logits_are_soft_capped_and_padding_stays_minus_inf():
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     out = model.generate(idx[:, :8], 20, top_k=None, generator=torch.Generator().manual_seed(0))
     assert out.max() < REAL_V
+
+
+def softcap_reference(x, w, targets, cap, n_real):
+    """The soft-capped head and its loss by the plain formula: every (N, vocab) tensor kept."""
+    logits = cap * torch.tanh(F.linear(x, w) / cap)
+    logits = torch.cat((logits[:, :n_real], torch.full_like(logits[:, n_real:], -math.inf)), 1)
+    return logits, F.cross_entropy(logits, targets)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])  # rows a chunk: one, a ragged last, all
+def test_softcap_head_loss_matches_the_plain_formula(chunk, monkeypatch):
+    N, width, vocab, n_real, cap = 50, 24, 300, 290, 5.0
+    monkeypatch.setitem(tg.HEAD_CHUNK, "cpu", chunk * vocab)
+    x = (randn(N, width, seed=1).double() * 3).requires_grad_()
+    w = randn(vocab, width, seed=2).double().requires_grad_()
+    targets = tokens(1, N, seed=3)[0] % n_real
+    targets[[4, 31]] = -100  # ignored, as F.cross_entropy's ignore_index
+    want_logits, want = softcap_reference(x, w, targets, cap, n_real)
+    want_grads = torch.autograd.grad(2.5 * want, (x, w))
+    logits, loss = tg.SoftcapHeadLoss.apply(x, w, targets, cap, n_real, True)
+    grads = torch.autograd.grad(2.5 * loss, (x, w))
+    assert want.abs() > 1  # the cap acts: raw logits far beyond it
+    assert (F.linear(x, w).abs() > 4 * cap).any()
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-12)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-14)
+    assert (grads[1][n_real:] == 0).all()  # padding rows of the head never learn
+    assert not logits.requires_grad  # the logits come without a graph
+
+
+def test_the_modern_model_trains_through_the_chunked_head_as_by_the_plain_formula():
+    model = scrambled(modern_model()).double()
+    idx, targets = tokens(2, 32, seed=4), tokens(2, 32, seed=5)
+    _, loss = model(idx, targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    params = dict(model.named_parameters())
+    # the plain formula for the same model: the head's logits without targets, then the loss
+    logits, _ = model(idx)
+    want = F.cross_entropy(logits.view(-1, V), targets.view(-1))
+    want_grads = torch.autograd.grad(want, list(params.values()))
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    for name, got, ref in zip(params, grads, want_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-13, msg=name)
+    with torch.no_grad():  # the same loss without a graph
+        assert model(idx, targets)[1].item() == loss.item()
+    # bf16 autocast: the chunked head computes in fp32 what the plain formula does in bf16
+    model = scrambled(modern_model()).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx, targets)
+        want = F.cross_entropy(model(idx)[0].float().view(-1, V), targets.view(-1))
+    assert logits.dtype == torch.bfloat16
+    assert loss.item() == pytest.approx(want.item(), rel=2e-2)
 
 
 # ------------------------------------------------------------------------------ init, and GPT-2's
