@@ -118,16 +118,16 @@ def rss_bytes():
 
 
 # ===== The rows: each measure(args, target) returns its figures ==================================
-def bench_training(args, t):
-    """One training step (micro-steps, clipping, AdamW) on random batches: tokens/s, ms/step, MFU
-    and peak memory."""
-    model = tg.GPT(t.config).to(t.device)
+def training_step(args, t, config):
+    """A fresh model of config and one training step's function for it (micro-steps, clipping,
+    AdamW) on random batches."""
+    model = tg.GPT(config).to(t.device)
     optimizer = model.configure_optimizers(0.1, 6e-4, t.device_type, verbose=False)
     if args.foreach_adamw:
         for g in optimizer.param_groups:
             g["fused"], g["foreach"] = False, True
     train_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
-    loader = RandomLoader(args.micro_batch_size, args.sequence_length, t.config.real_vocab_size,
+    loader = RandomLoader(args.micro_batch_size, args.sequence_length, config.real_vocab_size,
                           t.device)
 
     def step():
@@ -136,6 +136,13 @@ def bench_training(args, t):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
+    return model, step
+
+
+def bench_training(args, t):
+    """One training step (micro-steps, clipping, AdamW) on random batches: tokens/s, ms/step, MFU
+    and peak memory."""
+    model, step = training_step(args, t, t.config)
     on_cuda = t.device_type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(t.device)
@@ -148,6 +155,22 @@ def bench_training(args, t):
     return {"tokens_per_sec": tokens / dt, "ms_per_step": dt * 1000, "tokens_per_step": tokens,
             "mfu": flops * tokens / dt / peak if peak else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated(t.device) / 2**30 if on_cuda else None}
+
+
+def bench_train_arch(args, t):
+    """The training row's step with GPT-2's architecture and with --arch modern's parts (this
+    preset's shape), alternated over --rounds: each one's median ms, and modern / gpt2."""
+    steps = {}
+    for arch in ("gpt2", "modern"):
+        config = tg.GPTConfig(**{**vars(t.config), **settings.ARCHITECTURES[arch]})
+        steps[arch] = training_step(args, t, config)[1]
+    times = {arch: [] for arch in steps}
+    for _ in range(args.rounds):
+        for arch, step in steps.items():
+            times[arch].append(timed(step, t.device_type, args.warmup, args.steps) * 1000)
+    ms = {arch: statistics.median(v) for arch, v in times.items()}
+    return {"gpt2_ms": ms["gpt2"], "modern_ms": ms["modern"], "rounds_ms": times,
+            "ratio": ms["modern"] / ms["gpt2"]}
 
 
 def bench_optimizers(args, t):
@@ -655,6 +678,13 @@ ARCH_ARMS = {
     "modern_muon": ["--arch", "modern", "--optimizer", "muon", "--max_lr", "8e-3",
                     "--muon_lr", "4e-3"],
 }
+# --arch_arms: the modern arm with one change each (its LRs, not tuned for the change)
+ARCH_ABLATIONS = {
+    "modern_ve": [*ARCH_ARMS["modern_muon"], "--value_embeds"],
+    "modern_x0": [*ARCH_ARMS["modern_muon"], "--x0_skip"],
+    "modern_unet": [*ARCH_ARMS["modern_muon"], "--unet_skip"],
+    "modern_wsd": [*ARCH_ARMS["modern_muon"], "--wsd_decay", "0.4"],
+}
 
 
 def stdlib_docstrings(path):
@@ -709,28 +739,36 @@ def bench_arch(args, t):
     tiny = settings.RUN_PRESETS["tiny"]
     tokens_per_step = tiny["total_batch_size"]
     val_tokens = args.arch_val_tokens or tiny["val_tokens"]
-    runs = {arm: [] for arm in ARCH_ARMS}
+    arms = {arm: {**ARCH_ARMS, **ARCH_ABLATIONS}[arm] for arm in args.arch_arms}
+    recipes = [arm for arm in arms if arm.startswith("gpt2_adamw")]
+    if not recipes and args.arch_target is None:
+        raise common.UsageError("--arch_arms without a gpt2_adamw arm needs --arch_target: the "
+                                "GPT-2 recipe's val loss to reach")
+    runs = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
         inputs = args.arch_input or [stdlib_docstrings(os.path.join(tmp, "docstrings.txt"))]
         data = os.path.join(tmp, "data")  # the val shard holds what the preset evaluates on
         fineweb.prepare(data, inputs=inputs, shard_size=10_000_000, val_tokens=tiny["val_tokens"],
                         progress=False)
         for seed in args.arch_seeds:
-            for arm, arm_flags in ARCH_ARMS.items():
+            for arm, arm_flags in arms.items():
                 log_dir = os.path.join(tmp, f"{arm}_{seed}")
                 flags = ["--preset", "tiny", *arm_flags, "--seed", str(seed), "--data_root", data,
                          "--log_dir", log_dir, "--eval_every", str(args.arch_eval_every),
                          "--max_steps", str(args.arch_max_steps), "--sample_every", "0",
                          "--val_tokens", str(val_tokens),
                          "--device", t.device]
+                if args.arch_stop_step:  # the schedule stays --arch_max_steps'
+                    flags += ["--stop_step", str(args.arch_stop_step)]
                 steps, values, seconds = arch_run(flags, log_dir)
                 runs[arm].append({"seed": seed, "steps": steps, "val": values,
                                   "s_per_step": seconds})
 
-    target = min(statistics.mean(r["val"][-1] for r in arm_runs)
-                 for arm, arm_runs in runs.items() if arm.startswith("gpt2_adamw"))
+    target = args.arch_target
+    if target is None:
+        target = min(statistics.mean(r["val"][-1] for r in runs[arm]) for arm in recipes)
     row = {"target_val": target, "recipe_tokens": args.arch_max_steps * tokens_per_step,
-           "arms": ARCH_ARMS, "inputs": args.arch_input or ["stdlib docstrings"], "runs": runs}
+           "arms": arms, "inputs": args.arch_input or ["stdlib docstrings"], "runs": runs}
     for arm, arm_runs in runs.items():
         for r in arm_runs:
             r["tokens_to_target"] = tokens_to_reach(r["steps"], r["val"], target,
@@ -742,12 +780,14 @@ def bench_arch(args, t):
 
 
 # every row in the order measured; the long ones only by name (--only) or with --long
-ROWS = {"train": bench_training, "train_loop": bench_train_loop, "parity": bench_parity,
+ROWS = {"train": bench_training, "train_arch": bench_train_arch, "train_loop": bench_train_loop,
+        "parity": bench_parity,
         "optimizers": bench_optimizers, "hellaswag": bench_hellaswag, "core": bench_core,
         "core_gpt2": bench_core_gpt2,
         "generate": bench_generation, "loader": bench_loader, "save": bench_save,
         "startup": bench_startup, "fineweb": bench_fineweb, "arch": bench_arch}
-LONG_ROWS = {"parity": "train_gpt2.train() vs a build-nanogpt-style loop, alternated",
+LONG_ROWS = {"train_arch": "the training step of gpt2 and modern, alternated",
+             "parity": "train_gpt2.train() vs a build-nanogpt-style loop, alternated",
              "train_loop": "train_gpt2.main's own dt",
              "arch": "--arch modern vs gpt2 in tokens to a val loss (CPU: hours)",
              "core_gpt2": "CORE's scorers at GPT-2 124M's size (CPU: minutes)"}
@@ -794,7 +834,7 @@ FLAGS = [
     ("--steps", None, common.POSITIVE_INT,
      f"timed training steps, their median reported ({per_device('steps')})"),
     ("--rounds", 3, common.POSITIVE_INT,
-     "alternated rounds of the parity and startup rows (their medians)"),
+     "alternated rounds of the train_arch, parity and startup rows (their medians)"),
     ("--only", None, {"type": row_names, "metavar": "ROW,ROW,..."},
      f"rows to measure (default: {','.join(DEFAULT_ROWS)}; long ones: "
      f"{'; '.join(f'{k} ({v})' for k, v in LONG_ROWS.items())})"),
@@ -823,6 +863,13 @@ FLAGS = [
      "the arch row's steps a run (the tiny preset's schedule)"),
     ("--arch_val_tokens", None, common.POSITIVE_INT,
      "the arch row's val tokens an evaluation (default: the tiny preset's)"),
+    ("--arch_arms", list(ARCH_ARMS),
+     {"nargs": "+", "choices": [*ARCH_ARMS, *ARCH_ABLATIONS], "metavar": "ARM"},
+     "the arch row's arms (the modern_* beyond modern_muon: one change each)"),
+    ("--arch_stop_step", None, common.POSITIVE_INT,
+     "the arch row's runs stop there (their schedule --arch_max_steps'): enough to reach it"),
+    ("--arch_target", None, float,
+     "the arch row's val loss to reach (default: the GPT-2 recipe arms' final val here)"),
     ("--arch_input", None, {"nargs": "+", "metavar": "PATH"},
      "the arch row's corpus (default: this Python's standard-library docstrings)"),
     ("--json", False, STORE_TRUE, "print the results as JSON instead of a table"),
@@ -954,6 +1001,11 @@ def table_rows(r):
                  ("train ms/step", fmt(t["ms_per_step"])),
                  ("train MFU", fmt(t["mfu"] * 100 if t["mfu"] else None, "%")),
                  ("train peak GPU memory", fmt(t["peak_mem_gib"], " GiB"))]
+    if "train_arch" in r:
+        a = r["train_arch"]
+        rows += [("train ms/step, --arch gpt2 (median of rounds)", fmt(a["gpt2_ms"])),
+                 ("train ms/step, --arch modern", fmt(a["modern_ms"])),
+                 ("modern / gpt2", fmt(a["ratio"], "x"))]
     if "train_loop" in r:
         rows += [("train_gpt2.main tokens/s", fmt(r["train_loop"]["tokens_per_sec"])),
                  ("train_gpt2.main ms/step", fmt(r["train_loop"]["ms_per_step"]))]

@@ -61,6 +61,9 @@ RUN_SETTINGS = {
         ("--tie_embeddings", None, bool, "lm_head shares wte's weight"),
         ("--zero_init", None, bool, "output projections (and an untied lm_head) start at 0"),
         ("--logit_softcap", None, NONNEG, "logits to cap * tanh(logits / cap) (0: off)"),
+        ("--value_embeds", None, bool, "every other block's values add a vector of each token"),
+        ("--x0_skip", None, bool, "each block's input adds the embedding, by a learned scalar"),
+        ("--unet_skip", None, bool, "the second half's blocks add the first half's outputs"),
     ],
     "optimisation": [
         ("--optimizer", "adamw", ["adamw", "muon"], "muon: Muon for the blocks' matrices"),
@@ -72,6 +75,8 @@ RUN_SETTINGS = {
         ("--max_lr", 6e-4, LEARNING_RATE, "peak learning rate"),
         ("--min_lr_ratio", 0.1, bounded(float, 0, 1, what="in [0, 1]"), "final LR / max_lr"),
         ("--warmup_steps", 715, count(0, STEPS), "linear warmup steps"),
+        ("--wsd_decay", 0.0, bounded(float, 0, 1, what="in [0, 1]"),
+         "0: cosine decay (GPT-2's); f: constant, then linear decay over the last f of the steps"),
         ("--max_steps", 19073, count(1, STEPS), "optimizer steps (19073 x 2^19 = 10B tokens)"),
         ("--weight_decay", 0.1, NONNEG, "AdamW's weight decay (matmuls, embeddings)"),
         ("--grad_clip", 1.0, NONNEG, "clip the gradient norm to this (0: off)"),
@@ -133,10 +138,10 @@ DEFAULTS = {flag_dest(f): default for group in RUN_SETTINGS.values() for f, defa
 ARCHITECTURES = {
     "gpt2": dict(bias=True, pos_emb="learned", norm="layernorm", embed_norm=False, qk_norm=False,
                  activation="gelu", tie_embeddings=True, zero_init=False,
-                 logit_softcap=0.0),
+                 logit_softcap=0.0, value_embeds=False, x0_skip=False, unet_skip=False),
     "modern": dict(bias=False, pos_emb="rope", norm="rmsnorm", embed_norm=True, qk_norm=True,
                    activation="relu2", tie_embeddings=False, zero_init=True,
-                   logit_softcap=15.0),
+                   logit_softcap=15.0, value_embeds=False, x0_skip=False, unet_skip=False),
 }
 ARCH_PARTS = tuple(ARCHITECTURES["gpt2"])
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", *ARCH_PARTS)
@@ -487,8 +492,8 @@ def break_text(text, first, width):
 
 # ===== Flag checks: what argparse cannot check alone, all before any work ========================
 # the flags that decide which tokens each step sees and at which LR: a change on resume is stated
-SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "total_batch_size",
-                  "batch_ramp_tokens", "batch_ramp_start", "seed")
+SCHEDULE_FLAGS = ("max_steps", "max_lr", "min_lr_ratio", "warmup_steps", "wsd_decay",
+                  "total_batch_size", "batch_ramp_tokens", "batch_ramp_start", "seed")
 
 
 def check_prompt_fits(n_prompt, n_new, block_size, flags, hint=""):

@@ -65,6 +65,9 @@ class GPTConfig:
     tie_embeddings: bool = True  # lm_head shares wte's weight
     zero_init: bool = False  # the output projections (and an untied lm_head) start at zero
     logit_softcap: float = 0.0  # logits squashed to (-cap, cap) by cap * tanh(logits / cap); 0: off
+    value_embeds: bool = False  # every other block's values add a learned vector of each token
+    x0_skip: bool = False  # each block's input adds the embedding x0, by a learned scalar
+    unet_skip: bool = False  # the second half's blocks add the first half's outputs, mirrored
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -173,6 +176,14 @@ class KVCache:
         mask = torch.cat((cached[:, None].expand(B, T, -1), own.expand(B, T, T)), dim=2)
         return mask[:, None], False  # (1 or B, 1, T, pos + T)
 
+VE_GATE_CHANNELS = 32  # the input channels a value embedding's gate reads
+
+def value_embed_layers(config: GPTConfig):
+    """The blocks with value embeddings: every other one, counted back from the last."""
+    if not config.value_embeds:
+        return []
+    return list(range(config.n_layer - 1, -1, -2))[::-1]
+
 ROPE_BASE = 10000.0  # rotary embeddings: the slowest pair turns by base^(-(hs-2)/hs) a position
 RMS_EPS = 1e-6
 
@@ -237,15 +248,23 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.RESIDUAL_SCALE_INIT = True  # adds to the residual stream
         self.c_proj.ZERO_INIT = config.zero_init
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.ve_gate = None
+        if layer_idx in value_embed_layers(config):  # each kv head's gate from a few channels
+            self.ve_gate = nn.Linear(min(VE_GATE_CHANNELS, config.n_embd), self.n_kv_head,
+                                     bias=False)
+            self.ve_gate.ZERO_INIT = True  # 2 sigmoid(0) = 1: the values add ve at init
 
-    def forward(self, x, kv_cache=None, rotary=None):
-        """x (B, T, C); rotary: the (cos, sin) of these T positions, or None (positions in wpe)."""
+    def forward(self, x, kv_cache=None, rotary=None, ve=None):
+        """x (B, T, C); rotary: the (cos, sin) of these T positions, or None (positions in wpe);
+        ve: the tokens' value embeddings (B, T, n_kv_head * hs), or None."""
         B, T, C = x.size()
         hs, nh, nkv = self.hs, self.n_head, self.n_kv_head
         q, k, v = self.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=2)
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if ve is not None:  # autocast: the sum in v's dtype
+            v = v + self.value_embedding(x, ve).to(v.dtype)
         if self.qk_norm:  # bounded logits q.k / sqrt(hs): no head's softmax saturates
             q, k = head_rms_norm(q), head_rms_norm(k)
         if rotary is not None:  # before the cache: cached keys keep their own positions
@@ -260,6 +279,13 @@ class CausalSelfAttention(nn.Module):
                                            is_causal=causal and mask is None, **extra)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.resid_dropout(self.c_proj(y))
+
+    def value_embedding(self, x, ve):
+        """(B, nkv, T, hs): each token's own value vector ve (B, T, nkv * hs), for each kv head
+        scaled by a gate in (0, 2) read from the input (a token's vector is not always wanted)."""
+        B, T, _ = x.size()
+        gate = 2 * torch.sigmoid(self.ve_gate(x[..., : self.ve_gate.in_features]))  # (B, T, nkv)
+        return (gate[..., None] * ve.view(B, T, self.n_kv_head, self.hs)).transpose(1, 2)
 
 class ReLUSquared(torch.autograd.Function):
     """relu(h)^2, keeping relu(h) for the backward (as much as GELU keeps) and taking its
@@ -303,10 +329,35 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, rotary=None):
+    def forward(self, x, kv_cache=None, rotary=None, ve=None):
         # pre-norm: the residual stream itself is never normalized
-        x = x + self.attn(self.ln_1(x), kv_cache, rotary)
+        x = x + self.attn(self.ln_1(x), kv_cache, rotary, ve)
         return x + self.mlp(self.ln_2(x))
+
+class Skips(nn.Module):
+    """The blocks run with connections around them, each weighted by learned scalars that start at
+    0 (the model starts as the one without them). x0_skip: block i's input adds x0_lambdas[i] *
+    x0, the embedding the blocks start from. unet_skip: as in a U-net, the second half's blocks
+    add the first half's outputs in mirror order (block n-1-j adds block j's, by
+    unet_lambdas[j])."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        n = config.n_layer
+        self.x0_lambdas = nn.Parameter(torch.zeros(n)) if config.x0_skip else None
+        self.unet_lambdas = nn.Parameter(torch.zeros(n // 2)) if config.unet_skip else None
+
+    def forward(self, blocks, x, kv_cache, rotary, ve):
+        x0, outputs, n = x, [], len(blocks)
+        for i, block in enumerate(blocks):
+            if self.x0_lambdas is not None:
+                x = x + self.x0_lambdas[i] * x0
+            mirror = n - 1 - i
+            if self.unet_lambdas is not None and mirror < n // 2:
+                x = x + self.unet_lambdas[mirror] * outputs[mirror]
+            x = block(x, kv_cache, rotary, ve.get(i))
+            outputs.append(x)
+        return x
 
 # elements of one chunk's (rows, vocab) logits in the soft-capped head: enough rows for fast
 # matmuls and few re-reads of the head's gradient, a few fp32 copies of a chunk at once
@@ -399,6 +450,12 @@ class GPT(nn.Module):
         self.transformer.drop = nn.Dropout(config.dropout)
         self.transformer.h = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.transformer.ln_f = make_norm(config, config.n_embd)
+        if config.value_embeds:  # a table per block that has them: (vocab, n_kv_head * hs)
+            kv = config.n_kv_head * (config.n_embd // config.n_head)
+            self.transformer.ve = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv)
+                                                 for i in value_embed_layers(config)})
+        if config.x0_skip or config.unet_skip:
+            self.transformer.skips = Skips(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
@@ -432,6 +489,8 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         if non_embedding and not self.config.tie_embeddings:
             n -= self.transformer.wte.weight.numel()
+        if non_embedding and "ve" in self.transformer:
+            n -= sum(p.numel() for p in self.transformer.ve.parameters())
         return n
 
     def forward(self, idx, targets=None, kv_cache=None, logits_to_keep=0):
@@ -457,8 +516,12 @@ class GPT(nn.Module):
         if "ln_e" in self.transformer:
             x = self.transformer.ln_e(x)
         x = self.transformer.drop(x)
-        for block in self.transformer.h:
-            x = block(x, kv_cache, rotary)
+        ve = self.value_embeddings(idx)  # {block: (B, T, n_kv_head * hs)}; none in GPT-2
+        if "skips" in self.transformer:  # x0 and U-net connections around the blocks
+            x = self.transformer.skips(self.transformer.h, x, kv_cache, rotary, ve)
+        else:
+            for i, block in enumerate(self.transformer.h):
+                x = block(x, kv_cache, rotary, ve.get(i))
         if kv_cache is not None:
             kv_cache.pos += T
 
@@ -472,6 +535,12 @@ class GPT(nn.Module):
         if targets is not None and x.shape[:2] != (B, T):
             raise ValueError("targets need every position's logits: leave logits_to_keep 0")
         return self.head(self.transformer.ln_f(x), targets)
+
+    def value_embeddings(self, idx):
+        """The tokens' value embeddings for each block that has them: {block: (B, T, kv)}."""
+        if "ve" not in self.transformer:
+            return {}
+        return {int(i): table(idx) for i, table in self.transformer.ve.items()}
 
     def head(self, x, targets=None):
         """x (..., C) -> logits (..., vocab_size) and their mean cross-entropy vs targets."""
@@ -754,12 +823,19 @@ def make_optimizer(model, run, verbose=False):
     return model.configure_optimizers(run.weight_decay, run.max_lr, run.device_type, verbose,
                                       muon)
 
-def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
-    """Linear warmup to max_lr, cosine decay to min_lr at max_steps, then constant."""
+def get_lr(step, max_lr, min_lr, warmup_steps, max_steps, wsd_decay=0.0):
+    """Linear warmup to max_lr, then cosine decay to min_lr at max_steps (GPT-2's); or, with
+    wsd_decay f > 0, warmup-stable-decay: max_lr until the last f of the steps, then linear to
+    min_lr at max_steps. After max_steps: min_lr."""
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= max_steps:
         return min_lr
+    if wsd_decay > 0:
+        decay_start = max(warmup_steps, max_steps - round(wsd_decay * max_steps))
+        if step < decay_start:
+            return max_lr
+        return max_lr + (min_lr - max_lr) * (step - decay_start) / (max_steps - decay_start)
     ratio = (step - warmup_steps) / (max_steps - warmup_steps)
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
     return min_lr + coeff * (max_lr - min_lr)
@@ -781,6 +857,7 @@ class Schedule:
     min_lr: float
     warmup_steps: int
     max_steps: int
+    wsd_decay: float
     total_batch_size: int
     ramp_tokens: int
     ramp_start: int
@@ -788,12 +865,14 @@ class Schedule:
 
     @classmethod
     def of(cls, run):
+        unit = run.micro_batch_size * run.sequence_length * run.world_size
         return cls(run.max_lr, run.max_lr * run.min_lr_ratio, run.warmup_steps, run.max_steps,
-                   run.total_batch_size, run.batch_ramp_tokens, run.batch_ramp_start,
-                   run.micro_batch_size * run.sequence_length * run.world_size)
+                   run.wsd_decay, run.total_batch_size, run.batch_ramp_tokens,
+                   run.batch_ramp_start, unit)
 
     def lr(self, step):
-        return get_lr(step, self.max_lr, self.min_lr, self.warmup_steps, self.max_steps)
+        return get_lr(step, self.max_lr, self.min_lr, self.warmup_steps, self.max_steps,
+                      self.wsd_decay)
 
     def batch_size(self, tokens_seen):
         return batch_size_at(tokens_seen, self.ramp_tokens, self.total_batch_size, self.unit,
@@ -1222,7 +1301,7 @@ def settle(argv, planning=False):
         model_from_checkpoint(ckpt, args.resume, "meta")  # its config and weights agree
         asked_shape = asdict(model_config(args))
         lrs = tuple(get_lr(ckpt["step"] + 1, f["max_lr"], f["max_lr"] * f["min_lr_ratio"],
-                           f["warmup_steps"], f["max_steps"])
+                           f["warmup_steps"], f["max_steps"], f.get("wsd_decay", 0.0))
                     for f in ({**vars(args), **ckpt["args"]}, vars(args)))  # then, now
     for warning in settings.check_flags(args, given, ckpt, asked_shape, lrs):
         print0(f"warning: {warning}")

@@ -38,6 +38,28 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(steps, steps[1:]))
 
 
+def test_warmup_stable_decay_schedule(data, tmp_path):
+    """--wsd_decay 0.4 of 110 steps: warmup to step 9, max_lr to step 65, then a straight line to
+    min_lr at step 110 (44 steps); a run logs these LRs."""
+    kw = dict(max_lr=6e-4, min_lr=6e-5, warmup_steps=10, max_steps=110, wsd_decay=0.4)
+    assert tg.get_lr(0, **kw) == pytest.approx(6e-4 / 10) and tg.get_lr(9, **kw) == 6e-4
+    assert tg.get_lr(10, **kw) == tg.get_lr(65, **kw) == 6e-4  # stable
+    for step in (66, 88, 109):  # decay: linear from step 66 (6e-4) to 110 (6e-5)
+        assert tg.get_lr(step, **kw) == pytest.approx(6e-4 - 5.4e-4 * (step - 66) / 44)
+    assert tg.get_lr(110, **kw) == pytest.approx(6e-5) == tg.get_lr(500, **kw)
+    # the decay never starts inside the warmup
+    assert tg.get_lr(3, **{**kw, "wsd_decay": 1.0}) == pytest.approx(6e-4 * 4 / 10)
+    assert tg.get_lr(10, **{**kw, "wsd_decay": 1.0}) == 6e-4
+    log = str(tmp_path / "log")  # 8 steps, warmup 2, decay over the last 4
+    r = run_cli(*run_args(data, log, "--wsd_decay", "0.5", "--max_lr", "1e-3", *QUIET))
+    assert r.returncode == 0, r.stderr
+    lrs = [float(line.split("lr ")[1].split()[0]) for line in r.stdout.splitlines()
+           if line.startswith("step ")]
+    want = [tg.get_lr(s, 1e-3, 1e-4, 2, 8, 0.5) for s in range(8)]
+    assert lrs == pytest.approx(want, rel=1e-4)  # the step line prints 5 digits
+    assert want[1:4] == [1e-3] * 3 and want[4] == 1e-3 and want[5] < 1e-3
+
+
 def test_batch_size_ramp_schedule():
     unit = 64
     sizes = [tg.batch_size_at(t, 2048, 512, unit, start=128)
