@@ -334,6 +334,21 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), kv_cache, rotary, ve)
         return x + self.mlp(self.ln_2(x))
 
+class X0Mix(torch.autograd.Function):
+    """x + lam * x0 in one pass, and its gradients in three (autograd's own takes five): lam's a
+    dot product, x0's a scaled copy, x's the gradient itself."""
+
+    @staticmethod
+    def forward(ctx, x, lam, x0):
+        ctx.save_for_backward(lam, x0)
+        return torch.addcmul(x, lam, x0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lam, x0 = ctx.saved_tensors
+        grad_lam = torch.dot(grad.reshape(-1), x0.reshape(-1).to(grad.dtype))
+        return grad, grad_lam.reshape(lam.shape).to(lam.dtype), (grad * lam).to(x0.dtype)
+
 class Skips(nn.Module):
     """The blocks run with connections around them, each weighted by learned scalars that start at
     0 (the model starts as the one without them). x0_skip: block i's input adds x0_lambdas[i] *
@@ -351,7 +366,7 @@ class Skips(nn.Module):
         x0, outputs, n = x, [], len(blocks)
         for i, block in enumerate(blocks):
             if self.x0_lambdas is not None:
-                x = x + self.x0_lambdas[i] * x0
+                x = X0Mix.apply(x, self.x0_lambdas[i], x0)
             mirror = n - 1 - i
             if self.unet_lambdas is not None and mirror < n // 2:
                 x = x + self.unet_lambdas[mirror] * outputs[mirror]
@@ -364,20 +379,21 @@ class Skips(nn.Module):
 HEAD_CHUNK = {"cpu": 1 << 25, "other": 1 << 28}
 
 class SoftcapHeadLoss(torch.autograd.Function):
-    """The logits cap * tanh(x @ w.T / cap) and their mean cross-entropy against targets, a chunk
-    of rows at a time, with the gradients of x and w computed in the forward: nothing of size
+    """The mean cross-entropy of the logits cap * tanh(x @ w.T / cap) against targets, a chunk of
+    rows at a time, with the gradients of x and w computed in the forward: nothing of size
     (N, vocab) is kept for the backward (the plain formula keeps the tanh's output and the
-    softmax) and each chunk takes a few elementwise passes (the plain formula's autograd takes
-    twice as many over the whole tensor). The tanh is 2 * sigmoid(2u) - 1, whose derivative
-    1 - tanh^2 is 4s(1 - s): sigmoid is the cheaper op. The passes run in the matmul's dtype
-    (autocast's, as the plain formula's tanh); the sums and the gradients' scale in fp32."""
+    softmax), no logits are returned (training never reads them), and each chunk takes a few
+    elementwise passes (the plain formula's autograd takes twice as many over the whole tensor).
+    The tanh is 2 * sigmoid(2u) - 1, whose derivative 1 - tanh^2 is 4s(1 - s): sigmoid is the
+    cheaper op. The passes run in the matmul's dtype (autocast's, as the plain formula's tanh);
+    the sums and the gradients' scale in fp32."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, cap, n_real, grads):
         # x (N, C), weight (V, C), targets (N,); ids >= n_real (padding) are never predicted
         N, V = x.size(0), weight.size(0)
         rows = max(1, HEAD_CHUNK.get(x.device.type, HEAD_CHUNK["other"]) // V)
-        logits, losses = None, []
+        losses = []  # each chunk's summed loss
         valid = targets != -100  # F.cross_entropy's ignore_index
         wide = torch.promote_types(x.dtype, torch.float32)
         grad_x, grad_w = None, None
@@ -392,13 +408,9 @@ class SoftcapHeadLoss(torch.autograd.Function):
             xc, tc, vc = x[i: i + rows], targets[i: i + rows].clamp(min=0), valid[i: i + rows]
             xs = xc.to(wide) * (2 / cap)  # (r, C): then z = 2u, u = logits / cap
             s = F.linear(xs, w).sigmoid_()  # (r, V) in autocast's dtype; tanh(u) = 2s - 1
-            if logits is None:
-                logits = torch.empty(N, V, dtype=s.dtype, device=x.device)
-            # cap * tanh(u) = 2 cap s - cap, in one pass (the -cap a 0-dim tensor)
-            out = torch.add(-cap_, s, alpha=2 * cap, out=logits[i: i + rows])
-            out[:, n_real:] = float("-inf")
-            e = torch.add(-2 * cap_, s, alpha=2 * cap).exp_()  # exp(logit - cap) <= 1: no max
-            e[:, n_real:] = 0
+            # exp(logit - cap) = exp(2 cap s - 2 cap) <= 1: a softmax with no max to find
+            e = torch.add(-2 * cap_, s, alpha=2 * cap).exp_()
+            e[:, n_real:] = 0  # padding ids: never predicted
             total = e.sum(dim=1, dtype=wide)  # (r,)
             # the targets' own logits in `wide` from their rows of the head (r,)
             s_t = torch.sigmoid((xs * weight[tc].to(wide)).sum(dim=1))
@@ -418,13 +430,10 @@ class SoftcapHeadLoss(torch.autograd.Function):
         count = valid.sum().clamp(min=1)
         ctx.save_for_backward(grad_x, grad_w, count)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(logits)
-        ctx.set_materialize_grads(False)  # no (N, vocab) zeros made for the logits' gradient
-        return logits, torch.stack(losses).sum() / count
+        return torch.stack(losses).sum() / count
 
     @staticmethod
-    def backward(ctx, grad_logits, grad_loss):
-        # the logits come without a graph: only the loss is differentiated
+    def backward(ctx, grad_loss):
         grad_x, grad_w, count = ctx.saved_tensors
         scale = grad_loss / count
         return ((grad_x * scale).to(grad_x.dtype), (grad_w * scale).to(ctx.weight_dtype),
@@ -543,13 +552,14 @@ class GPT(nn.Module):
         return {int(i): table(idx) for i, table in self.transformer.ve.items()}
 
     def head(self, x, targets=None):
-        """x (..., C) -> logits (..., vocab_size) and their mean cross-entropy vs targets."""
+        """x (..., C) -> logits (..., vocab_size) and their mean cross-entropy vs targets; with
+        a soft-cap and targets, the loss only (logits None: a (B, T, vocab) tensor saved)."""
         cap, weight = self.config.logit_softcap, self.lm_head.weight
         if cap > 0 and targets is not None:  # the loss's gradients computed as it goes
             grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            logits, loss = SoftcapHeadLoss.apply(x.flatten(0, -2), weight, targets.reshape(-1),
-                                                 cap, self.config.real_vocab_size, grads)
-            return logits.view(*x.shape[:-1], -1), loss
+            loss = SoftcapHeadLoss.apply(x.flatten(0, -2), weight, targets.reshape(-1), cap,
+                                         self.config.real_vocab_size, grads)
+            return None, loss
         # -inf added to the padding ids' logits in the matmul itself: they are never predicted
         if cap > 0:  # squashed into (-cap, cap) first: the -inf stays -inf
             logits = F.linear(x, weight)  # (B, T, vocab_size), autocast's dtype

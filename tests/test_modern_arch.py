@@ -106,15 +106,10 @@ def attention_reference(attn, x, qk_norm, ve=None):
 
 def forward_reference(model, idx):
     """The modern GPT's logits over the real vocabulary from its parts: the token embedding
-    RMS-normalized, pre-norm blocks of attention_reference and a ReLU² MLP, the final RMSNorm, the
-    untied head, then cap * tanh(logits / cap)."""
-    x = rms_reference(model.transformer.wte.weight[idx])
-    for block in model.transformer.h:
-        x = x + attention_reference(block.attn, rms_reference(x), qk_norm=True)
-        h = F.linear(rms_reference(x), block.mlp.c_fc.weight)
-        x = x + F.linear(F.relu(h) ** 2, block.mlp.c_proj.weight)
-    cap = MODERN["logit_softcap"]
-    return cap * torch.tanh(F.linear(rms_reference(x), model.lm_head.weight[:REAL_V]) / cap)
+    RMS-normalized (x0), pre-norm blocks of attention_reference and a ReLU² MLP, each block's
+    input adding x0_lambdas[i] * x0, the final RMSNorm, the untied head, then cap * tanh(logits /
+    cap). (skips_reference: with the optional parts too.)"""
+    return skips_reference(model, idx)
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -229,7 +224,9 @@ def test_logits_are_soft_capped_and_padding_stays_minus_inf():
     model.transformer.ln_f.register_forward_hook(lambda module, args, out: final.append(out))
     idx, targets = tokens(2, 32, seed=7), tokens(2, 32, seed=8)
     with torch.no_grad():
-        logits, loss = model(idx, targets)
+        logits, _ = model(idx)
+        none, loss = model(idx, targets)  # the loss only: training never reads the logits
+    assert none is None
     raw = F.linear(final[0], model.lm_head.weight)
     real = logits[..., :REAL_V]
     assert raw[..., :REAL_V].abs().max() > 2 * cap
@@ -261,16 +258,14 @@ def test_softcap_head_loss_matches_the_plain_formula(chunk, monkeypatch):
     targets[[4, 31]] = -100  # ignored, as F.cross_entropy's ignore_index
     want_logits, want = softcap_reference(x, w, targets, cap, n_real)
     want_grads = torch.autograd.grad(2.5 * want, (x, w))
-    logits, loss = tg.SoftcapHeadLoss.apply(x, w, targets, cap, n_real, True)
+    loss = tg.SoftcapHeadLoss.apply(x, w, targets, cap, n_real, True)
     grads = torch.autograd.grad(2.5 * loss, (x, w))
-    assert want.abs() > 1  # the cap acts: raw logits far beyond it
-    assert (F.linear(x, w).abs() > 4 * cap).any()
-    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-12)
+    assert want.abs() > 1 and want_logits[:, n_real:].isneginf().all()
+    assert (F.linear(x, w).abs() > 4 * cap).any()  # the cap acts: raw logits far beyond it
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
     for got, ref in zip(grads, want_grads):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-14)
     assert (grads[1][n_real:] == 0).all()  # padding rows of the head never learn
-    assert not logits.requires_grad  # the logits come without a graph
 
 
 def test_the_modern_model_trains_through_the_chunked_head_as_by_the_plain_formula():
@@ -291,9 +286,9 @@ def test_the_modern_model_trains_through_the_chunked_head_as_by_the_plain_formul
     # bf16 autocast: the chunked head computes in fp32 what the plain formula does in bf16
     model = scrambled(modern_model()).float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, loss = model(idx, targets)
+        _, loss = model(idx, targets)
         want = F.cross_entropy(model(idx)[0].float().view(-1, V), targets.view(-1))
-    assert logits.dtype == torch.bfloat16
+    assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(want.item(), rel=2e-2)
 
 
@@ -301,7 +296,8 @@ def test_the_modern_model_trains_through_the_chunked_head_as_by_the_plain_formul
 
 def test_zero_inits_give_the_uniform_loss_at_init():
     model = modern_model()
-    logits, loss = model(tokens(4, 64, seed=9), tokens(4, 64, seed=10))
+    _, loss = model(tokens(4, 64, seed=9), tokens(4, 64, seed=10))
+    logits, _ = model(tokens(4, 64, seed=9))
     assert abs(loss.item() - math.log(REAL_V)) < 1e-5  # every real token equally likely
     assert (logits[..., :REAL_V] == 0).all()
     blocks = model.transformer.h
@@ -312,10 +308,17 @@ def test_zero_inits_give_the_uniform_loss_at_init():
     for w in (model.transformer.wte.weight, blocks[0].attn.c_attn.weight,
               blocks[1].mlp.c_fc.weight):
         assert abs(w.std().item() - 0.02) < 0.002
-    assert all(p.dim() == 2 for p in model.parameters())  # no biases, no norm weights
-    # AdamW then has one group: an empty no-decay one is what torch's state-dict helpers refuse
+    # no biases, no norm weights: the x0 scalars are its one 1-D parameter, AdamW's no-decay group
+    assert [n for n, p in model.named_parameters() if p.dim() != 2] == \
+        ["transformer.skips.x0_lambdas"]
+    assert (model.transformer.skips.x0_lambdas == 0).all()
     opt = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
-    assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters()))]
+    assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters())) - 1, 1]
+    # without it, AdamW has one group: an empty no-decay one is what torch's state-dict helpers
+    # refuse
+    bare = modern_model(x0_skip=False)
+    opt = bare.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    assert [len(g["params"]) for g in opt.param_groups] == [len(list(bare.parameters()))]
 
 
 def test_gpt2_is_the_default_architecture_and_unchanged():
@@ -345,11 +348,13 @@ def test_parameter_counts_by_hand():
     T = TINY["block_size"]
     matrices = L * (C * 3 * C + C * C + C * 4 * C + 4 * C * C)  # c_attn, c_proj, c_fc, c_proj
     modern = modern_model()
-    assert modern.get_num_params() == 2 * V * C + matrices  # wte and the untied lm_head
+    x0 = L  # a scalar a block
+    assert modern.get_num_params() == 2 * V * C + matrices + x0  # wte and the untied lm_head
     # wte, a lookup, left out; lm_head, a matmul, kept
-    assert modern.get_num_params(non_embedding=True) == V * C + matrices
+    assert modern.get_num_params(non_embedding=True) == V * C + matrices + x0
     tied = modern_model(tie_embeddings=True)  # one table, the head's: counted once, kept
-    assert tied.get_num_params() == tied.get_num_params(non_embedding=True) == V * C + matrices
+    assert tied.get_num_params() == tied.get_num_params(non_embedding=True) == \
+        V * C + matrices + x0
     gpt2 = tiny_model(n_head=4)
     biases = L * (3 * C + C + 4 * C + C)
     layernorms = L * 2 * 2 * C + 2 * C  # ln_1, ln_2 (weight, bias) per block, ln_f
@@ -368,11 +373,14 @@ def skips_reference(model, idx):
     second half, unet_lambdas[j] * (block j's output) for its mirror j = n - 1 - i; the blocks
     with a value table (every other one, the last among them) add its rows to their values."""
     x = x0 = rms_reference(model.transformer.wte.weight[idx])
-    skips, tables, outputs = model.transformer.skips, model.transformer.ve, []
+    t, outputs = model.transformer, []
+    skips = t.skips if "skips" in t else None
+    tables = t.ve if "ve" in t else {}
     n = len(model.transformer.h)
     for i, block in enumerate(model.transformer.h):
-        x = x + skips.x0_lambdas[i] * x0
-        if n - 1 - i < n // 2:
+        if skips is not None and skips.x0_lambdas is not None:
+            x = x + skips.x0_lambdas[i] * x0
+        if skips is not None and skips.unet_lambdas is not None and n - 1 - i < n // 2:
             x = x + skips.unet_lambdas[n - 1 - i] * outputs[n - 1 - i]
         ve = tables[str(i)].weight[idx] if str(i) in tables else None
         x = x + attention_reference(block.attn, rms_reference(x), qk_norm=True, ve=ve)
@@ -399,7 +407,7 @@ def test_value_embeddings_and_skips_are_their_definitions_written_out():
             assert (other(idx)[0][..., :REAL_V] - logits[..., :REAL_V]).abs().max() > 1e-3
     # the tables are embeddings (AdamW, decayed, out of the non-embedding count); the lambdas
     # are scalars (AdamW, not decayed); the gates are matrices in the blocks (Muon's)
-    base = modern_model(n_layer=4)
+    base = modern_model(n_layer=4, x0_skip=False)
     tables = sum(p.numel() for p in model.transformer.ve.parameters())
     gates = sum(b.attn.ve_gate.weight.numel() for b in model.transformer.h[1::2])
     assert model.get_num_params(True) == base.get_num_params(True) + gates + 4 + 2
@@ -417,7 +425,7 @@ def test_skips_start_as_the_model_without_them():
     """The lambdas start at 0: at init the skips change nothing (value embeddings do: their gate
     starts at 1)."""
     idx = tokens(2, 16, seed=13)
-    plain = scrambled(modern_model(n_layer=4))
+    plain = scrambled(modern_model(n_layer=4, x0_skip=False))
     skips = modern_model(n_layer=4, x0_skip=True, unet_skip=True)
     missing = skips.load_state_dict(plain.state_dict(), strict=False).missing_keys
     assert sorted(missing) == ["transformer.skips.unet_lambdas", "transformer.skips.x0_lambdas"]
@@ -541,17 +549,29 @@ def test_a_modern_run_starts_at_the_uniform_loss_and_records_its_parts(modern_ru
     assert recorded["arch"] == "modern" and parts(tg.GPTConfig(**recorded["model"])) == MODERN
 
 
-def test_a_modern_run_resumes_exactly(data, modern_run, tmp_path):
-    """... also from a checkpoint of before the value embeddings and skips (its config without
-    their fields: they are off)."""
-    log = str(tmp_path / "log")
-    r = run_cli(*run_args(data, log, "--arch", "modern", "--stop_step", "5"))
+def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_path):
+    """A checkpoint whose config has no value_embeds, x0_skip, unet_skip (the modern model before
+    them) resumes as the model without them, exactly."""
+    logs = [str(tmp_path / name) for name in ("whole", "resumed")]
+    old = ("--arch", "modern", "--no-x0_skip")
+    r = run_cli(*run_args(data, logs[0], *old))
     assert r.returncode == 0, r.stderr
-    path = rundir.find_checkpoints(log)[-1]
+    r = run_cli(*run_args(data, logs[1], *old, "--stop_step", "5"))
+    assert r.returncode == 0, r.stderr
+    path = rundir.find_checkpoints(logs[1])[-1]
     ckpt = torch.load(path, weights_only=True)
     for field in ("value_embeds", "x0_skip", "unet_skip"):
         del ckpt["config"][field]
     torch.save(ckpt, path)
+    r = run_cli(*resume_args(logs[1]))
+    assert r.returncode == 0, r.stderr
+    assert log_of(logs[1]) == log_of(logs[0])
+
+
+def test_a_modern_run_resumes_exactly(data, modern_run, tmp_path):
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--arch", "modern", "--stop_step", "5"))
+    assert r.returncode == 0, r.stderr
     r = run_cli(*resume_args(log))
     assert r.returncode == 0, r.stderr
     assert log_of(log) == log_of(modern_run[0])
@@ -635,8 +655,9 @@ def test_plan_counts_the_modern_model(data, tmp_path):
         return int(re.search(r"^plan: ([\d,]+) parameters", r.stdout, re.M)[1].replace(",", ""))
 
     c, t, layers = (int(RUN_FLAGS[f]) for f in ("--n_embd", "--block_size", "--n_layer"))
-    # an untied head, no wpe, no biases (9C a block), no LayerNorm weights (4C a block, 2C ln_f)
-    expected = V * c - t * c - layers * (9 * c + 4 * c) - 2 * c
+    # an untied head, no wpe, no biases (9C a block), no LayerNorm weights (4C a block, 2C ln_f),
+    # x0's scalar a block
+    expected = V * c - t * c - layers * (9 * c + 4 * c) - 2 * c + layers
     modern = planned("--arch", "modern")
     assert modern - planned() == expected
     assert planned("--arch", "modern", "-B", "auto") == modern
