@@ -50,9 +50,10 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_run(data, tmp_path_factory):
-    """The tiny run, uninterrupted, as a real `python train_gpt2.py`: (its log dir, its result)."""
+    """The tiny run, uninterrupted, through main() in this process: (its log dir, its result).
+    test_training.py checks that a real `python train_gpt2.py` writes the same log."""
     log = str(tmp_path_factory.mktemp("reference") / "log")
-    r = run_cli(*run_args(data, log), subprocess_run=True)
+    r = run_cli(*run_args(data, log))
     assert r.returncode == 0, r.stderr
     return log, r
 

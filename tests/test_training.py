@@ -164,7 +164,7 @@ def test_loader_errors(tmp_path, data):
 # ----------------------------------------------------------------------------------------- the loop
 
 def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
-    """`python train_gpt2.py` (a real process): what it prints and writes."""
+    """The tiny run: what it prints and writes (a real process writes the same: below)."""
     ref, r = reference_run
     assert "run config:\n" in r.stdout and " grad_accum_steps=1" in r.stdout
     saved = json.load(open(os.path.join(ref, "run_config.json")))  # as the run resolved it
@@ -199,6 +199,22 @@ def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(log)) == [".lock", "log.txt", "model_00002.pt", "run_config.json"]
     assert set(series(log)) == {"train", "lr", "norm", "dt", "tok_s"}  # no evaluation
+
+
+@pytest.mark.slow
+def test_a_real_process_writes_what_main_in_this_process_does(data, reference_run, tmp_path):
+    """`python train_gpt2.py` as a process of its own (one thread, as this process): the reference
+    run's log, checkpoints and printed lines, the same to the last digit written."""
+    ref, in_process = reference_run
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log), subprocess_run=True)
+    assert r.returncode == 0, r.stderr
+    assert log_of(log) == log_of(ref)
+    assert sorted(os.listdir(log)) == sorted(os.listdir(ref))
+
+    def words(stdout, folder):  # the timings and the log dir (and so the wrapping) differ
+        return re.sub(r"\| dt .*|in \d+:\d\d:\d\d", "", stdout).replace(folder, "LOG").split()
+    assert words(r.stdout, log) == words(in_process.stdout, ref)
 
 
 def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
