@@ -254,11 +254,12 @@ RESUMED = {"gpt2": [], "modern-adamw": ["--arch", "modern"],
            "modern-muon": ["--arch", "modern", "--optimizer", "muon"]}
 
 
-@pytest.fixture(params=RESUMED)
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) if RESUMED[name] else name
+                        for name in RESUMED])  # the quick subset: GPT-2's
 def straight(request, data, tmp_path):
     """(the flags, the log dir of the tiny run with them, uninterrupted)"""
     flags = RESUMED[request.param]
-    if not flags:  # GPT-2's: the session's reference, a real `python train_gpt2.py`
+    if not flags:  # GPT-2's: the session's reference run
         return flags, request.getfixturevalue("reference")
     log = str(tmp_path / "straight")
     r = run_cli(*run_args(data, log, *flags))
@@ -344,6 +345,7 @@ def test_compile_on_with_val_hellaswag_and_samples(data, tmp_path, monkeypatch):
         assert a[kind][0] == b[kind][0] and a[kind][1] == pytest.approx(b[kind][1], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_init_from_pretrained_trains(data, tmp_path):
     hf, path = hf_gpt2(tmp_path)
     log = str(tmp_path / "log")
