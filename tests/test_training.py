@@ -212,9 +212,10 @@ def test_a_real_process_writes_what_main_in_this_process_does(data, reference_ru
     assert log_of(log) == log_of(ref)
     assert sorted(os.listdir(log)) == sorted(os.listdir(ref))
 
-    def words(stdout, folder):  # the timings and the log dir (and so the wrapping) differ
-        return re.sub(r"\| dt .*|in \d+:\d\d:\d\d", "", stdout).replace(folder, "LOG").split()
-    assert words(r.stdout, log) == words(in_process.stdout, ref)
+    def text(stdout, folder):  # the timings and the log dir (and so the wrapping) differ
+        kept = re.sub(r"\| dt .*|in \d+:\d\d:\d\d", "", stdout)
+        return "".join(kept.split()).replace(folder, "LOG")
+    assert text(r.stdout, log) == text(in_process.stdout, ref)
 
 
 def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
