@@ -738,6 +738,11 @@ def bench_arch(args, t):
     reach the GPT-2 recipe's final val loss (the better of its arms' seed means)."""
     tiny = settings.RUN_PRESETS["tiny"]
     tokens_per_step = tiny["total_batch_size"]
+    shape = []
+    if args.arch_shape:
+        B, T = args.arch_shape
+        tokens_per_step = B * T
+        shape = ["-B", str(B), "-T", str(T), "--total_batch_size", str(tokens_per_step)]
     val_tokens = args.arch_val_tokens or tiny["val_tokens"]
     arms = {arm: {**ARCH_ARMS, **ARCH_ABLATIONS}[arm] for arm in args.arch_arms}
     recipes = [arm for arm in arms if arm.startswith("gpt2_adamw")]
@@ -753,7 +758,8 @@ def bench_arch(args, t):
         for seed in args.arch_seeds:
             for arm, arm_flags in arms.items():
                 log_dir = os.path.join(tmp, f"{arm}_{seed}")
-                flags = ["--preset", "tiny", *arm_flags, "--seed", str(seed), "--data_root", data,
+                flags = ["--preset", "tiny", *arm_flags, *shape, "--seed", str(seed),
+                         "--data_root", data,
                          "--log_dir", log_dir, "--eval_every", str(args.arch_eval_every),
                          "--max_steps", str(args.arch_max_steps), "--sample_every", "0",
                          "--val_tokens", str(val_tokens),
@@ -802,6 +808,14 @@ def row_names(text):
     if unknown:
         raise argparse.ArgumentTypeError(f"{unknown[0]}: no such row (rows: {','.join(ROWS)})")
     return names
+
+
+def micro_batch_shape(text):
+    """--arch_shape's B,T: two positive integers."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text}: give B,T (two positive integers)")
+    return int(parts[0]), int(parts[1])
 
 
 def per_device(name):
@@ -861,6 +875,9 @@ FLAGS = [
     ("--arch_eval_every", 10, common.POSITIVE_INT, "the arch row's val loss every N steps"),
     ("--arch_max_steps", settings.RUN_PRESETS["tiny"]["max_steps"], common.POSITIVE_INT,
      "the arch row's steps a run (the tiny preset's schedule)"),
+    ("--arch_shape", None, {"type": micro_batch_shape, "metavar": "B,T"},
+     "the arch row's micro-batch and sequence length, a step one micro-batch of B x T tokens "
+     "(default: the tiny preset's, 8 x 256 a micro-batch, 2048 tokens a step; the tests': 2,64)"),
     ("--arch_val_tokens", None, common.POSITIVE_INT,
      "the arch row's val tokens an evaluation (default: the tiny preset's)"),
     ("--arch_arms", list(ARCH_ARMS),

@@ -1341,9 +1341,23 @@ def settle(argv, planning=False):
         rundir.check_log_dir(run.log_dir, None if ckpt is None else ckpt["step"], run.overwrite)
     return replace(run, schedule=Schedule.of(run)), proc, ckpt
 
+# estimate_step's results by all they depend on: bench.py's rows and the tests run main() many
+# times in one process, and each count on fake tensors takes about a second even for a tiny model
+STEP_ESTIMATES = {}
+
 def estimate_step(run):
     """(peak: B -> a training step's bytes, parameters, parameters without wpe) of the run's
-    model, worked out on fake tensors (settings.step_memory): nothing is allocated."""
+    model, worked out on fake tensors (settings.step_memory): nothing is allocated. Worked out
+    once a process for each model, device, T, precision and optimizer."""
+    key = (repr(run.model), str(run.device), run.sequence_length, run.precision.name,
+           run.optimizer, run.muon_lr, run.muon_momentum, run.muon_ns_steps, run.muon_adjust_lr,
+           run.weight_decay, run.max_lr)
+    if key not in STEP_ESTIMATES:
+        STEP_ESTIMATES[key] = count_step(run)
+    return STEP_ESTIMATES[key]
+
+def count_step(run):
+    """estimate_step's figures, counted."""
     depths = settings.counted_layers(run.model.n_layer)
     with settings.fake_tensors(run.device) as mode:
         models = [GPT(replace(run.model, n_layer=n)) for n in depths]

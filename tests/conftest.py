@@ -11,13 +11,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-# The files by their time in one process, longest first (pytest --durations=0, 2026-11-25): the
-# two test processes of the README's command (-n 2 --dist loadfile) take whole files in this
-# order, so neither is left with a long file at the end. Within a file the order stays as written.
-LONGEST_FIRST = ("test_run_safety", "test_distributed", "test_hellaswag", "test_core",
-                 "test_cuda_simulated", "test_bench", "test_fineweb", "test_optimizers",
-                 "test_commands", "test_training", "test_model", "test_scorer", "test_notebook",
-                 "test_flags", "test_gpu_paths_cpu", "test_platform", "test_fp16")
+# The files by their time in one process, longest first (pytest --durations=0 of the whole suite,
+# 2026-11-29, a loaded machine): the two test processes of the README's command (-n 2 --dist
+# loadfile) take whole files in this order, so neither is left with a long file at the end.
+# Within a file the order stays as written.
+LONGEST_FIRST = ("test_run_safety", "test_cuda_simulated", "test_distributed", "test_hellaswag",
+                 "test_bench", "test_fineweb", "test_optimizers", "test_core", "test_training",
+                 "test_flags", "test_input_checks", "test_notebook", "test_modern_arch",
+                 "test_gpu_paths_cpu", "test_model", "test_platform", "test_fp16",
+                 "test_settled_run", "test_monitoring", "test_commands", "test_scorer")
 
 
 def pytest_collection_modifyitems(items):
@@ -50,9 +52,10 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_run(data, tmp_path_factory):
-    """The tiny run, uninterrupted, as a real `python train_gpt2.py`: (its log dir, its result)."""
+    """The tiny run, uninterrupted, through main() in this process: (its log dir, its result).
+    test_training.py checks that a real `python train_gpt2.py` writes the same log."""
     log = str(tmp_path_factory.mktemp("reference") / "log")
-    r = run_cli(*run_args(data, log), subprocess_run=True)
+    r = run_cli(*run_args(data, log))
     assert r.returncode == 0, r.stderr
     return log, r
 

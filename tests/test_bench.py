@@ -22,15 +22,16 @@ def bench(*args, timeout=HANG_LIMIT_S):
 @pytest.mark.slow
 def test_bench_json_has_every_row():
     """Every row, long ones too, at the fewest steps and tokens that still give each its figures:
-    one timed step, one round, one arch seed of one step between two val passes of one batch, a
-    fineweb row on the repository's docs, one example of each CORE task (the long row's on the
-    tiny preset's shape)."""
+    one timed step, one round, one arch seed of one step of 2 x 64 tokens between two val passes
+    of one batch, a fineweb row on the repository's docs, one example of each CORE task (the long
+    row's on the tiny preset's shape)."""
     docs = ("README.md", "docs/performance.md", "docs/operations.md")
     r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
               "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--long",
               "--rounds", "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000",
               "--arch_seeds", "1", "--arch_max_steps", "1", "--arch_eval_every", "1",
-              "--arch_val_tokens", "2048", "--arch_input", *docs, "--fineweb_input", *docs,
+              "--arch_shape", "2,64", "--arch_val_tokens", "128", "--arch_input", *docs,
+              "--fineweb_input", *docs,
               "--core_examples", "1", "--core_long_examples", "1", "--core_long_preset", "tiny",
               "--json")
     assert r.returncode == 0, r.stderr
@@ -60,7 +61,8 @@ def test_bench_json_has_every_row():
     first = min(recipes, key=lambda r: r["val"][-1])  # the better LR's run sets the target
     assert len(recipes) == 2 and arch["target_val"] == first["val"][-1]
     assert first["steps"] == [0, 1]
-    assert first["tokens_to_target"] == pytest.approx(2048)  # reached at its last eval
+    assert arch["recipe_tokens"] == 128  # one step of --arch_shape's 2 x 64 tokens
+    assert first["tokens_to_target"] == pytest.approx(128)  # reached at its last eval
     assert {r["val"][0] for r in arch["runs"]["gpt2_muon"] + recipes} == {first["val"][0]}
     assert arch["runs"]["modern_muon"][0]["val"][0] == pytest.approx(math.log(50257), abs=1e-4)
 

@@ -83,6 +83,7 @@ def test_sample_greedy_and_clean(reference):
 
 # ------------------------------------------------------------------------------------------- export
 
+@pytest.mark.slow
 def test_export_roundtrip_logits(tmp_path):
     from transformers import GPT2LMHeadModel
     model = tiny_model(n_head=4).eval()
@@ -138,6 +139,7 @@ def test_export_to_a_bad_place_is_one_line(reference, tmp_path, where):
 
 # --------------------------------------------------------------------------------------------- eval
 
+@pytest.mark.slow
 def test_eval_command_scores_a_checkpoint_like_hellaswag_evaluate(reference, tmp_path):
     """`train_gpt2.py eval --checkpoint` reports what hellaswag.evaluate gives for the same model
     and data."""

@@ -572,6 +572,7 @@ def test_training_logs_core_and_goes_on_without_a_bundle(data, bundle_zip, tmp_p
     assert "core" not in rundir.read_log(str(tmp_path / "log2" / "log.txt"))
 
 
+@pytest.mark.slow
 def test_plan_counts_core():
     """plan's time and FLOPs count CORE's forward passes: at most 22 tasks x --core_max_per_task
     examples of a context each, at every evaluation due (here steps 0, 50, 100 and the final

@@ -85,6 +85,7 @@ def test_constants():
     assert fineweb.shard_name(1, prefix=fineweb.LOCAL_SHARD_PREFIX) == "text_train_000001.npy"
 
 
+@pytest.mark.slow
 def test_shard_layout_and_names(tmp_path, enc):
     docs = make_docs(60)
     src = write_parquet(tmp_path / "data.parquet", docs)
@@ -248,6 +249,7 @@ def hf_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
 
 
+@pytest.mark.slow
 def test_streaming_path_on_local_dataset(tmp_path, enc, hf_cache):
     docs = make_docs(60, seed=7)
     repo = make_hub_repo(tmp_path / "repo", docs)
@@ -433,6 +435,7 @@ def test_refuses_directory_of_foreign_shards(tmp_path):
 # -----------------------------------------------------------------------------
 # input errors: exception and CLI
 
+@pytest.mark.slow
 def test_missing_text_column(tmp_path):
     pq = write_parquet(tmp_path / "d.parquet", ["a", "b"], key="content")
     jl = write_docs(tmp_path / "d.jsonl", ["a", "b"], key="content")
@@ -448,6 +451,7 @@ def test_missing_text_column(tmp_path):
     assert len(paths) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet", "blank_texts"])
 def test_empty_input(tmp_path, kind):
     if kind == "txt":
@@ -500,6 +504,7 @@ def test_permission_denied(tmp_path):
 # -----------------------------------------------------------------------------
 # CLI, import side effects, spawn
 
+@pytest.mark.slow
 def test_cli_success(tmp_path, enc):
     docs = make_docs(10, seed=11)
     src = write_docs(tmp_path / "d.jsonl", docs)
@@ -587,6 +592,7 @@ def test_unreachable_hub_fails_fast_with_input_hint(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "out")  # nothing written
 
 
+@pytest.mark.slow
 def test_no_progress_bar_in_non_interactive_logs(tmp_path):
     corpus = str(tmp_path / "c.jsonl")
     write_corpus_jsonl(corpus, 300)
@@ -776,6 +782,7 @@ def test_kill_9_then_prepare_finishes_the_same_shards(tmp_path):
     assert not glob.glob(str(out / "*.tmp"))
 
 
+@pytest.mark.slow
 def test_resume_command_finishes_the_prep(tmp_path, monkeypatch):
     # a space: the command must quote it
     src = write_docs(tmp_path / "my corpus.jsonl", make_docs(60, seed=16))
@@ -858,6 +865,7 @@ def interrupt_at_shard(monkeypatch, index, **kwargs):
             prepare(**kwargs)
 
 
+@pytest.mark.slow
 def test_ensure_prepared_prepares_an_empty_root_once(tmp_path, monkeypatch):
     src = write_docs(tmp_path / "d.jsonl", make_docs(40, seed=20))
     root, printed = str(tmp_path / "data"), []

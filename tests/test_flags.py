@@ -144,6 +144,7 @@ def test_flags_that_do_not_go_together_are_one_line(data, reference, tmp_path, e
     assert dir_bytes(log) == before
 
 
+@pytest.mark.slow
 def test_missing_data_offline_is_one_line_naming_input(tmp_path):
     # tries to prepare FineWeb-Edu there, offline: says --input reads local files instead
     r = run_cli(*run_args(str(tmp_path / "no" / "data"), str(tmp_path / "log")))
@@ -203,6 +204,7 @@ def test_start_up_warnings_once_and_keep_last(data, reference, tmp_path):
     assert [os.path.basename(p) for p in rundir.find_checkpoints(log)] == names[-2:]
 
 
+@pytest.mark.slow
 def test_val_tokens_past_the_val_shards_warn_once(data, tmp_path):
     r = run_cli(*run_args(data, str(tmp_path / "log"), "--val_tokens", "100000", "--max_steps", "2",
                           "--sample_every", "0"))
@@ -236,6 +238,7 @@ def test_parse_args_reads_the_resume_checkpoint_once(reference, tmp_path, monkey
     assert reads == [newest] and loads == [newest]
 
 
+@pytest.mark.slow
 def test_resume_latest_takes_a_non_default_shape_from_the_checkpoint(data, tmp_path):
     log = str(tmp_path / "log")
     r = run_cli(*run_args(data, log, "--n_layer", "2", "--n_head", "4", "--n_embd", "16",
@@ -272,6 +275,7 @@ def test_resume_flags_checked_against_the_checkpoint(data, tmp_path):
     assert saved["val_tokens"] == 128 and saved["val_steps"] is None
 
 
+@pytest.mark.slow
 def test_resume_states_a_new_schedule_and_refuses_new_shapes(data, tmp_path):
     log = str(tmp_path / "log")
     r = run_cli(*run_args(data, log, "--sample_every", "0", "--stop_step", "4", "--keep_last", "1"))

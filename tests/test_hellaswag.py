@@ -201,7 +201,8 @@ def test_logits_to_keep_is_the_full_logits_slice(which, hf_model, our_model, dat
         assert torch.allclose(masked, full[keep], atol=1e-5)
 
 
-@pytest.mark.parametrize("which", [pytest.param("hf", marks=pytest.mark.slow), "ours"])
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["hf", "ours"])
 def test_batched_equals_one_at_a_time(which, hf_model, our_model, data_dir):
     model = hf_model if which == "hf" else our_model
     recs = list(hellaswag.iterate_examples("val", data_dir=data_dir))
@@ -429,6 +430,7 @@ def test_no_hooks_and_imports_one_way():
 # ranks
 
 
+@pytest.mark.slow
 def test_rank_split_sums_to_full_count(hf_model, data_dir):
     limit = N_FIX - 5  # the limit applies to the full list, before the split
     full = hellaswag.evaluate(hf_model, "cpu", data_dir=data_dir, limit=limit)
@@ -631,6 +633,7 @@ def test_hf_to_record_conversion():
     assert list(hellaswag.hf_to_record(to_hf_row(recs[0]))) == list(hellaswag.RECORD_KEYS)
 
 
+@pytest.mark.slow
 def test_download_from_hf_parquet_offline_first(tmp_path, monkeypatch, fake_load_dataset):
     """With HF_HUB_OFFLINE=1 the only call is datasets' own (no reachability check before it);
     the autouse fixture fails any socket or requests call."""
@@ -812,6 +815,7 @@ def test_cli_help_points_at_train_gpt2_eval(capsys):
     assert "python train_gpt2.py eval --checkpoint" in out and "gpt2-xl" in out
 
 
+@pytest.mark.slow
 def test_cli_evaluates_hf_dir(hf_model, data_dir, tmp_path, capsys):
     model_dir = str(tmp_path / "tiny")
     hf_model.save_pretrained(model_dir)

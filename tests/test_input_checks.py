@@ -116,6 +116,7 @@ MODELS = [pytest.param(["--preset", "gpt2", "--n_layer", "2"], id="gpt2-2-layers
           pytest.param(["--preset", "gpt2-xl"], id="gpt2-xl", marks=pytest.mark.slow)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_a_training_step_the_machine_cannot_hold_is_refused_before_any_work(tmp_path,
                                                                            monkeypatch, model):
@@ -150,6 +151,7 @@ def test_a_non_tensor_in_the_model_is_one_line_for_every_command(reference, tmp_
     assert not (tmp_path / "hf").exists() and not (tmp_path / "other").exists()
 
 
+@pytest.mark.slow
 def test_resume_latest_falls_back_past_a_non_tensor_in_the_model(reference, tmp_path):
     log, bad = damaged_copy(reference, tmp_path, non_tensor)
     r = run_cli(*resume_args(log))
@@ -334,6 +336,7 @@ def test_a_refused_flag_is_in_torchruns_error_file(data, tmp_path, monkeypatch, 
     assert line.startswith(recorded["message"]), (line, recorded)
 
 
+@pytest.mark.slow
 def test_a_resumed_runs_summary_counts_this_sessions_skipped_steps(data, tmp_path, monkeypatch):
     """fp16 steps skipped (a loss scale far too high, as in test_fp16.py) before the stop; resumed
     in fp32 none are: the second summary has no skipped steps, log.txt keeps the first's."""
@@ -462,6 +465,7 @@ def test_plan_computes_its_time_once_and_prints_it_once(data, tmp_path, monkeypa
 
 
 # ===== Nothing left behind, the fix named =========================================================
+@pytest.mark.slow
 def test_a_run_refused_after_its_data_prep_leaves_no_log_dir(tmp_path, monkeypatch):
     """Local text too short for one batch is refused right after its prep (only tokenizing tells
     its size), before any model is built; the log dir the run had made goes again. An input file
@@ -489,6 +493,7 @@ def test_a_missing_checkpoint_names_those_its_folder_holds(reference, tmp_path):
                           f"{empty} holds no model_*.pt")
 
 
+@pytest.mark.slow
 def test_local_text_twice_is_warning_free_and_the_refusal_names_overwrite(tmp_path):
     """The README's offline demo, small: a first run on local text prints no warning (the preset's
     val tokens are more than 10% of so small a corpus holds: the val loss is over what it holds);

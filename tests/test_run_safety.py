@@ -500,6 +500,7 @@ BREAKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BREAKS))
 def test_a_failure_after_training_started_keeps_the_last_step(data, reference, tmp_path,
                                                                monkeypatch, case):
@@ -535,6 +536,7 @@ def no_space(path):
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_keeps_the_earlier_ones_and_resumes(data, reference, tmp_path,
                                                                         monkeypatch):
     log = str(tmp_path / "log")
@@ -558,6 +560,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_earlier_ones_and_resumes(data, re
     assert log_of(log) == log_of(reference)
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_log_txt_and_the_lock_is_one_line(data, tmp_path, monkeypatch):
     real_append = rundir.append_log
 
@@ -612,6 +615,7 @@ def test_keep_last_never_deletes_the_checkpoint_it_just_saved(reference, tmp_pat
     assert rundir.read_checkpoint(saved[-1])  # and readable
 
 
+@pytest.mark.slow
 def test_rollback_sets_later_checkpoints_aside(reference, tmp_path):
     # the steps after a rolled-back-to checkpoint are kept, byte for byte, out of the new run's way
     log = str(tmp_path / "log")
@@ -646,6 +650,7 @@ def test_resume_from_a_broken_checkpoint_is_one_line(data, tmp_path):
     assert_one_line_error(r, str(bad), "not a readable checkpoint")
 
 
+@pytest.mark.slow
 def test_resume_skips_a_truncated_checkpoint_and_a_damaged_log_line(data, reference, tmp_path):
     log = str(tmp_path / "log")
     r = run_cli(*run_args(data, log, "--stop_step", "6"))  # checkpoints 2, 4 and 5 (the stop)
@@ -736,6 +741,7 @@ def interrupted_prep(tmp_path, monkeypatch):
     return root, corpus, kwargs
 
 
+@pytest.mark.slow
 def test_unfinished_prep_is_finished_from_its_source(tmp_path, monkeypatch):
     root, corpus, kwargs = interrupted_prep(tmp_path, monkeypatch)
     # no --input now: the manifest names the source
@@ -820,6 +826,7 @@ def test_a_checkpoint_with_numpy_arrays_inside_still_resumes(reference, tmp_path
 
 # --------------------------------------------------- a stop signal outside a step: at once, saved
 
+@pytest.mark.slow
 def test_a_stop_signal_in_a_sample_block_stops_at_once(data, reference, tmp_path, monkeypatch):
     # the samples of step 6 would take 5 minutes: the signal ends them, step 5 is saved
     log = str(tmp_path / "log")

@@ -20,6 +20,9 @@ BLOCK = TINY["block_size"]
 # output projections and head random: zero ones would make every logit 0), each with every head
 # its own keys and values and with fewer (grouped-query attention)
 CASES = [("gpt2", 4), ("gpt2", 2), ("modern", 4), ("modern", 1)]
+# CASES, the quick subset's one of them where each case builds and scores two models
+ONE_QUICK = [case if case == ("gpt2", 2) else pytest.param(*case, marks=pytest.mark.slow)
+             for case in CASES]
 REL = 1e-4  # batched passes add in another order than one row's: fp32 rounding, not more
 # bf16 keeps 8 significant bits: one bf16 epsilon of relative error on a row's loss is its rounding
 # with room to spare (these groups, seeds 5 to 7: at most 2.8e-4; torch 2.13 CPU, both archs)
@@ -188,7 +191,7 @@ class Packed(torch.nn.Module):
         return self.inner(idx, logits_to_keep=logits_to_keep)
 
 
-@pytest.mark.parametrize("arch,n_kv_head", CASES)
+@pytest.mark.parametrize("arch,n_kv_head", ONE_QUICK)
 def test_score_groups_equals_one_row_per_forward(arch, n_kv_head):
     """Random groups scored in passes of every size (a budget below one group: each group alone;
     0: the plain way), with shared prefixes and as whole rows, give the plain scorer's losses and

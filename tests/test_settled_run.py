@@ -128,6 +128,7 @@ def test_plans_time_counts_the_runs_own_micro_steps_and_val_passes(data, tmp_pat
     assert clock_seconds(line.split()[2]) == round(forwards[True] + forwards[False] / 3)
 
 
+@pytest.mark.slow
 def test_plan_of_a_full_size_run_on_a_cpu_times_no_step_and_says_days(data, tmp_path):
     r = run_cli("plan", "--data_root", data, "--log_dir", str(tmp_path / "log"), "--device", "cpu")
     assert r.returncode == 0, r.stderr

@@ -186,7 +186,7 @@ def test_loader_errors(tmp_path, data):
 # ----------------------------------------------------------------------------------------- the loop
 
 def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
-    """`python train_gpt2.py` (a real process): what it prints and writes."""
+    """The tiny run: what it prints and writes (a real process writes the same: below)."""
     ref, r = reference_run
     assert "run config:\n" in r.stdout and " grad_accum_steps=1" in r.stdout
     saved = json.load(open(os.path.join(ref, "run_config.json")))  # as the run resolved it
@@ -221,6 +221,23 @@ def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(log)) == [".lock", "log.txt", "model_00002.pt", "run_config.json"]
     assert set(series(log)) == {"train", "lr", "norm", "dt", "tok_s"}  # no evaluation
+
+
+@pytest.mark.slow
+def test_a_real_process_writes_what_main_in_this_process_does(data, reference_run, tmp_path):
+    """`python train_gpt2.py` as a process of its own (one thread, as this process): the reference
+    run's log, checkpoints and printed lines, the same to the last digit written."""
+    ref, in_process = reference_run
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log), subprocess_run=True)
+    assert r.returncode == 0, r.stderr
+    assert log_of(log) == log_of(ref)
+    assert sorted(os.listdir(log)) == sorted(os.listdir(ref))
+
+    def text(stdout, folder):  # the timings and the log dir (and so the wrapping) differ
+        kept = re.sub(r"\| dt .*|in \d+:\d\d:\d\d", "", stdout)
+        return "".join(kept.split()).replace(folder, "LOG")
+    assert text(r.stdout, log) == text(in_process.stdout, ref)
 
 
 def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
@@ -260,11 +277,12 @@ RESUMED = {"gpt2": [], "modern-adamw": ["--arch", "modern"],
            "modern-muon": ["--arch", "modern", "--optimizer", "muon"]}
 
 
-@pytest.fixture(params=RESUMED)
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) if RESUMED[name] else name
+                        for name in RESUMED])  # the quick subset: GPT-2's
 def straight(request, data, tmp_path):
     """(the flags, the log dir of the tiny run with them, uninterrupted)"""
     flags = RESUMED[request.param]
-    if not flags:  # GPT-2's: the session's reference, a real `python train_gpt2.py`
+    if not flags:  # GPT-2's: the session's reference run
         return flags, request.getfixturevalue("reference")
     log = str(tmp_path / "straight")
     r = run_cli(*run_args(data, log, *flags))
@@ -350,6 +368,7 @@ def test_compile_on_with_val_hellaswag_and_samples(data, tmp_path, monkeypatch):
         assert a[kind][0] == b[kind][0] and a[kind][1] == pytest.approx(b[kind][1], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_init_from_pretrained_trains(data, tmp_path):
     hf, path = hf_gpt2(tmp_path)
     log = str(tmp_path / "log")
