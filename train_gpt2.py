@@ -365,7 +365,9 @@ class Skips(nn.Module):
     def forward(self, blocks, x, kv_cache, rotary, ve):
         x0, outputs, n = x, [], len(blocks)
         for i, block in enumerate(blocks):
-            if self.x0_lambdas is not None:
+            if self.x0_lambdas is not None and torch.compiler.is_compiling():
+                x = torch.addcmul(x, self.x0_lambdas[i], x0)  # inductor fuses it (and block 0's
+            elif self.x0_lambdas is not None:  # x is x0, which dynamo refuses to pass twice)
                 x = X0Mix.apply(x, self.x0_lambdas[i], x0)
             mirror = n - 1 - i
             if self.unet_lambdas is not None and mirror < n // 2:
@@ -400,7 +402,7 @@ class SoftcapHeadLoss(torch.autograd.Function):
         if grads:
             grad_x = torch.empty_like(x)
             grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, wide))
-        cap_ = torch.tensor(cap, device=x.device)
+        shift = torch.full((), -2 * cap, device=x.device)  # 0-dim: added in the same pass
         w = weight  # the matmuls' copy: autocast's dtype, cast once, not once a chunk
         if torch.is_autocast_enabled(x.device.type):
             w = weight.to(torch.get_autocast_dtype(x.device.type))
@@ -409,7 +411,7 @@ class SoftcapHeadLoss(torch.autograd.Function):
             xs = xc.to(wide) * (2 / cap)  # (r, C): then z = 2u, u = logits / cap
             s = F.linear(xs, w).sigmoid_()  # (r, V) in autocast's dtype; tanh(u) = 2s - 1
             # exp(logit - cap) = exp(2 cap s - 2 cap) <= 1: a softmax with no max to find
-            e = torch.add(-2 * cap_, s, alpha=2 * cap).exp_()
+            e = torch.add(shift, s, alpha=2 * cap).exp_()
             e[:, n_real:] = 0  # padding ids: never predicted
             total = e.sum(dim=1, dtype=wide)  # (r,)
             # the targets' own logits in `wide` from their rows of the head (r,)
