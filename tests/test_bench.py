@@ -38,6 +38,10 @@ def test_bench_json_has_every_row():
     out = json.loads(r.stdout)
     assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64
     assert out["train"]["tokens_per_sec"] > 0 and out["train"]["tokens_per_step"] == 128
+    # both architectures' step, alternated: their medians and ratio
+    a = out["train_arch"]
+    assert len(a["rounds_ms"]["gpt2"]) == len(a["rounds_ms"]["modern"]) == 1
+    assert a["ratio"] == pytest.approx(a["modern_ms"] / a["gpt2_ms"]) and a["gpt2_ms"] > 0
     # through train_gpt2.main
     assert out["train_loop"]["ms_per_step"] > 0 and out["train_loop"]["tokens_per_step"] == 128
     # train() and the reference loop: the same init, data and schedule give the same losses
@@ -75,7 +79,7 @@ def test_bench_names_the_rows_it_left_out(capsys):
     assert "data start-up s, 2 / 3 shards" in out
     left = out.splitlines()[-1]
     assert left.startswith("not measured")
-    assert "--long adds parity and train_loop and arch and core_gpt2" in left
+    assert "--long adds train_arch and parity and train_loop and arch and core_gpt2" in left
     assert "; ".join(f"{k} ({v})" for k, v in bench.LONG_ROWS.items()) in left
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cpu", "--only", "train,nosuchrow"])

@@ -180,7 +180,7 @@ def test_completion_losses_matches_manual():
     assert torch.allclose(s16, s, rtol=2e-2)
 
 
-@pytest.mark.parametrize("which", ["hf", "ours"])
+@pytest.mark.parametrize("which", [pytest.param("hf", marks=pytest.mark.slow), "ours"])
 def test_logits_to_keep_is_the_full_logits_slice(which, hf_model, our_model, data_dir):
     """The positions asked for come back, equal to the same positions of the full logits."""
     model = hf_model if which == "hf" else our_model

@@ -26,6 +26,7 @@ def hf_param_count(n_layer, n_head, n_embd, n_positions=1024, vocab=50257):
     return sum(p.numel() for p in hf.parameters())
 
 
+@pytest.mark.slow  # transformers' GPT-2 models of each size, built
 @pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"])
 def test_presets_match_hf_parameter_counts(name):
     config = tg.GPTConfig(**settings.MODEL_PRESETS[name])

@@ -549,6 +549,7 @@ def test_a_modern_run_starts_at_the_uniform_loss_and_records_its_parts(modern_ru
     assert recorded["arch"] == "modern" and parts(tg.GPTConfig(**recorded["model"])) == MODERN
 
 
+@pytest.mark.slow
 def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_path):
     """A checkpoint whose config has no value_embeds, x0_skip, unet_skip (the modern model before
     them) resumes as the model without them, exactly."""

@@ -153,6 +153,7 @@ def muon_names(ckpt):
             if name.startswith("transformer.h.") and value.dim() == 2}
 
 
+@pytest.mark.slow  # several runs
 def test_muon_resume_is_exact_and_checkpoints_hold_both_states(muon_runs, tmp_path):
     straight, stopped = muon_runs
     log = str(tmp_path / "log")

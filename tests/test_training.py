@@ -38,6 +38,7 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(steps, steps[1:]))
 
 
+@pytest.mark.slow
 def test_warmup_stable_decay_schedule(data, tmp_path):
     """--wsd_decay 0.4 of 110 steps: warmup to step 9, max_lr to step 65, then a straight line to
     min_lr at step 110 (44 steps); a run logs these LRs."""
