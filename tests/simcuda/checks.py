@@ -184,7 +184,7 @@ class Watch:
         logits, loss = out
         self.forwards.append({"training": module.training, "grad": torch.is_grad_enabled(),
                               "idx": str(args[0].device), "shape": list(args[0].shape),
-                              "logits": str(logits.dtype),
+                              "logits": None if logits is None else str(logits.dtype),
                               "loss": None if loss is None else str(loss.dtype),
                               "autocast": torch.is_autocast_enabled("cuda")})
         if module.training and torch.is_grad_enabled():
