@@ -373,7 +373,8 @@ class Skips(nn.Module):
             if self.unet_lambdas is not None and mirror < n // 2:
                 x = x + self.unet_lambdas[mirror] * outputs[mirror]
             x = block(x, kv_cache, rotary, ve.get(i))
-            outputs.append(x)
+            if self.unet_lambdas is not None and i < n // 2:  # kept for the mirror block
+                outputs.append(x)
         return x
 
 # elements of one chunk's (rows, vocab) logits in the soft-capped head: enough rows for fast
@@ -408,14 +409,15 @@ class SoftcapHeadLoss(torch.autograd.Function):
             w = weight.to(torch.get_autocast_dtype(x.device.type))
         for i in range(0, N, rows):
             xc, tc, vc = x[i: i + rows], targets[i: i + rows].clamp(min=0), valid[i: i + rows]
-            xs = xc.to(wide) * (2 / cap)  # (r, C): then z = 2u, u = logits / cap
+            xw, wt = xc.to(wide), weight[tc].to(wide)  # (r, C): the rows, the targets' weights
+            xs = xw * (2 / cap)  # then z = 2u, u = logits / cap
             s = F.linear(xs, w).sigmoid_()  # (r, V) in autocast's dtype; tanh(u) = 2s - 1
             # exp(logit - cap) = exp(2 cap s - 2 cap) <= 1: a softmax with no max to find
             e = torch.add(shift, s, alpha=2 * cap).exp_()
             e[:, n_real:] = 0  # padding ids: never predicted
             total = e.sum(dim=1, dtype=wide)  # (r,)
             # the targets' own logits in `wide` from their rows of the head (r,)
-            s_t = torch.sigmoid((xs * weight[tc].to(wide)).sum(dim=1))
+            s_t = torch.sigmoid((xs * wt).sum(dim=1))
             losses.append(((total.log() + cap - (2 * cap * s_t - cap)) * vc).sum())
             if not grads:
                 continue
@@ -423,12 +425,12 @@ class SoftcapHeadLoss(torch.autograd.Function):
             g = e.mul_(s.addcmul_(s, s, value=-1))  # e * s(1 - s), in the matmul's dtype
             scale = (4 * vc / total)[:, None]  # (r, 1) fp32: the softmax's and the slope's 4
             hit = (4 * vc * s_t * (1 - s_t))[:, None]  # (r, 1): the onehot's part
-            grad_x[i: i + rows] = (g @ w).to(wide) * scale - hit * weight[tc].to(wide)
+            grad_x[i: i + rows] = (g @ w).to(wide) * scale - hit * wt
             if g.dtype == grad_w.dtype:
                 grad_w.addmm_(g.t(), xc * scale)  # accumulated in place
             else:  # autocast: the product in its dtype, summed in fp32
-                grad_w += g.t() @ (xc.to(wide) * scale)
-            grad_w.index_add_(0, tc, (-hit * xc.to(wide)).to(grad_w.dtype))
+                grad_w += g.t() @ (xw * scale)
+            grad_w.index_add_(0, tc, (-hit * xw).to(grad_w.dtype))
         count = valid.sum().clamp(min=1)
         ctx.save_for_backward(grad_x, grad_w, count)
         ctx.weight_dtype = weight.dtype
