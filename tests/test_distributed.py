@@ -35,7 +35,8 @@ def narrow_data(tmp_path_factory):
 
 # The runs that must give one process's: GPT-2 with AdamW, and the modern architecture with Muon
 # + AdamW, a model without 1-D parameters (AdamW has no no-decay group, which torch's distributed
-# state-dict helpers must still save and restore); the fixture of each one's shards
+# state-dict helpers must still save and restore; Muon's Newton-Schulz runs on FSDP's sharded
+# DTensors, which must gather each whole matrix); the fixture of each one's shards
 ARCHS = {"gpt2": ("data", []),
          "modern-muon": ("narrow_data", ["--arch", "modern", "--optimizer", "muon"])}
 
@@ -51,6 +52,20 @@ def arch(request):
 def single(arch, tmp_path_factory):
     data, flags = arch
     return dist_reference(data, str(tmp_path_factory.mktemp("dist") / "single"), *flags)
+
+
+def assert_same_weights(log, single):
+    """The final weights of a run across process counts against one process's: a block's matrix
+    (Muon's, in the modern run) within a tenth of how far training moved it, which the losses alone
+    hardly show in 8 steps; the difference is the reduction order and Muon's bf16 Newton-Schulz."""
+    final, ref = (torch.load(os.path.join(d, "model_00007.pt"), weights_only=True)
+                  for d in (log, single))
+    torch.manual_seed(1337)  # the run's init
+    init = tg.GPT(tg.GPTConfig(**ref["config"])).state_dict()
+    name = "transformer.h.0.mlp.c_fc.weight"
+    diff = (final["model"][name] - ref["model"][name]).abs().max()
+    moved = (ref["model"][name] - init[name]).abs().max()
+    assert diff < moved / 10, (diff, moved)
 
 
 def write_driver(tmp_path):
@@ -82,6 +97,7 @@ def test_one_process_then_two_then_one(arch, single, tmp_path):
     assert last.returncode == 0, last.stderr
     # steps 2-5 and the val loss at 4 came from 2 processes, the rest from 1: all match 1
     assert_same_log(log, single, 1e-5)
+    assert_same_weights(log, single)
 
 
 @pytest.mark.slow
@@ -94,6 +110,7 @@ def test_fsdp_matches_ddp_and_resumes_without_fsdp(arch, single, tmp_path):
     plain.load_state_dict(ckpt["model"])  # a non-FSDP model loads it as is
     # fp32: FSDP's reduce-scatter sums in another order than DDP's all-reduce, nothing more
     assert_same_log(log, single, 1e-5)
+    assert_same_weights(log, single)
 
 
 def test_fsdp_needs_torchrun(data, tmp_path):

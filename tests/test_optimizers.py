@@ -1,8 +1,8 @@
 """The optimizers: GPT-2's AdamW groups, --optimizer muon against a hand-built torch.optim.Muon +
 AdamW, CombinedOptimizer's state dict, exact resume of Muon runs (from today's checkpoints and from
-the older layout that kept the two optimizers apart), 1 process == 2 processes (DDP and FSDP)."""
+the older layout that kept the two optimizers apart). Muon in two processes (DDP and FSDP) is in
+test_distributed.py."""
 import io
-import os
 import shutil
 
 import pytest
@@ -11,8 +11,7 @@ import torch
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import (DIST_FLAGS, assert_one_line_error, dist_reference, log_of, resume_args,
-                     run_args, run_cli, series, stop_then_resume, tiny_model, torchrun)
+from helpers import assert_one_line_error, log_of, resume_args, run_args, run_cli, tiny_model
 
 MUON = ["--optimizer", "muon"]
 SMALL_VOCAB = dict(vocab_size=256, real_vocab_size=256)  # the blocks are what matters here
@@ -216,48 +215,3 @@ def test_checkpoint_without_optimizer_kind_is_adamw(reference, tmp_path):
     assert_one_line_error(r, "holds adamw optimizer state but --optimizer muon was given")
     r = run_cli("--resume", path, "--log_dir", log, "--device", "cpu", "--stop_step", "4")
     assert r.returncode == 0, r.stderr
-
-
-# ---------------------------------------------------------------------------- Muon in two processes
-
-@pytest.fixture(scope="module")
-def muon_single(data, tmp_path_factory):
-    """One process, 8 Muon steps straight: the reference for the distributed runs."""
-    return dist_reference(data, str(tmp_path_factory.mktemp("muon_dist") / "single"), *MUON)
-
-
-def assert_close_runs(log, ref):
-    """Same losses and same final weights as the 1-process run, up to reduction order and Muon's
-    bf16 Newton-Schulz; the Muon matrices moved far more than that, so a wrong update would
-    show."""
-    a, b = series(log), series(ref)
-    for kind in ("train", "val"):
-        assert a[kind][0] == b[kind][0], kind
-        assert a[kind][1] == pytest.approx(b[kind][1], abs=2e-4), kind
-    w, w_ref = (torch.load(os.path.join(d, "model_00007.pt"), weights_only=False)
-                for d in (log, ref))
-    torch.manual_seed(1337)  # the run's init
-    init = tg.GPT(tg.GPTConfig(**w_ref["config"]))
-    name = "transformer.h.0.mlp.c_fc.weight"
-    diff = (w["model"][name] - w_ref["model"][name]).abs().max()
-    moved = (w_ref["model"][name] - init.state_dict()[name]).abs().max()
-    assert diff < moved / 10, (diff, moved)
-
-
-@pytest.mark.slow
-def test_muon_ddp_two_processes_then_resume_in_one(data, muon_single, tmp_path):
-    log = str(tmp_path / "ddp")
-    # Muon again when resumed: from the checkpoint
-    r = stop_then_resume(data, log, torchrun, run_cli, *MUON)
-    assert " world_size=2" in r.stdout
-    assert_close_runs(log, muon_single)
-
-
-@pytest.mark.slow
-def test_muon_fsdp_two_processes(data, muon_single, tmp_path):
-    # Muon's Newton-Schulz runs on FSDP's sharded DTensors, which gather what each matmul needs:
-    # the update of each whole matrix, as one process computes it
-    log = str(tmp_path / "fsdp")
-    r = torchrun(*run_args(data, log, *DIST_FLAGS, *MUON, "--fsdp"))
-    assert r.returncode == 0, r.stderr
-    assert_close_runs(log, muon_single)

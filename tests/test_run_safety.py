@@ -293,12 +293,15 @@ def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
     assert newest_step(log) == 2 and no_temp_files(log)
 
 
+TWO_RANKS = (*ACCUMULATING, "--sample_every", "0")  # two micro-steps a step on each rank
+
+
 @pytest.fixture(scope="module")
 def two_rank_reference(data, tmp_path_factory):
-    """The tiny run in two ranks of B=1 (one micro-step each) without samples, uninterrupted: the
-    log dir two-rank runs that are stopped and resumed must reproduce."""
+    """The tiny run in two ranks of two micro-steps each, without samples, uninterrupted: the log
+    dir two-rank runs that are stopped and resumed must reproduce."""
     log = str(tmp_path_factory.mktemp("two_ranks") / "log")
-    r = torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0"))
+    r = torchrun(*run_args(data, log, *TWO_RANKS))
     assert r.returncode == 0, r.stderr
     return log
 
@@ -306,21 +309,22 @@ def two_rank_reference(data, tmp_path_factory):
 @pytest.mark.slow
 def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_rank_reference,
                                                                     tmp_path):
-    """Two ranks of B=1 (one micro-step each), stopped twice, then resumed: SIGTERM to rank 0
-    alone, mid-step: both ranks stop after the same step, save once, exit 143, no hang. Resumed,
+    """Two ranks, stopped twice, then resumed: SIGTERM to rank 0 alone, held before step 4's last
+    micro-step: both ranks finish step 4 (the step's read-back is where they learn of it), save it
+    once, exit 143, no hang. Resumed,
     the sample block of step 6 would run for minutes on both ranks: SIGTERM to the launcher, which
     forwards it to the workers, ends the run in seconds with step 5 saved. The last resume gives
     the uninterrupted two-rank run's log."""
     log = str(tmp_path / "log")
 
     def hooked_torchrun(hook_env, *extra):
-        return torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0", *extra),
-                        script=HOOKS, env=hook_env, wait=False)
+        return torchrun(*run_args(data, log, *TWO_RANKS, *extra), script=HOOKS, env=hook_env,
+                        wait=False)
 
-    hold = {"HOOK_MODE": "hold_after_log", "HOOK_ARG": "3 train",
+    hold = {"HOOK_MODE": "hold_batch", "HOOK_ARG": "0 10",  # rank 0's step 4 (calls 9-10)
             "HOOK_MARKER": str(tmp_path / "held"), "HOOK_RELEASE": str(tmp_path / "release")}
     run = hooked_torchrun(hold)
-    wait_until(lambda: (tmp_path / "held").exists(), [], "rank 0's hold at step 3")
+    wait_until(lambda: (tmp_path / "held").exists(), [], "rank 0's hold in step 4")
     assert run.poll() is None
     os.kill(int((tmp_path / "held").read_text()), signal.SIGTERM)  # rank 0 alone gets the signal
     (tmp_path / "release").touch()
@@ -349,19 +353,16 @@ def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_ran
 
 
 @pytest.mark.slow
-def test_torchrun_drops_the_step_a_signal_to_one_rank_comes_in(data, tmp_path):
+def test_torchrun_drops_the_step_a_signal_to_one_rank_comes_in(data, two_rank_reference,
+                                                                tmp_path):
     """Two ranks of two micro-steps a step: rank 0 alone gets SIGTERM while held in step 4's
     first micro-step; rank 1 waits at the vote before its second. Both stop there, step 4
     dropped, step 3 saved once, exit 143, no hang; resumed, the run gives the uninterrupted
     two-rank run's log.txt and final weights to the last bit."""
-    flags = (*ACCUMULATING, "--sample_every", "0")
-    reference = str(tmp_path / "reference")
-    r = torchrun(*run_args(data, reference, *flags))
-    assert r.returncode == 0, r.stderr
     log, held, release = str(tmp_path / "log"), tmp_path / "held", tmp_path / "release"
     hold = {"HOOK_MODE": "hold_batch", "HOOK_ARG": "0 9", "HOOK_MARKER": str(held),
             "HOOK_RELEASE": str(release)}  # rank 0's step 4 (calls 9-10), its first micro-step
-    run = torchrun(*run_args(data, log, *flags), script=HOOKS, env=hold,
+    run = torchrun(*run_args(data, log, *TWO_RANKS), script=HOOKS, env=hold,
                    files=(tmp_path, "run"))
     try:
         signal_when_held(run, held, release, signal.SIGTERM)
@@ -373,10 +374,10 @@ def test_torchrun_drops_the_step_a_signal_to_one_rank_comes_in(data, tmp_path):
     assert "exitcode  : 143" in err or "143" in err
     assert f"stopped by SIGTERM at step 4; {rundir.checkpoint_path(log, 3)} holds step 3" in out
     assert steps_saved(log) == [2, 3]
-    resumed = torchrun(*run_args(data, log, *flags, "--resume", "latest"))
+    resumed = torchrun(*run_args(data, log, *TWO_RANKS, "--resume", "latest"))
     assert resumed.returncode == 0, resumed.stderr
-    assert log_of(log) == log_of(reference)
-    assert_same_weights(log, reference)
+    assert log_of(log) == log_of(two_rank_reference)
+    assert_same_weights(log, two_rank_reference)
 
 
 # --------------------------------------------------------------------------------------- divergence
