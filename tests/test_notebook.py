@@ -16,12 +16,10 @@ import subprocess
 import sys
 from dataclasses import asdict
 
-import matplotlib.image
 import nbformat
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import rundir
 import settings
@@ -76,6 +74,9 @@ def run_headless(jupyter_path, log_path, executed_dir):
 
 
 def check_png(path, title):
+    import matplotlib.image  # here: the headless runs alone read PNGs (and it takes 0.7 s)
+    from PIL import Image
+
     assert os.path.isfile(path), f"no PNG at {path}"
     with open(path, "rb") as f:
         assert f.read(8) == PNG_SIGNATURE
