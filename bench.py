@@ -678,12 +678,14 @@ ARCH_ARMS = {
     "modern_muon": ["--arch", "modern", "--optimizer", "muon", "--max_lr", "8e-3",
                     "--muon_lr", "4e-3"],
 }
-# --arch_arms: the modern arm with one change each (its LRs, not tuned for the change)
+# --arch_arms: the modern arm with one change each (its LRs, not tuned for the change); GPT-2 with
+# Muon on the same warmup-stable-decay schedule as modern_wsd
 ARCH_ABLATIONS = {
     "modern_ve": [*ARCH_ARMS["modern_muon"], "--value_embeds"],
     "modern_x0": [*ARCH_ARMS["modern_muon"], "--x0_skip"],
     "modern_unet": [*ARCH_ARMS["modern_muon"], "--unet_skip"],
     "modern_wsd": [*ARCH_ARMS["modern_muon"], "--wsd_decay", "0.4"],
+    "gpt2_muon_wsd": [*ARCH_ARMS["gpt2_muon"], "--wsd_decay", "0.4"],
 }
 
 
@@ -761,9 +763,13 @@ def bench_arch(args, t):
                 flags = ["--preset", "tiny", *arm_flags, *shape, "--seed", str(seed),
                          "--data_root", data,
                          "--log_dir", log_dir, "--eval_every", str(args.arch_eval_every),
-                         "--max_steps", str(args.arch_max_steps), "--sample_every", "0",
+                         "--max_steps", str(args.arch_max_steps),
+                         "--warmup_steps", str(args.arch_warmup_steps), "--sample_every", "0",
                          "--val_tokens", str(val_tokens),
                          "--device", t.device]
+                if args.arch_lrs:
+                    flags += ["--max_lr", str(args.arch_lrs[0]), "--muon_lr",
+                              str(args.arch_lrs[1])]
                 if args.arch_stop_step:  # the schedule stays --arch_max_steps'
                     flags += ["--stop_step", str(args.arch_stop_step)]
                 steps, values, seconds = arch_run(flags, log_dir)
@@ -774,7 +780,8 @@ def bench_arch(args, t):
     if target is None:
         target = min(statistics.mean(r["val"][-1] for r in runs[arm]) for arm in recipes)
     row = {"target_val": target, "recipe_tokens": args.arch_max_steps * tokens_per_step,
-           "arms": arms, "inputs": args.arch_input or ["stdlib docstrings"], "runs": runs}
+           "arms": arms, "lrs": args.arch_lrs, "warmup_steps": args.arch_warmup_steps,
+           "inputs": args.arch_input or ["stdlib docstrings"], "runs": runs}
     for arm, arm_runs in runs.items():
         for r in arm_runs:
             r["tokens_to_target"] = tokens_to_reach(r["steps"], r["val"], target,
@@ -808,6 +815,14 @@ def row_names(text):
     if unknown:
         raise argparse.ArgumentTypeError(f"{unknown[0]}: no such row (rows: {','.join(ROWS)})")
     return names
+
+
+def learning_rates(text):
+    """--arch_lrs' MAX_LR,MUON_LR: two positive numbers."""
+    values = text.split(",")
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give MAX_LR,MUON_LR, e.g. 8e-3,4e-3")
+    return tuple(common.LEARNING_RATE(v) for v in values)
 
 
 def micro_batch_shape(text):
@@ -875,6 +890,8 @@ FLAGS = [
     ("--arch_eval_every", 10, common.POSITIVE_INT, "the arch row's val loss every N steps"),
     ("--arch_max_steps", settings.RUN_PRESETS["tiny"]["max_steps"], common.POSITIVE_INT,
      "the arch row's steps a run (the tiny preset's schedule)"),
+    ("--arch_warmup_steps", settings.RUN_PRESETS["tiny"]["warmup_steps"], common.NONNEG_INT,
+     "the arch row's warmup steps (the tiny preset's; a shorter schedule wants fewer)"),
     ("--arch_shape", None, {"type": micro_batch_shape, "metavar": "B,T"},
      "the arch row's micro-batch and sequence length, a step one micro-batch of B x T tokens "
      "(default: the tiny preset's, 8 x 256 a micro-batch, 2048 tokens a step; the tests': 2,64)"),
@@ -883,6 +900,8 @@ FLAGS = [
     ("--arch_arms", list(ARCH_ARMS),
      {"nargs": "+", "choices": [*ARCH_ARMS, *ARCH_ABLATIONS], "metavar": "ARM"},
      "the arch row's arms (the modern_* beyond modern_muon: one change each)"),
+    ("--arch_lrs", None, {"type": learning_rates, "metavar": "MAX_LR,MUON_LR"},
+     "the arch row's arms at these LRs (--max_lr, --muon_lr) instead of their own: a tuning run"),
     ("--arch_stop_step", None, common.POSITIVE_INT,
      "the arch row's runs stop there (their schedule --arch_max_steps'): enough to reach it"),
     ("--arch_target", None, float,

@@ -177,3 +177,34 @@ def test_tokens_to_reach_interpolates_between_evaluations():
     assert bench.tokens_to_reach(steps, values, 6.0, 100) == 2000  # reached exactly at step 20
     assert bench.tokens_to_reach(steps, values, 11.0, 100) == 0  # at init already
     assert bench.tokens_to_reach(steps, values, 4.0, 100) is None  # never
+
+
+def test_arch_row_flags_reach_every_arms_run(monkeypatch, tmp_path):
+    """--arch_lrs and --arch_warmup_steps replace each arm's own LRs and the preset's warmup in
+    the command line each run gets (read back by train_gpt2's own flag parser); an arm's other
+    flags stay, and the row records the LRs and warmup it ran with."""
+    import bench
+    import fineweb
+    import settings
+
+    runs = []
+
+    def arch_run(flags, log_dir):  # one run's val curve, without training
+        runs.append(settings.read_flags(flags)[0])
+        return [0, 2], [10.0, 5.0], 1.0
+
+    monkeypatch.setattr(bench, "arch_run", arch_run)
+    monkeypatch.setattr(fineweb, "prepare", lambda *args, **kwargs: None)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a text")
+    args = bench.parse_args(["--device", "cpu", "--only", "arch", "--arch_seeds", "1",
+                             "--arch_arms", "modern_wsd", "gpt2_muon_wsd", "--arch_target", "6",
+                             "--arch_max_steps", "30", "--arch_warmup_steps", "5",
+                             "--arch_lrs", "1e-2,5e-3", "--arch_input", str(corpus)])
+    row = bench.bench_arch(args, bench.resolve(args))
+    assert [(r.arch, r.optimizer) for r in runs] == [("modern", "muon"), ("gpt2", "muon")]
+    for r in runs:
+        assert (r.max_lr, r.muon_lr, r.warmup_steps, r.max_steps) == (1e-2, 5e-3, 5, 30)
+        assert r.wsd_decay == 0.4  # the arm's own flag
+    assert row["lrs"] == (1e-2, 5e-3) and row["warmup_steps"] == 5
+    assert row["modern_wsd_tokens"] == pytest.approx(1.6 * 2048)  # 6: 4/5 of the way to step 2
