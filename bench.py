@@ -676,15 +676,15 @@ ARCH_ARMS = {
     "gpt2_muon": ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "4e-3",
                   "--muon_lr", "4e-3"],
     "modern_muon": ["--arch", "modern", "--optimizer", "muon", "--max_lr", "8e-3",
-                    "--muon_lr", "4e-3"],
+                    "--muon_lr", "6e-3"],  # on --arch modern's warmup-stable-decay schedule
 }
 # --arch_arms: the modern arm with one change each (its LRs, not tuned for the change); GPT-2 with
-# Muon on the same warmup-stable-decay schedule as modern_wsd
+# Muon on the modern arm's warmup-stable-decay schedule
 ARCH_ABLATIONS = {
     "modern_ve": [*ARCH_ARMS["modern_muon"], "--value_embeds"],
     "modern_x0": [*ARCH_ARMS["modern_muon"], "--x0_skip"],
     "modern_unet": [*ARCH_ARMS["modern_muon"], "--unet_skip"],
-    "modern_wsd": [*ARCH_ARMS["modern_muon"], "--wsd_decay", "0.4"],
+    "modern_cosine": [*ARCH_ARMS["modern_muon"], "--wsd_decay", "0"],
     "gpt2_muon_wsd": [*ARCH_ARMS["gpt2_muon"], "--wsd_decay", "0.4"],
 }
 

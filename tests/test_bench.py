@@ -198,13 +198,13 @@ def test_arch_row_flags_reach_every_arms_run(monkeypatch, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a text")
     args = bench.parse_args(["--device", "cpu", "--only", "arch", "--arch_seeds", "1",
-                             "--arch_arms", "modern_wsd", "gpt2_muon_wsd", "--arch_target", "6",
+                             "--arch_arms", "modern_cosine", "gpt2_muon_wsd", "--arch_target", "6",
                              "--arch_max_steps", "30", "--arch_warmup_steps", "5",
                              "--arch_lrs", "1e-2,5e-3", "--arch_input", str(corpus)])
     row = bench.bench_arch(args, bench.resolve(args))
     assert [(r.arch, r.optimizer) for r in runs] == [("modern", "muon"), ("gpt2", "muon")]
     for r in runs:
         assert (r.max_lr, r.muon_lr, r.warmup_steps, r.max_steps) == (1e-2, 5e-3, 5, 30)
-        assert r.wsd_decay == 0.4  # the arm's own flag
+    assert [r.wsd_decay for r in runs] == [0.0, 0.4]  # each arm's own schedule flag
     assert row["lrs"] == (1e-2, 5e-3) and row["warmup_steps"] == 5
-    assert row["modern_wsd_tokens"] == pytest.approx(1.6 * 2048)  # 6: 4/5 of the way to step 2
+    assert row["modern_cosine_tokens"] == pytest.approx(1.6 * 2048)  # 6: 4/5 of the way to step 2

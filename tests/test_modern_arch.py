@@ -552,9 +552,10 @@ def test_a_modern_run_starts_at_the_uniform_loss_and_records_its_parts(modern_ru
 @pytest.mark.slow
 def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_path):
     """A checkpoint whose config has no value_embeds, x0_skip, unet_skip (the modern model before
-    them) resumes as the model without them, exactly."""
+    them) and whose flags have no --wsd_decay (the cosine schedule before it; --arch modern's
+    default now) resumes as the model without them, on the cosine, exactly."""
     logs = [str(tmp_path / name) for name in ("whole", "resumed")]
-    old = ("--arch", "modern", "--no-x0_skip")
+    old = ("--arch", "modern", "--no-x0_skip", "--wsd_decay", "0")
     r = run_cli(*run_args(data, logs[0], *old))
     assert r.returncode == 0, r.stderr
     r = run_cli(*run_args(data, logs[1], *old, "--stop_step", "5"))
@@ -563,6 +564,7 @@ def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_pat
     ckpt = torch.load(path, weights_only=True)
     for field in ("value_embeds", "x0_skip", "unet_skip"):
         del ckpt["config"][field]
+    del ckpt["args"]["wsd_decay"]
     torch.save(ckpt, path)
     r = run_cli(*resume_args(logs[1]))
     assert r.returncode == 0, r.stderr
