@@ -679,13 +679,14 @@ ARCH_ARMS = {
                     "--muon_lr", "6e-3"],  # on --arch modern's warmup-stable-decay schedule
 }
 # --arch_arms: the modern arm with one change each (its LRs, not tuned for the change); GPT-2 with
-# Muon on the modern arm's warmup-stable-decay schedule
+# Muon on the modern arm's warmup-stable-decay schedule, at the LRs tuned for it there
 ARCH_ABLATIONS = {
     "modern_ve": [*ARCH_ARMS["modern_muon"], "--value_embeds"],
     "modern_x0": [*ARCH_ARMS["modern_muon"], "--x0_skip"],
     "modern_unet": [*ARCH_ARMS["modern_muon"], "--unet_skip"],
     "modern_cosine": [*ARCH_ARMS["modern_muon"], "--wsd_decay", "0"],
-    "gpt2_muon_wsd": [*ARCH_ARMS["gpt2_muon"], "--wsd_decay", "0.4"],
+    "gpt2_muon_wsd": ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "4e-3", "--muon_lr",
+                      "6e-3", "--wsd_decay", "0.4"],
 }
 
 
