@@ -146,7 +146,6 @@ def compiled_rows(est):
         bound = [k for k in kernels if memory_bound(k["flops"], k["read"] + k["written"], est)]
         flops = sums.get("triton_flops", 0) + sums.get("extern_flops", 0)
         row = {"tokens": r["tokens"], "roofline_ms": seconds * 1e3,
-               "peak_mem_gib": r["peak_bytes"] / 2**30,
                **{f"{phase}_ms": v for phase, v in ms.items()},
                "memory_bound_ms": sum(kernel_seconds(k, est) for k in bound) * 1e3,
                "triton_gb_inductor_estimate": sums.get("triton_inductor_bytes", 0) / 1e9,
@@ -202,9 +201,8 @@ def print_compiled(results):
           f"one micro-step's kernels + clipping and fused AdamW")
     print("| B | roofline step eager | compiled | compiled fwd / bwd / clip+AdamW "
           "| Triton kernels (GB moved; inductor's estimate) | extern calls (GB) "
-          "| MFU ceiling eager | compiled | tokens/s ceiling compiled "
-          "| peak tensor memory eager | compiled |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| MFU ceiling eager | compiled | tokens/s ceiling compiled |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for B, c in sorted(compiled.items()):
         e = eager[B]
         print(f"| {B} | {e['roofline_ms']:.1f} ms | {c['roofline_ms']:.1f} ms | "
@@ -213,8 +211,7 @@ def print_compiled(results):
               f"{c['triton_gb_inductor_estimate']:.1f}) | "
               f"{c['extern_launches']} ({c['extern_gb']:.1f}) | "
               f"{100 * e['mfu_ceiling']:.0f}% | {100 * c['mfu_ceiling']:.0f}% | "
-              f"{c['tokens_per_sec_ceiling']:,.0f} | {e['peak_mem_gib']:.1f} GiB | "
-              f"{c['peak_mem_gib']:.1f} GiB |")
+              f"{c['tokens_per_sec_ceiling']:,.0f} |")
     B = max(compiled)
     block = compiled[B]["one_block"]
     print(f"\none block's kernels, B={B} (from one attention call to the next: the rest of a "

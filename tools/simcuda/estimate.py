@@ -141,10 +141,8 @@ def compiled_step(model, optimizer, autocast_ctx, B, T, vocab):
     mode, static shapes) for B x T tokens: a first micro-step compiles the forward and backward
     graphs, then one micro-step logs every kernel they launch (inductor.KernelLog); clipping and
     the fused AdamW step, which the project runs outside the compiled model, go through Roofline
-    op by op as in eager. MemTracker counts that micro-step's tensors as in eager: the buffers
-    inductor's code allocates, and what its forward keeps for the backward."""
+    op by op as in eager."""
     import torch._dynamo
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
@@ -159,20 +157,16 @@ def compiled_step(model, optimizer, autocast_ctx, B, T, vocab):
     forward().backward()
     compile_seconds = time.perf_counter() - start
     optimizer.zero_grad(set_to_none=True)
-    tracker, roofline = MemTracker(), Roofline()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        with inductor.KernelLog() as fwd:
-            loss = forward()
-        with inductor.KernelLog() as bwd:
-            loss.backward()
-        with roofline:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-    peak = tracker.get_tracker_snapshot("peak")
-    device = next(d for d in peak if str(d).startswith("cuda"))
+    with inductor.KernelLog() as fwd:
+        loss = forward()
+    with inductor.KernelLog() as bwd:
+        loss.backward()
+    roofline = Roofline()
+    with roofline:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
     return {"compile_seconds": compile_seconds, "forward": fwd.kernels, "backward": bwd.kernels,
-            "optimizer": roofline.by_op(), "peak_bytes": peak[device]["Total"]}
+            "optimizer": roofline.by_op()}
 
 
 def steps(step, preset, batch_sizes, T, arch, context=None):
