@@ -311,10 +311,9 @@ def test_torchrun_stops_on_a_signal_to_one_rank_or_to_the_launcher(data, two_ran
                                                                     tmp_path):
     """Two ranks, stopped twice, then resumed: SIGTERM to rank 0 alone, held before step 4's last
     micro-step: both ranks finish step 4 (the step's read-back is where they learn of it), save it
-    once, exit 143, no hang. Resumed,
-    the sample block of step 6 would run for minutes on both ranks: SIGTERM to the launcher, which
-    forwards it to the workers, ends the run in seconds with step 5 saved. The last resume gives
-    the uninterrupted two-rank run's log."""
+    once, exit 143, no hang. Resumed, the sample block of step 6 would run for minutes on both
+    ranks: SIGTERM to the launcher, which forwards it to the workers, ends the run in seconds with
+    step 5 saved. The last resume gives the uninterrupted two-rank run's log."""
     log = str(tmp_path / "log")
 
     def hooked_torchrun(hook_env, *extra):
