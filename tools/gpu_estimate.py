@@ -106,6 +106,8 @@ def eager_rows(est):
         slowest = sorted(bound.items(), key=lambda kv: -kv[1])[:4]
         rows[int(B)] = {
             "tokens": r["tokens"], "peak_mem_gib": r["peak_bytes"] / 2**30,
+            # the same peak counted as the compiled step's is (estimate.LiveMemory)
+            "peak_mem_gib_live_storages": r["live_peak_bytes"] / 2**30,
             "peak_by_kind_gib": {k: v / 2**30 for k, v in r["peak_by_kind"].items() if v},
             "flops": r["flops"], "flops_over_formula": r["flops"] / r["formula"],
             "matmul_flops_over_6n": r["matmul_flops"] / r["six_n"],
@@ -145,7 +147,8 @@ def compiled_rows(est):
         seconds = sum(ms.values()) / 1e3
         bound = [k for k in kernels if memory_bound(k["flops"], k["read"] + k["written"], est)]
         flops = sums.get("triton_flops", 0) + sums.get("extern_flops", 0)
-        row = {"tokens": r["tokens"], "roofline_ms": seconds * 1e3,
+        row = {"tokens": r["tokens"], "peak_mem_gib": r["peak_bytes"] / 2**30,
+               "roofline_ms": seconds * 1e3,
                **{f"{phase}_ms": v for phase, v in ms.items()},
                "memory_bound_ms": sum(kernel_seconds(k, est) for k in bound) * 1e3,
                "triton_gb_inductor_estimate": sums.get("triton_inductor_bytes", 0) / 1e9,
@@ -199,13 +202,15 @@ def print_compiled(results):
     s, eager, compiled = results["setting"], results["estimate"], results["compiled"]
     print(f"\ncompiled (torch.compile, inductor, Triton {s['triton']} kernels for sm_90): "
           f"one micro-step's kernels + clipping and fused AdamW")
-    print("| B | roofline step eager | compiled | compiled fwd / bwd / clip+AdamW "
+    print("| B | peak tensor memory compiled | roofline step eager | compiled "
+          "| compiled fwd / bwd / clip+AdamW "
           "| Triton kernels (GB moved; inductor's estimate) | extern calls (GB) "
           "| MFU ceiling eager | compiled | tokens/s ceiling compiled |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for B, c in sorted(compiled.items()):
         e = eager[B]
-        print(f"| {B} | {e['roofline_ms']:.1f} ms | {c['roofline_ms']:.1f} ms | "
+        print(f"| {B} | {c['peak_mem_gib']:.1f} GiB | {e['roofline_ms']:.1f} ms | "
+              f"{c['roofline_ms']:.1f} ms | "
               f"{c['forward_ms']:.1f} / {c['backward_ms']:.1f} / {c['optimizer_ms']:.1f} ms | "
               f"{c['triton_launches']} ({c['triton_gb']:.1f}; "
               f"{c['triton_gb_inductor_estimate']:.1f}) | "

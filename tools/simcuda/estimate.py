@@ -19,6 +19,7 @@ import tempfile
 import time
 import traceback
 import warnings
+import weakref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -108,6 +109,68 @@ class Roofline:
                 for name, (f, b, t, n) in self.ops.items()}
 
 
+class LiveMemory:
+    """Peak bytes of live CUDA tensor storage: the storages of `given` tensors (what exists before:
+    parameters, optimizer state, the batch), and every storage an op makes while inside, each
+    counted until it is freed (a weakref on the storage). A plain dispatch mode with no module
+    hooks, so it also sees the storages compiled code allocates (inductor's buffers, its saved
+    activations) without making dynamo trace the model again, as MemTracker's hooks do. Storages
+    only: no allocator rounding, no CUDA context or workspaces."""
+
+    def __init__(self, given=()):
+        self.live = weakref.WeakKeyDictionary()  # storage -> bytes; a storage's hash is its id
+        self.now = self.peak = 0
+        for t in given:
+            self.add(t)
+
+    def add(self, t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            return
+        storage = t.untyped_storage()
+        if storage in self.live:
+            return
+        nbytes = storage.nbytes()
+        self.live[storage] = nbytes
+        weakref.finalize(storage, self._freed, nbytes)
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def _freed(self, nbytes):
+        self.now -= nbytes
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        memory = self
+
+        class Mode(TorchDispatchMode):
+            @classmethod
+            def ignore_compile_internals(cls):
+                return True  # on while compiled code runs, off while it is traced and compiled
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    memory.add(t)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+def held(model, optimizer):
+    """The tensors a training step starts with: parameters, their gradients, optimizer state."""
+    from torch.utils._pytree import tree_leaves
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return [*model.parameters(), *grads, *tree_leaves(optimizer.state_dict()["state"])]
+
+
 def eager_step(model, optimizer, autocast_ctx, B, T, vocab):
     """One steady-state training step of B x T tokens (AdamW state already there), as the
     project's step: forward under autocast, backward, clip to 1.0, fused AdamW; its peak tensor
@@ -125,13 +188,14 @@ def eager_step(model, optimizer, autocast_ctx, B, T, vocab):
     flops = FlopCounterMode(display=False, custom_mapping=whole)
     tracker, roofline = MemTracker(), Roofline()
     tracker.track_external(model, optimizer)
-    with tracker, roofline:
+    live = LiveMemory([*held(model, optimizer), x, y])
+    with tracker, roofline, live:
         settings.estimated_step(model, optimizer, x, y, autocast_ctx, counted=flops)
     peak = tracker.get_tracker_snapshot("peak")
     device = next(d for d in peak if str(d).startswith("cuda"))
     by_op = {str(k): v for k, v in flops.get_flop_counts()["Global"].items()}
     by_kind = {str(getattr(k, "value", k)): v for k, v in peak[device].items()}
-    return {"peak_bytes": peak[device]["Total"],
+    return {"peak_bytes": peak[device]["Total"], "live_peak_bytes": live.peak,
             "peak_by_kind": {k: v for k, v in by_kind.items() if k != "Total"},
             "flops": flops.get_total_flops(), "flops_by_op": by_op, "roofline": roofline.by_op()}
 
@@ -141,7 +205,8 @@ def compiled_step(model, optimizer, autocast_ctx, B, T, vocab):
     mode, static shapes) for B x T tokens: a first micro-step compiles the forward and backward
     graphs, then one micro-step logs every kernel they launch (inductor.KernelLog); clipping and
     the fused AdamW step, which the project runs outside the compiled model, go through Roofline
-    op by op as in eager."""
+    op by op as in eager. Its peak tensor memory is LiveMemory's over that second step, as eager's
+    is MemTracker's (the two agree on an eager step to allocator rounding)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -157,16 +222,18 @@ def compiled_step(model, optimizer, autocast_ctx, B, T, vocab):
     forward().backward()
     compile_seconds = time.perf_counter() - start
     optimizer.zero_grad(set_to_none=True)
-    with inductor.KernelLog() as fwd:
-        loss = forward()
-    with inductor.KernelLog() as bwd:
-        loss.backward()
-    roofline = Roofline()
-    with roofline:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+    live = LiveMemory([*held(model, optimizer), x, y])
+    with live:
+        with inductor.KernelLog() as fwd:
+            loss = forward()
+        with inductor.KernelLog() as bwd:
+            loss.backward()
+        roofline = Roofline()
+        with roofline:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
     return {"compile_seconds": compile_seconds, "forward": fwd.kernels, "backward": bwd.kernels,
-            "optimizer": roofline.by_op()}
+            "optimizer": roofline.by_op(), "peak_bytes": live.peak}
 
 
 def steps(step, preset, batch_sizes, T, arch, context=None):
