@@ -769,8 +769,8 @@ def bench_arch(args, t):
                          "--val_tokens", str(val_tokens),
                          "--device", t.device]
                 if args.arch_lrs:
-                    flags += ["--max_lr", str(args.arch_lrs[0]), "--muon_lr",
-                              str(args.arch_lrs[1])]
+                    for flag, lr in zip(("--max_lr", "--muon_lr", "--embed_lr"), args.arch_lrs):
+                        flags += [flag, str(lr)]
                 if args.arch_stop_step:  # the schedule stays --arch_max_steps'
                     flags += ["--stop_step", str(args.arch_stop_step)]
                 steps, values, seconds = arch_run(flags, log_dir)
@@ -819,10 +819,11 @@ def row_names(text):
 
 
 def learning_rates(text):
-    """--arch_lrs' MAX_LR,MUON_LR: two positive numbers."""
+    """--arch_lrs' MAX_LR,MUON_LR[,EMBED_LR]: two or three positive numbers."""
     values = text.split(",")
-    if len(values) != 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give MAX_LR,MUON_LR, e.g. 8e-3,4e-3")
+    if len(values) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"{text!r}: give MAX_LR,MUON_LR or MAX_LR,MUON_LR,"
+                                          f"EMBED_LR, e.g. 8e-3,4e-3")
     return tuple(common.LEARNING_RATE(v) for v in values)
 
 
@@ -901,8 +902,9 @@ FLAGS = [
     ("--arch_arms", list(ARCH_ARMS),
      {"nargs": "+", "choices": [*ARCH_ARMS, *ARCH_ABLATIONS], "metavar": "ARM"},
      "the arch row's arms (the modern_* beyond modern_muon: one change each)"),
-    ("--arch_lrs", None, {"type": learning_rates, "metavar": "MAX_LR,MUON_LR"},
-     "the arch row's arms at these LRs (--max_lr, --muon_lr) instead of their own: a tuning run"),
+    ("--arch_lrs", None, {"type": learning_rates, "metavar": "MAX_LR,MUON_LR[,EMBED_LR]"},
+     "the arch row's arms at these LRs (--max_lr, --muon_lr, --embed_lr) instead of their own: "
+     "a tuning run"),
     ("--arch_stop_step", None, common.POSITIVE_INT,
      "the arch row's runs stop there (their schedule --arch_max_steps'): enough to reach it"),
     ("--arch_target", None, float,

@@ -73,6 +73,8 @@ RUN_SETTINGS = {
         ("--muon_adjust_lr", "match_rms_adamw", ["match_rms_adamw", "original"],
          "match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr"),
         ("--max_lr", 6e-4, LEARNING_RATE, "peak learning rate"),
+        ("--embed_lr", None, LEARNING_RATE,
+         "AdamW's peak LR for the token embedding wte (default: --max_lr's group)"),
         ("--min_lr_ratio", 0.1, bounded(float, 0, 1, what="in [0, 1]"), "final LR / max_lr"),
         ("--warmup_steps", 715, count(0, STEPS), "linear warmup steps"),
         ("--wsd_decay", 0.0, bounded(float, 0, 1, what="in [0, 1]"),
@@ -599,6 +601,11 @@ def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
         asked_s = ", ".join(f"{k}={asked[k]}" for k in differ)
         raise UsageError(f"{args.resume} holds a model trained with {had_s}; the flags ask for "
                          f"{asked_s} (a resumed run needs no shape flags)")
+    # --embed_lr puts wte in an AdamW group of its own: the checkpoint's groups must be this
+    # run's (a checkpoint's own --embed_lr comes with it when the flag is not given)
+    if args.embed_lr is not None and saved.get("embed_lr") is None:
+        raise UsageError(f"{args.resume} was trained without --embed_lr (wte in AdamW's decayed "
+                         f"group): resume without the flag, or start a new run")
     if args.optimizer != saved["optimizer"]:
         kind = saved["optimizer"]
         raise UsageError(f"{args.resume} holds {kind} optimizer state but --optimizer "

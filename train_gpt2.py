@@ -589,13 +589,18 @@ class GPT(nn.Module):
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, verbose=True,
-                             muon=None):
+                             muon=None, embed_lr=None):
         """AdamW, weight decay on matmuls and embeddings only. muon (make_muon's keywords): the
-        blocks' 2-D weights go to torch.optim.Muon instead, both in one CombinedOptimizer."""
+        blocks' 2-D weights go to torch.optim.Muon instead, both in one CombinedOptimizer.
+        embed_lr: wte in an AdamW group of its own, at embed_lr where the rest is at
+        learning_rate (its lr_scale; tied, the head with it)."""
         matrices = []  # Muon's share: the 2-D weights inside the blocks (attention and MLP)
         if muon is not None:
             matrices = [p for p in self.transformer.h.parameters() if p.dim() == 2]
-        taken = {id(p) for p in matrices}
+        embedding = []
+        if embed_lr is not None:
+            embedding = [self.transformer.wte.weight]
+        taken = {id(p) for p in matrices + embedding}
         params = [p for p in self.parameters() if p.requires_grad and id(p) not in taken]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
@@ -603,6 +608,10 @@ class GPT(nn.Module):
         if no_decay:  # none without biases and norm weights (torch's state-dict helpers refuse
             groups.append({"params": no_decay, "weight_decay": 0.0})  # an empty group)
         parts = {"decayed": decay, "non-decayed": no_decay}
+        if embedding:  # last: the groups before keep their places in older checkpoints' order
+            groups.append({"params": embedding, "weight_decay": weight_decay,
+                           "lr_scale": embed_lr / learning_rate})
+            parts["embedding (--embed_lr)"] = embedding
         if muon is not None:
             parts["Muon"] = matrices
         for what, ps in parts.items():
@@ -835,7 +844,7 @@ def make_optimizer(model, run, verbose=False):
         muon = dict(lr=run.muon_lr, momentum=run.muon_momentum, ns_steps=run.muon_ns_steps,
                     adjust_lr_fn=run.muon_adjust_lr)
     return model.configure_optimizers(run.weight_decay, run.max_lr, run.device_type, verbose,
-                                      muon)
+                                      muon, run.embed_lr)
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps, wsd_decay=0.0):
     """Linear warmup to max_lr, then cosine decay to min_lr at max_steps (GPT-2's); or, with
@@ -1264,7 +1273,7 @@ def train(run, proc, ckpt=None):
             loss, norm, go_on, skipped = check_step(loss_accum, norm, scaler, stop, proc)
             lr = run.schedule.lr(step)
             for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's: --muon_lr / --max_lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)  # --muon_lr, --embed_lr / --max_lr
             scaler.step(optimizer)  # optimizer.step(), unless fp16 overflowed
             scaler.update()
             if run.device_type == "cuda":

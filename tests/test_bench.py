@@ -200,11 +200,23 @@ def test_arch_row_flags_reach_every_arms_run(monkeypatch, tmp_path):
     args = bench.parse_args(["--device", "cpu", "--only", "arch", "--arch_seeds", "1",
                              "--arch_arms", "modern_cosine", "gpt2_muon_wsd", "--arch_target", "6",
                              "--arch_max_steps", "30", "--arch_warmup_steps", "5",
-                             "--arch_lrs", "1e-2,5e-3", "--arch_input", str(corpus)])
+                             "--arch_lrs", "1e-2,5e-3,3e-2", "--arch_input", str(corpus)])
     row = bench.bench_arch(args, bench.resolve(args))
     assert [(r.arch, r.optimizer) for r in runs] == [("modern", "muon"), ("gpt2", "muon")]
     for r in runs:
-        assert (r.max_lr, r.muon_lr, r.warmup_steps, r.max_steps) == (1e-2, 5e-3, 5, 30)
+        assert (r.max_lr, r.muon_lr, r.embed_lr, r.warmup_steps, r.max_steps) == \
+            (1e-2, 5e-3, 3e-2, 5, 30)
     assert [r.wsd_decay for r in runs] == [0.0, 0.4]  # each arm's own schedule flag
-    assert row["lrs"] == (1e-2, 5e-3) and row["warmup_steps"] == 5
+    assert row["lrs"] == (1e-2, 5e-3, 3e-2) and row["warmup_steps"] == 5
     assert row["modern_cosine_tokens"] == pytest.approx(1.6 * 2048)  # 6: 4/5 of the way to step 2
+
+
+@pytest.mark.parametrize("lrs", ["1e-2", "1e-2,5e-3,3e-2,1e-3", "1e-2,-5e-3"])
+def test_arch_lrs_other_than_two_or_three_positive_numbers_are_one_line(lrs, capsys):
+    import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--only", "arch", "--arch_lrs", lrs])
+    assert e.value.code != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --arch_lrs") and len(err.strip().splitlines()) == 1

@@ -11,7 +11,8 @@ import torch
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import assert_one_line_error, log_of, resume_args, run_args, run_cli, tiny_model
+from helpers import (assert_one_line_error, dir_bytes, log_of, resume_args, run_args, run_cli,
+                     tiny_model)
 
 MUON = ["--optimizer", "muon"]
 SMALL_VOCAB = dict(vocab_size=256, real_vocab_size=256)  # the blocks are what matters here
@@ -81,6 +82,75 @@ def test_muon_groups_match_hand_built_optimizers():
         assert torch.equal(a, b), name
     moved = tiny_model(seed=3, **SMALL_VOCAB).transformer.h[0].mlp.c_fc.weight
     assert not torch.equal(moved, ours.transformer.h[0].mlp.c_fc.weight)  # not vacuous
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_embed_lr_matches_a_hand_built_adamw_with_wte_apart(arch):
+    """--embed_lr: wte in an AdamW group of its own at embed_lr (tied, under --arch gpt2, the head
+    with it), every other group as before: four scheduled steps bit for bit those of
+    torch.optim.AdamW built by hand from parameter names."""
+    parts = dict(**settings.ARCHITECTURES[arch], **SMALL_VOCAB)
+    ours, ref = tiny_model(seed=3, **parts), tiny_model(seed=3, **parts)
+    opt = ours.configure_optimizers(0.1, 1e-3, "cpu", verbose=False, embed_lr=5e-2)
+    named = [(n, p) for n, p in ref.named_parameters() if n != "transformer.wte.weight"]
+    groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+              {"params": [ref.transformer.wte.weight], "weight_decay": 0.1}]
+    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-3, betas=(0.9, 0.95),
+                              eps=1e-8)
+    assert len(opt.param_groups) == len(adamw.param_groups)
+    x = torch.randint(0, 256, (2, 32))
+    for step in range(4):
+        lr = tg.get_lr(step, 1e-3, 1e-4, 2, 4)
+        for group in opt.param_groups:  # what train() does
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        for group in adamw.param_groups:
+            group["lr"] = lr
+        adamw.param_groups[-1]["lr"] = lr * 50  # wte's: 5e-2 / 1e-3
+        for model, o in ((ours, opt), (ref, adamw)):
+            o.zero_grad(set_to_none=True)
+            model(x, x)[1].backward()
+            o.step()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    # not vacuous: without the flag wte takes other steps
+    plain = tiny_model(seed=3, **parts)
+    plain_opt = plain.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
+    for step in range(4):
+        plain_opt.zero_grad(set_to_none=True)
+        plain(x, x)[1].backward()
+        plain_opt.step()
+    assert not torch.equal(plain.transformer.wte.weight, ours.transformer.wte.weight)
+
+
+def test_embed_lr_on_a_checkpoint_trained_without_it_is_refused(reference, tmp_path):
+    """The checkpoint's AdamW groups are the run's: --embed_lr given to a run trained without it
+    (wte in the decayed group) is one line, before any work."""
+    log = str(tmp_path / "log")
+    shutil.copytree(reference, log)
+    before = dir_bytes(log)
+    r = run_cli(*resume_args(log, "--embed_lr", "1e-2"))
+    assert_one_line_error(r, "trained without --embed_lr", "resume without the flag")
+    assert dir_bytes(log) == before
+
+
+@pytest.mark.slow  # three runs
+def test_embed_lr_resume_is_exact(data, tmp_path):
+    """A run with --embed_lr stopped after step 2 and resumed (the flag from its checkpoint, the
+    group's lr_scale in it) ends as the run straight through does."""
+    flags = ["--max_steps", "6", "--save_every", "0", "--sample_every", "0", "--arch", "modern",
+             "--embed_lr", "2e-2"]
+    straight, log = str(tmp_path / "straight"), str(tmp_path / "log")
+    for out, extra in ((straight, []), (log, ["--stop_step", "3"])):
+        r = run_cli(*run_args(data, out, *flags, *extra))
+        assert r.returncode == 0, r.stderr
+    ckpt = torch.load(rundir.find_checkpoints(log)[-1], weights_only=False)
+    groups = ckpt["optimizer"]["param_groups"]
+    assert groups[-1]["params"] == ["transformer.wte.weight"], groups
+    assert groups[-1]["lr_scale"] == pytest.approx(2e-2 / ckpt["args"]["max_lr"]), groups
+    r = run_cli(*resume_args(log))
+    assert r.returncode == 0, r.stderr
+    assert log_of(straight) == log_of(log)
 
 
 def test_combined_optimizer_state_dict_round_trip_is_exact():
