@@ -43,6 +43,25 @@ def test_configure_optimizers_groups_and_decay(capsys):
             assert torch.equal(p, before[n]), n
 
 
+def as_train_does(group):
+    """A group's share of the schedule's LR, as train() sets it (Muon's and wte's own LRs)."""
+    return group.get("lr_scale", 1.0)
+
+
+def scheduled_steps(model, optimizers, x, scale_of, steps=4):
+    """steps training steps of model on x, each optimizer group at the schedule's LR (warmup 2,
+    cosine to step 4) times scale_of(group)."""
+    for step in range(steps):
+        lr = tg.get_lr(step, 1e-3, 1e-4, 2, 4)
+        for o in optimizers:
+            for group in o.param_groups:
+                group["lr"] = lr * scale_of(group)
+            o.zero_grad(set_to_none=True)
+        model(x, x)[1].backward()
+        for o in optimizers:
+            o.step()
+
+
 def reference_optimizers(model, wd, lr, muon_lr):
     """Built by hand from parameter names: Muon on every 2-D weight inside the blocks, AdamW with
     GPT-2's decay groups on everything else."""
@@ -65,19 +84,9 @@ def test_muon_groups_match_hand_built_optimizers():
     assert [type(o) for o in opt] == [torch.optim.AdamW, torch.optim.Muon]
     assert len(opt.param_groups) == 3
     x = torch.randint(0, 256, (2, 32))
-    for step in range(4):
-        lr = tg.get_lr(step, 1e-3, 1e-4, 2, 4)
-        for group in opt.param_groups:  # what train() does
-            group["lr"] = lr * group.get("lr_scale", 1.0)
-        for group in adamw.param_groups:
-            group["lr"] = lr
-        muon.param_groups[0]["lr"] = lr * ratio
-        for model, optimizers in ((ours, [opt]), (ref, [adamw, muon])):
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
-            model(x, x)[1].backward()
-            for o in optimizers:
-                o.step()
+    scheduled_steps(ours, [opt], x, as_train_does)
+    muon_group = muon.param_groups[0]
+    scheduled_steps(ref, [adamw, muon], x, lambda group: ratio if group is muon_group else 1.0)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), name
     moved = tiny_model(seed=3, **SMALL_VOCAB).transformer.h[0].mlp.c_fc.weight
@@ -100,26 +109,15 @@ def test_embed_lr_matches_a_hand_built_adamw_with_wte_apart(arch):
                               eps=1e-8)
     assert len(opt.param_groups) == len(adamw.param_groups)
     x = torch.randint(0, 256, (2, 32))
-    for step in range(4):
-        lr = tg.get_lr(step, 1e-3, 1e-4, 2, 4)
-        for group in opt.param_groups:  # what train() does
-            group["lr"] = lr * group.get("lr_scale", 1.0)
-        for group in adamw.param_groups:
-            group["lr"] = lr
-        adamw.param_groups[-1]["lr"] = lr * 50  # wte's: 5e-2 / 1e-3
-        for model, o in ((ours, opt), (ref, adamw)):
-            o.zero_grad(set_to_none=True)
-            model(x, x)[1].backward()
-            o.step()
+    scheduled_steps(ours, [opt], x, as_train_does)
+    wte_group = adamw.param_groups[-1]  # at 5e-2 / 1e-3 = 50 times the schedule's LR
+    scheduled_steps(ref, [adamw], x, lambda group: 50.0 if group is wte_group else 1.0)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), name
     # not vacuous: without the flag wte takes other steps
     plain = tiny_model(seed=3, **parts)
     plain_opt = plain.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
-    for step in range(4):
-        plain_opt.zero_grad(set_to_none=True)
-        plain(x, x)[1].backward()
-        plain_opt.step()
+    scheduled_steps(plain, [plain_opt], x, as_train_does)
     assert not torch.equal(plain.transformer.wte.weight, ours.transformer.wte.weight)
 
 

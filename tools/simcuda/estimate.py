@@ -54,23 +54,13 @@ class Roofline:
         self.ops = collections.defaultdict(lambda: [0, 0, 0.0, 0])  # flops, bytes, seconds, calls
 
     def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         aten = torch.ops.aten
         # ops that move no data (_unsafe_view: a view the schema does not mark as one; a Linear
         # without bias ends with it on a 3-D input)
         self.metadata = {aten.detach, aten.alias, aten.lift_fresh, aten._local_scalar_dense,
                          aten.empty_like, aten.empty, aten.empty_strided, aten.new_empty,
                          aten.new_empty_strided, aten._unsafe_view}
-        roofline = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                roofline.record(func, args, kwargs or {}, out)
-                return out
-
-        self._mode = Mode()
+        self._mode = inductor.op_observer(self.record)
         self._mode.__enter__()
         return self
 
@@ -138,24 +128,14 @@ class LiveMemory:
     def _freed(self, nbytes):
         self.now -= nbytes
 
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    def _made(self, func, args, kwargs, out):
         from torch.utils._pytree import tree_leaves
 
-        memory = self
+        for t in tree_leaves(out):
+            self.add(t)
 
-        class Mode(TorchDispatchMode):
-            @classmethod
-            def ignore_compile_internals(cls):
-                return True  # on while compiled code runs, off while it is traced and compiled
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    memory.add(t)
-                return out
-
-        self._mode = Mode()
+    def __enter__(self):
+        self._mode = inductor.op_observer(self._made, in_compiled_code=True)
         self._mode.__enter__()
         return self
 

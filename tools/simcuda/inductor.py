@@ -211,6 +211,27 @@ def gathered_args(source):
             if all(re.search(r"\btmp\d+\b", index) for index in found)}
 
 
+def op_observer(record, in_compiled_code=False):
+    """A dispatch mode (enter it as a context) that calls record(func, args, kwargs, out) after
+    each op it runs. in_compiled_code: it is on while compiled code runs and off while
+    torch.compile traces and compiles (a mode that is not would keep dynamo from running the
+    compiled code at all); otherwise compiled code runs as one op it does not see inside."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls):
+            return in_compiled_code
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            record(func, args, kwargs, out)
+            return out
+
+    return Mode()
+
+
 def tensor_bytes(t):
     return t.numel() * t.element_size()
 
@@ -302,9 +323,13 @@ class KernelLog:
                              "read": read, "written": written, "flops": flops,
                              "inductor_bytes": None, "buffers": buffers})
 
+    def _op(self, func, args, kwargs, out):
+        name = func._overloadpacket.__name__
+        if func.namespace == "aten" and not func.is_view and name not in NOT_KERNELS:
+            self._extern(func, args, kwargs, out)
+
     def __enter__(self):
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-        from torch.utils._python_dispatch import TorchDispatchMode
 
         run = CachingAutotuner.run
         log = self
@@ -314,23 +339,7 @@ class KernelLog:
             return run(autotuner, *args, **kwargs)
 
         self._patches.set(CachingAutotuner, "run", logged_run)
-
-        class Mode(TorchDispatchMode):
-            @classmethod
-            def ignore_compile_internals(cls):
-                # on while compiled code runs, off while torch.compile traces and compiles (with
-                # a mode that is not, dynamo would not run the compiled code at all)
-                return True
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                out = func(*args, **kwargs)
-                name = func._overloadpacket.__name__
-                if func.namespace == "aten" and not func.is_view and name not in NOT_KERNELS:
-                    log._extern(func, args, kwargs, out)
-                return out
-
-        self._mode = Mode()
+        self._mode = op_observer(self._op, in_compiled_code=True)
         self._mode.__enter__()
         return self
 
