@@ -552,19 +552,26 @@ def test_a_modern_run_starts_at_the_uniform_loss_and_records_its_parts(modern_ru
 @pytest.mark.slow
 def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_path):
     """A checkpoint whose config has no value_embeds, x0_skip, unet_skip (the modern model before
-    them) and whose flags have no --wsd_decay (the cosine schedule before it; --arch modern's
-    default now) resumes as the model without them, on the cosine, exactly."""
+    them) and whose flags have no --wsd_decay and no --embed_lr (the cosine schedule, and wte in
+    AdamW's decayed group, before them; --arch modern's defaults now) resumes as the model
+    without them, on the cosine, exactly. (Its runs give wte the decayed group's LR, 8e-3: the
+    same steps in a group of its own.)"""
     logs = [str(tmp_path / name) for name in ("whole", "resumed")]
-    old = ("--arch", "modern", "--no-x0_skip", "--wsd_decay", "0")
+    old = ("--arch", "modern", "--no-x0_skip", "--wsd_decay", "0", "--embed_lr", "8e-3")
     r = run_cli(*run_args(data, logs[0], *old))
     assert r.returncode == 0, r.stderr
     r = run_cli(*run_args(data, logs[1], *old, "--stop_step", "5"))
     assert r.returncode == 0, r.stderr
     path = rundir.find_checkpoints(logs[1])[-1]
     ckpt = torch.load(path, weights_only=True)
+    assert ckpt["args"]["max_lr"] == 8e-3
     for field in ("value_embeds", "x0_skip", "unet_skip"):
         del ckpt["config"][field]
-    del ckpt["args"]["wsd_decay"]
+    del ckpt["args"]["wsd_decay"], ckpt["args"]["embed_lr"]
+    groups = ckpt["optimizer"]["param_groups"]
+    wte = groups.pop()  # --embed_lr's group, the last: back into the decayed group, the first
+    assert wte["params"] == ["transformer.wte.weight"], wte
+    groups[0]["params"].insert(0, wte["params"][0])
     torch.save(ckpt, path)
     r = run_cli(*resume_args(logs[1]))
     assert r.returncode == 0, r.stderr
