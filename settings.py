@@ -605,8 +605,12 @@ def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
     # --embed_lr puts wte in an AdamW group of its own: the checkpoint's groups must be this
     # run's (a checkpoint's own --embed_lr comes with it when the flag is not given)
     if args.embed_lr is not None and saved.get("embed_lr") is None:
+        source, fix = "given", "resume without the flag"
+        if "embed_lr" not in given:  # a default of the --arch / --preset given again
+            source, fix = "the default of --arch / --preset", "resume without those flags"
         raise UsageError(f"{args.resume} was trained without --embed_lr (wte in AdamW's decayed "
-                         f"group): resume without the flag, or start a new run")
+                         f"group), and --embed_lr {args.embed_lr} is {source}: {fix}, or start "
+                         f"a new run")
     if args.optimizer != saved["optimizer"]:
         kind = saved["optimizer"]
         raise UsageError(f"{args.resume} holds {kind} optimizer state but --optimizer "

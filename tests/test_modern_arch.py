@@ -573,6 +573,9 @@ def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_pat
     assert wte["params"] == ["transformer.wte.weight"], wte
     groups[0]["params"].insert(0, wte["params"][0])
     torch.save(ckpt, path)
+    # --arch modern given again brings the tiny preset's --embed_lr: refused, with the reason
+    r = run_cli(*resume_args(logs[1], "--arch", "modern", "--no-x0_skip", "--preset", "tiny"))
+    assert_one_line_error(r, "trained without --embed_lr", "the default of --arch / --preset")
     r = run_cli(*resume_args(logs[1]))
     assert r.returncode == 0, r.stderr
     assert log_of(logs[1]) == log_of(logs[0])
