@@ -676,7 +676,7 @@ ARCH_ARMS = {
     "gpt2_muon": ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "4e-3",
                   "--muon_lr", "4e-3"],
     "modern_muon": ["--arch", "modern", "--optimizer", "muon", "--max_lr", "8e-3",
-                    "--muon_lr", "6e-3", "--embed_lr", "0.1"],  # on --arch modern's WSD schedule
+                    "--muon_lr", "6e-3", "--embed_lr", "3e-2"],  # on --arch modern's WSD schedule
 }
 # --arch_arms: the modern arm with one change each (its LRs, not tuned for the change); GPT-2 with
 # Muon on the modern arm's warmup-stable-decay schedule, at the LRs tuned for it there

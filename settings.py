@@ -176,11 +176,11 @@ RUN_PRESETS = {
 # GPT-2's. The modern model's on the tiny preset are measured (docs/performance.md, "The modern
 # architecture": its embedding and untied zero head want twice the AdamW LR of GPT-2 with Muon;
 # on the warmup-stable-decay schedule, which reaches the GPT-2 recipe's loss in fewer tokens than
-# the cosine, Muon's best is 6e-3, and the token embedding's own AdamW LR 0.1); GPT-2 124M's
+# the cosine, Muon's best is 6e-3, and the token embedding's own AdamW LR 3e-2); GPT-2 124M's
 # apply the AdamW ratio to GPT-2's LR and keep Muon's LR of the cosine runs and the embedding in
 # AdamW's group (none measured at that size). The larger presets keep GPT-2's
 ARCH_RUN_PRESETS = {
-    "modern": {"tiny": dict(max_lr=8e-3, muon_lr=6e-3, embed_lr=0.1, wsd_decay=0.4),
+    "modern": {"tiny": dict(max_lr=8e-3, muon_lr=6e-3, embed_lr=3e-2, wsd_decay=0.4),
                "gpt2": dict(max_lr=1.2e-3, muon_lr=4e-3, wsd_decay=0.4)},
 }
 
