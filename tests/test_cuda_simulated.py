@@ -34,10 +34,11 @@ from tools.simcuda import harness, inductor
 pytestmark = pytest.mark.slow  # child processes that build the harness and run every check
 
 # The architectures the training, inference and compile checks run: GPT-2's, and --arch modern's
-# (no 1-D parameters: AdamW has one group; an untied lm_head); spec: what a check's name gets
+# (AdamW's groups: the decayed matrices, the x0 scalars, and on the tiny preset the token embedding
+# at its own --embed_lr; an untied lm_head); spec: what a check's name gets
 # softcap: a forward with targets returns the loss only (logits None: the chunked head)
 ARCHS = {"gpt2": dict(spec="", groups=2, tied=True, softcap=False),
-         "modern": dict(spec=":--arch:modern", groups=2, tied=False, softcap=True)}
+         "modern": dict(spec=":--arch:modern", groups=3, tied=False, softcap=True)}
 
 
 def with_targets(arch, dtype):
