@@ -542,7 +542,8 @@ def compiled_estimates(lib, tmp_path_factory):
     if reason:
         pytest.skip(f"{reason}; CI leaves it out. To run: {inductor.INSTALL}, then "
                     f"python -m pytest -q tests/test_cuda_simulated.py -k inductor")
-    runs = Children(str(tmp_path_factory.mktemp("compiled")))
+    # a hang's limit: the two compiles take about 4 minutes here, side by side
+    runs = Children(str(tmp_path_factory.mktemp("compiled")), timeout=3600)
     for arch in ("gpt2", "modern"):
         runs.start([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
                     "--arch", arch, "--estimate_batch_sizes", "64", "--compile",
