@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from common import UsageError, atomic_write, dir_lock, one_line, print0
+from common import UsageError, atomic_write, dir_lock, one_line, print0, report_error
 
 
 # ===== Checkpoint files ==========================================================================
@@ -427,6 +427,7 @@ class StopSignals:
 
     def __init__(self, proc):
         self.signum, self.previous, self.interruptible, self.raised = None, {}, True, False
+        self.ending = False
         self.proc = proc
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for name in ("SIGTERM", "SIGINT", "SIGUSR1"):  # no SIGUSR1 on Windows
@@ -443,6 +444,8 @@ class StopSignals:
             os.write(2, f"error: {name} again: leaving now, without saving this step\n".encode())
             os._exit(128 + signum)
         self.signum = self.signum or signum
+        if self.ending:  # the run is saying how it ended: a signal (torchrun stopping the other
+            return  # ranks once one has left) must not cut that line off
         if self.interruptible and not self.raised:  # once: the save after it runs to the end
             self.raised = True
             raise Stopped(signum)
@@ -474,16 +477,23 @@ class StopSignals:
             self.raised = True
             raise Stopped(self.signum or signal.SIGTERM, agreed=True)  # another rank's: the same
 
+    def end(self):
+        """The run has failed or been stopped: from here until restore(), a stop signal is only
+        noted (the last step is being kept and the line that says why is on its way out)."""
+        self.ending = True
+
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
 
 def report_failure(e, step, log_dir, last_saved, proc):
-    """What stopped a run at `step`, naming the checkpoint of its last finished step: a stop
-    signal's exit status is returned; an error of the environment or the input (UsageError,
-    OSError) is raised as one line; a bug keeps its traceback. Under torchrun the failing rank
-    leaves a note in log_dir, and a rank whose collective broke because of it names that rank."""
+    """What stopped a run at `step`, naming the checkpoint of its last finished step, said here
+    (before the stop signals' handlers go: torchrun stops the other ranks once one has left, and
+    its SIGTERM must not cut the line off): the exit status, 128 + the signal of a stop, 1 of an
+    error of the environment or the input (UsageError, OSError: one line); a bug keeps its
+    traceback. Under torchrun the failing rank leaves a note in log_dir, and a rank whose
+    collective broke because of it names that rank."""
     held = ""
     if last_saved >= 0:
         held = f"; {checkpoint_path(log_dir, last_saved)} holds step {last_saved}"
@@ -502,13 +512,13 @@ def report_failure(e, step, log_dir, last_saved, proc):
         other = peer_failure(log_dir, line or f"{type(e).__name__}: {one_line(e)}",
                              wait=2.0 if line is None else 0.0, rank=proc.rank)
         if other is not None and line is None:  # our collective broke when that rank left
-            raise UsageError(f"rank {other[0]}: {other[1]} (rank {proc.rank} stopped with it)",
-                             rank_specific=True) from None
+            line = f"rank {other[0]}: {other[1]} (rank {proc.rank} stopped with it)"
     if isinstance(e, Stopped):
         print0(line)
         return 128 + e.signum
-    if line is not None:
-        raise UsageError(line, rank_specific=proc.world_size > 1) from None
+    if line is not None:  # each rank its own line: the failure may be this rank's alone
+        report_error(f"error: {line}")
+        return 1
     print(f"error at step {step}{saved}", file=sys.stderr, flush=True)
     raise e
 

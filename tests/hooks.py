@@ -41,6 +41,7 @@ TARGETS = {
     "record_error": (common, "record_error", ("text",)),
     "outlived_the_launcher": (common, "outlived_the_launcher", ()),
     "agree": (common.Proc, "agree", ("self", "ok")),
+    "handle": (rundir.StopSignals, "handle", ("self", "signum")),
 }
 
 
@@ -145,6 +146,26 @@ def hook_batch(real, mode, arg):
     tg.DataLoaderLite.next_batch = next_batch
 
 
+def hook_fail_batch(real, arg):
+    """fail_batch, arg "RANK CALL": that rank's CALL-th train batch fails (hook_batch), and every
+    other rank says why it stopped only once a stop signal has come to it (HOOK_MARKER written:
+    torchrun's SIGTERM, sent once the failing rank has left), as a slow rank on a busy machine
+    may."""
+    hook_batch(real["next_batch"], "fail_batch", arg)
+    at_rank = int(arg.split()[0])
+    marker = os.environ["HOOK_MARKER"]
+
+    def handle(self, signum, *a, **k):
+        open(marker, "w").close()
+        return real["handle"](self, signum, *a, **k)
+
+    def record_error(text):
+        if common.rank() != at_rank:
+            wait_for(marker)
+        real["record_error"](text)
+    rundir.StopSignals.handle, common.record_error = handle, record_error
+
+
 def hook_rank0_last(real):
     """rank0_last (under torchrun): a refusal that every rank meets is left by rank 1 first; rank 0
     raises its own only once rank 1 has recorded it (HOOK_MARKER) and then exited or started to
@@ -209,7 +230,7 @@ HOOKS = {
     "pause_mid_save": lambda real, arg: hook_mid_save(real["atomic_write"], arg),
     "hold_lock": lambda real, arg: hook_lock(real["save_run_config"], arg),
     "slow_samples": lambda real, arg: hook_samples(),
-    "fail_batch": lambda real, arg: hook_batch(real["next_batch"], "fail_batch", arg),
+    "fail_batch": hook_fail_batch,
     "hold_batch": lambda real, arg: hook_batch(real["next_batch"], "hold_batch", arg),
     "rank0_last": lambda real, arg: hook_rank0_last(real),
     "refuse_alone": hook_refuse_alone,

@@ -54,6 +54,7 @@ def test_the_hooks_find_what_they_replace(monkeypatch, capsys):
                                 "slow_samples", "fail_batch", "hold_batch", "rank0_last",
                                 "refuse_alone"}
     assert real["outlived_the_launcher"] is common.outlived_the_launcher
+    assert real["handle"] is rundir.StopSignals.handle
     monkeypatch.setenv("HOOK_MODE", "hold_afterlog")
     assert hooks.main() == 2
     assert capsys.readouterr().err == ("error: tests/hooks.py: no hook 'hold_afterlog'; there are "
@@ -893,10 +894,12 @@ def test_a_launcher_killed_by_sigusr1_leaves_no_worker_behind(data, tmp_path):
 def test_a_rank_local_failure_is_named_by_every_rank(data, tmp_path):
     """Rank 1's fourth train batch (step 3) cannot be read: rank 1 says why, rank 0 names rank 1
     instead of a broken connection, the last finished step is kept, and torchrun's failure
-    summary shows the cause."""
+    summary shows the cause. Rank 0 says it only after torchrun's SIGTERM (sent once rank 1 has
+    left) has come, as a slow rank on a busy machine may: the signal does not cut it off."""
     log = str(tmp_path / "log")
     run = torchrun(*run_args(data, log, "-B", "1", "--sample_every", "0"), script=HOOKS,
-                   env={"HOOK_MODE": "fail_batch", "HOOK_ARG": "1 4"})
+                   env={"HOOK_MODE": "fail_batch", "HOOK_ARG": "1 4",
+                        "HOOK_MARKER": str(tmp_path / "signalled")})
     assert run.returncode == 1
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     own = "error: step 3 failed (OSError: [Errno 5] Input/output error (a test's): "
@@ -905,6 +908,7 @@ def test_a_rank_local_failure_is_named_by_every_rank(data, tmp_path):
                line.endswith("(rank 0 stopped with it)") for line in errors), run.stderr
     assert "Traceback" not in "\n".join(errors)
     assert "traceback : error: step 3 failed (OSError" in run.stderr  # torchrun's summary
+    assert (tmp_path / "signalled").exists()  # rank 0's line came after the SIGTERM
     assert steps_saved(log) == [2]
 
 
