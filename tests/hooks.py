@@ -5,7 +5,8 @@ gate, and holds or pauses at a chosen point. helpers.start_hooked runs it; torch
 Set by the environment:
   HOOK_MODE     which hook (one of HOOKS below), or unset for none
   HOOK_ARG      the hook's argument (see each hook)
-  HOOK_MARKER   a file the hook writes when it holds or pauses (its pid inside, for the holds)
+  HOOK_MARKER   a file the hook writes when it holds or pauses (its pid inside, for the holds),
+                or, for fail_batch, when a stop signal comes
   HOOK_RELEASE  a file a hold waits for
   HOOK_GATE     a file to wait for before main() starts: racers past their imports
 
