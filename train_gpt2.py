@@ -1302,7 +1302,6 @@ def train(run, proc, ckpt=None):
             claim.abandon()
             raise
         stop.end()  # a signal from here on waits for the line that says why the run ended
-        # with the other ranks after a stop they all agreed on; else without a collective
         checkpointer.keep_last_step(together=isinstance(e, rundir.Stopped) and e.agreed)
         return rundir.report_failure(e, step, run.log_dir, checkpointer.last_saved, proc)
     finally:
