@@ -76,8 +76,12 @@ def wait_for(path):
 
 
 def mark(pid=True):
-    with open(os.environ["HOOK_MARKER"], "w") as f:
+    """HOOK_MARKER, holding this process's pid: written under another name and renamed, so a test
+    that sees the file exist never reads it empty."""
+    marker = os.environ["HOOK_MARKER"]
+    with open(marker + ".tmp", "w") as f:
         f.write(str(os.getpid()) if pid else "")
+    os.replace(marker + ".tmp", marker)
 
 
 def pause():
