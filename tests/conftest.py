@@ -5,8 +5,6 @@ import os
 
 import pytest
 
-from helpers import run_args, run_cli, write_shards
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -44,6 +42,8 @@ def one_thread():
 def data(tmp_path_factory):
     """The tiny run's shards: one val shard of 3,000 tokens, three train shards of 6,000 in all.
     Read only: a test that damages shards writes its own."""
+    from helpers import write_shards
+
     root = str(tmp_path_factory.mktemp("shards") / "data")
     write_shards(root, "val", [3000], seed=1)
     write_shards(root, "train", [2000, 1500, 2500], seed=2)
@@ -54,8 +54,10 @@ def data(tmp_path_factory):
 def reference_run(data, tmp_path_factory):
     """The tiny run, uninterrupted, through main() in this process: (its log dir, its result).
     test_training.py checks that a real `python train_gpt2.py` writes the same log."""
+    from helpers import SAVES, run_args, run_cli
+
     log = str(tmp_path_factory.mktemp("reference") / "log")
-    r = run_cli(*run_args(data, log))
+    r = run_cli(*run_args(data, log, *SAVES))
     assert r.returncode == 0, r.stderr
     return log, r
 

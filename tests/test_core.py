@@ -600,7 +600,7 @@ def test_fsdp_two_ranks_log_the_core_of_one(data, bundle_zip, tmp_path, monkeypa
     folder = core_eval.install(str(bundle_zip), str(tmp_path / "installed"))
     monkeypatch.setenv("EVAL_BUNDLE_DIR", folder)  # torchrun's ranks inherit it
     flags = ("--core_every", "4", "--core_max_per_task", "8", "--total_batch_size", "128",
-             "--max_steps", "4", "--save_every", "0", "--sample_every", "0")
+             "--max_steps", "4", "--sample_every", "0")
     logs = [str(tmp_path / "one"), str(tmp_path / "two")]
     r = run_cli(*run_args(data, logs[0], *flags))
     assert r.returncode == 0, r.stderr

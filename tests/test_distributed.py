@@ -129,7 +129,7 @@ def test_two_processes_prepare_the_data_and_split_hellaswag(tmp_path, monkeypatc
     monkeypatch.setenv("HELLASWAG_DIR", hdir)
     root, one, two = str(tmp_path / "data"), str(tmp_path / "one"), str(tmp_path / "two")
     hs = ["--max_steps", "2", "--hellaswag_every", "1", "--eval_every", "0", "--sample_every", "0",
-          "--save_every", "0", "--total_batch_size", "256"]
+          "--total_batch_size", "256"]
     r2 = torchrun(*run_args(root, two, "--input", corpus, *hs))
     assert r2.returncode == 0, r2.stderr
     assert r2.stdout.count("preparing them from") == 1 and "/13=" in r2.stdout

@@ -13,7 +13,7 @@ import common
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import (REPO, SHAPE_FLAGS, assert_one_line_error, dir_bytes, newest_step,
+from helpers import (REPO, SAVES, SHAPE_FLAGS, assert_one_line_error, dir_bytes, newest_step,
                      resume_args, run_args, run_cli, write_corpus_jsonl)
 
 
@@ -193,7 +193,8 @@ def test_start_up_warnings_once_and_keep_last(data, reference, tmp_path):
     log, corpus = str(tmp_path / "log"), str(tmp_path / "corpus.jsonl")
     write_corpus_jsonl(corpus, n_docs=5)
     # --input only prepares an empty data_root: with shards there it is stated, not ignored
-    r = run_cli(*run_args(data, log, "--warmup_steps", "8", "--keep_last", "2", "--input", corpus))
+    r = run_cli(*run_args(data, log, *SAVES, "--warmup_steps", "8", "--keep_last", "2",
+                         "--input", corpus))
     assert r.returncode == 0, r.stderr
     before_the_run = r.stdout.split("run config:")[0]  # the flag checks, at start-up
     for flag in ("--warmup_steps", "--input"):
@@ -278,7 +279,8 @@ def test_resume_flags_checked_against_the_checkpoint(data, tmp_path):
 @pytest.mark.slow
 def test_resume_states_a_new_schedule_and_refuses_new_shapes(data, tmp_path):
     log = str(tmp_path / "log")
-    r = run_cli(*run_args(data, log, "--sample_every", "0", "--stop_step", "4", "--keep_last", "1"))
+    r = run_cli(*run_args(data, log, *SAVES, "--sample_every", "0", "--stop_step", "4",
+                          "--keep_last", "1"))
     assert r.returncode == 0, r.stderr
     r = run_cli(*resume_args(log, "--max_steps", "12", "--stop_step", "6"))
     assert r.returncode == 0, r.stderr

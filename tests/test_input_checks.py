@@ -24,8 +24,8 @@ import hellaswag
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import (CliResult, assert_one_line_error, resume_args, run_args, run_cli, series,
-                     write_corpus_jsonl)
+from helpers import (SAVES, CliResult, assert_one_line_error, resume_args, run_args, run_cli,
+                     series, write_corpus_jsonl)
 
 HUGE = "99999999999999999999999"  # more than any flag can mean
 
@@ -344,7 +344,7 @@ def test_a_resumed_runs_summary_counts_this_sessions_skipped_steps(data, tmp_pat
     monkeypatch.setattr(torch.amp, "GradScaler", scaler)
     log = str(tmp_path / "log")
     flags = ["-B", "1", "-T", "8", "--total_batch_size", "8", "--max_steps", "5",
-             "--eval_every", "0", "--sample_every", "0", "--save_every", "0"]
+             "--eval_every", "0", "--sample_every", "0"]
     first = run_cli(*run_args(data, log, *flags, "--dtype", "fp16", "--stop_step", "2"))
     assert first.returncode == 0, first.stderr
     skipped = series(log)["skipped"]
@@ -377,7 +377,7 @@ def test_b_auto_shares_a_hosts_memory_among_its_processes(data, tmp_path, monkey
 def test_keep_last_is_this_invocations(data, tmp_path):
     """A run that kept its newest checkpoint only, resumed without --keep_last, keeps them all."""
     log = str(tmp_path / "log")
-    r = run_cli(*run_args(data, log, "--keep_last", "1", "--stop_step", "5"))
+    r = run_cli(*run_args(data, log, *SAVES, "--keep_last", "1", "--stop_step", "5"))
     assert r.returncode == 0, r.stderr
     assert [os.path.basename(p) for p in rundir.find_checkpoints(log)] == ["model_00004.pt"]
     assert torch.load(rundir.find_checkpoints(log)[-1], weights_only=True)["args"]["keep_last"] == 1

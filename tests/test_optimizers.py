@@ -136,8 +136,7 @@ def test_embed_lr_on_a_checkpoint_trained_without_it_is_refused(reference, tmp_p
 def test_embed_lr_resume_is_exact(data, tmp_path):
     """A run with --embed_lr stopped after step 2 and resumed (the flag from its checkpoint, the
     group's lr_scale in it) ends as the run straight through does."""
-    flags = ["--max_steps", "6", "--save_every", "0", "--sample_every", "0", "--arch", "modern",
-             "--embed_lr", "2e-2"]
+    flags = ["--max_steps", "6", "--sample_every", "0", "--arch", "modern", "--embed_lr", "2e-2"]
     straight, log = str(tmp_path / "straight"), str(tmp_path / "log")
     for out, extra in ((straight, []), (log, ["--stop_step", "3"])):
         r = run_cli(*run_args(data, out, *flags, *extra))
@@ -205,8 +204,7 @@ def test_adamw_stays_the_default_and_muon_flags_are_checked(data, tmp_path):
 def muon_runs(data, tmp_path_factory):
     """Six Muon steps straight, and the same run stopped after step 2: (straight, stopped)."""
     root = tmp_path_factory.mktemp("muon")
-    flags = ["--max_steps", "6", "--save_every", "0", "--sample_every", "0", *MUON,
-             "--muon_lr", "4e-3"]
+    flags = ["--max_steps", "6", "--sample_every", "0", *MUON, "--muon_lr", "4e-3"]
     straight, stopped = str(root / "straight"), str(root / "stopped")
     for log, extra in ((straight, []), (stopped, ["--stop_step", "3"])):
         r = run_cli(*run_args(data, log, *flags, *extra))

@@ -18,7 +18,7 @@ import torch
 
 import common
 import fineweb
-from helpers import HANG_LIMIT_S, REPO, log_of, run_args, write_corpus_jsonl
+from helpers import HANG_LIMIT_S, REPO, SAVES, log_of, run_args, write_corpus_jsonl
 
 # What Windows lacks, taken away before anything is imported (macOS lacks prctl and /proc only).
 # Kept where numpy's and torch's own Linux branches use them (os.uname, signal.SIGKILL). The
@@ -59,7 +59,7 @@ def windows_like(data, tmp_path_factory):
     prep_args = ["--input", corpus, "--data_root", str(tmp / "spawn"), *PREP_FLAGS]
     script = tmp / "windows_like.py"
     script.write_text(WINDOWS_LIKE.format(repo=REPO, prep_args=prep_args,
-                                          run_args=run_args(data, str(tmp / "log"))))
+                                          run_args=run_args(data, str(tmp / "log"), *SAVES)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the reference run's numbers, to the last bit
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO,
                        timeout=HANG_LIMIT_S, env=env)

@@ -26,9 +26,9 @@ import fineweb
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import (HANG_LIMIT_S, HOOKS, assert_one_line_error, dir_bytes, log_of, newest_step,
-                     output, read_text, resume_args, run_args, run_cli, series, start_hooked,
-                     torchrun, wait_until, write_corpus_jsonl, write_shards)
+from helpers import (HANG_LIMIT_S, HOOKS, SAVES, assert_one_line_error, dir_bytes, log_of,
+                     newest_step, output, read_text, resume_args, run_args, run_cli, series,
+                     start_hooked, torchrun, wait_until, write_corpus_jsonl, write_shards)
 
 
 def steps_saved(log):
@@ -100,10 +100,12 @@ def test_kill_9_mid_save_and_mid_run_then_resume_is_bit_exact(data, reference, t
     # checkpoint save, its temp file written but not renamed; one paused mid-run, its log ahead of
     # its newest checkpoint
     save_log, run_log = str(tmp_path / "mid_save"), str(tmp_path / "mid_run")
-    mid_save = start_hooked(tmp_path, "mid_save", run_args(data, save_log), mode="pause_mid_save",
-                            arg="model_00004.pt", marker=tmp_path / "paused_mid_save")
-    mid_run = start_hooked(tmp_path, "mid_run", run_args(data, run_log), mode="pause_after_log",
-                           arg="5 train", marker=tmp_path / "paused_mid_run")
+    mid_save = start_hooked(tmp_path, "mid_save", run_args(data, save_log, *SAVES),
+                            mode="pause_mid_save", arg="model_00004.pt",
+                            marker=tmp_path / "paused_mid_save")
+    mid_run = start_hooked(tmp_path, "mid_run", run_args(data, run_log, *SAVES),
+                           mode="pause_after_log", arg="5 train",
+                           marker=tmp_path / "paused_mid_run")
     try:
         wait_until(lambda: (tmp_path / "paused_mid_save").exists()
                    and (tmp_path / "paused_mid_run").exists(), [mid_save, mid_run], "both pauses")
@@ -111,7 +113,7 @@ def test_kill_9_mid_save_and_mid_run_then_resume_is_bit_exact(data, reference, t
         assert not no_temp_files(save_log)  # the half-saved checkpoint, under its temp name
         # a second run into the live dir, as a user retrying too early would: refused, naming the
         # live pid
-        for extra in (resume_args(save_log), run_args(data, save_log, "--overwrite")):
+        for extra in (resume_args(save_log), run_args(data, save_log, *SAVES, "--overwrite")):
             assert_one_line_error(run_cli(*extra), "in use by a live run", f"pid {mid_save.pid} ")
         assert dir_bytes(save_log) == before  # byte for byte: not even the stale temp file
     finally:
@@ -221,7 +223,8 @@ def test_a_signal_saves_the_step_and_the_resume_is_exact(data, reference, tmp_pa
     assert log_of(log) == log_of(reference)
 
 
-ACCUMULATING = ("-B", "1", "-T", "16")  # the tiny run's steps in micro-steps of 16 tokens
+# the tiny run's steps in micro-steps of 16 tokens, a checkpoint every 2 steps
+ACCUMULATING = ("-B", "1", "-T", "16", *SAVES)
 
 
 def final_weights(log):
@@ -277,8 +280,8 @@ def test_a_signal_mid_accumulation_drops_the_step_and_the_resume_is_exact(data, 
 @pytest.mark.slow
 def test_a_second_ctrl_c_leaves_at_once(data, tmp_path):
     log = str(tmp_path / "log")
-    proc = start_hooked(tmp_path, "run", run_args(data, log), mode="hold_after_log", arg="4 train",
-                        marker=tmp_path / "held", release=tmp_path / "never")
+    proc = start_hooked(tmp_path, "run", run_args(data, log, *SAVES), mode="hold_after_log",
+                        arg="4 train", marker=tmp_path / "held", release=tmp_path / "never")
     try:
         wait_until(lambda: (tmp_path / "held").exists(), [proc], "the hold at step 4")
         proc.send_signal(signal.SIGINT)
@@ -389,7 +392,7 @@ def checkpoints_are_finite(log):
 
 def test_divergence_keeps_the_last_finite_step_and_stops_before_the_update(data, tmp_path):
     log = str(tmp_path / "log")
-    r = run_cli(*run_args(data, log, "--max_lr", "1e4", "--warmup_steps", "0", "--save_every", "0",
+    r = run_cli(*run_args(data, log, "--max_lr", "1e4", "--warmup_steps", "0",
                           "--max_steps", "40", "--eval_every", "0", "--sample_every", "0"))
     line = assert_one_line_error(r, "the run diverged and stopped before this update",
                                  "lower --max_lr or raise --warmup_steps")
@@ -548,7 +551,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_earlier_ones_and_resumes(data, re
             raise no_space(path)
         real_write(path, write, size)
     monkeypatch.setattr(rundir, "atomic_write", atomic_write)
-    r = run_cli(*run_args(data, log))
+    r = run_cli(*run_args(data, log, *SAVES))
     line = assert_one_line_error(r, "model_00004.pt", "no space left")
     # the failed save is not retried into a second error: the line names what to continue from
     assert line.startswith("error: step 4 failed (")
@@ -654,7 +657,7 @@ def test_resume_from_a_broken_checkpoint_is_one_line(data, tmp_path):
 @pytest.mark.slow
 def test_resume_skips_a_truncated_checkpoint_and_a_damaged_log_line(data, reference, tmp_path):
     log = str(tmp_path / "log")
-    r = run_cli(*run_args(data, log, "--stop_step", "6"))  # checkpoints 2, 4 and 5 (the stop)
+    r = run_cli(*run_args(data, log, *SAVES, "--stop_step", "6"))  # checkpoints 2, 4, 5 (the stop)
     assert r.returncode == 0, r.stderr
     newest = rundir.find_checkpoints(log)[-1]
     with open(newest, "r+b") as f:  # a copy cut short: not something atomic_write can prevent
@@ -838,7 +841,7 @@ def test_a_stop_signal_in_a_sample_block_stops_at_once(data, reference, tmp_path
             time.sleep(0.1)
         raise AssertionError("the sample block was not interrupted")
     monkeypatch.setattr(tg, "sample_texts", slow_samples)
-    r = run_cli(*run_args(data, log, "--sample_every", "6"))
+    r = run_cli(*run_args(data, log, *SAVES, "--sample_every", "6"))
     assert r.returncode == 128 + signal.SIGTERM, r.stderr
     assert (f"stopped by SIGTERM at step 6; {rundir.checkpoint_path(log, 5)} holds step 5: "
             f"continue with python train_gpt2.py --resume latest --log_dir {log}") in r.stdout
@@ -869,7 +872,7 @@ def test_a_launcher_killed_by_sigusr1_leaves_no_worker_behind(data, tmp_path):
     step, save it together and exit, instead of training on as orphans."""
     log = str(tmp_path / "log")
     run = torchrun(*run_args(data, log, "-B", "1", "--max_steps", "400", "--eval_every", "0",
-                             "--sample_every", "0", "--save_every", "0"), wait=False)
+                             "--sample_every", "0"), wait=False)
     try:
         wait_until(lambda: os.path.exists(os.path.join(log, "log.txt"))
                    and "4 train" in log_of(log), [], "step 4")

@@ -96,7 +96,7 @@ def test_plans_time_counts_the_runs_own_micro_steps_and_val_passes(data, tmp_pat
     flags = run_args(data, str(tmp_path / "log"), "--n_layer", "2", "--n_embd", "64",
                      "--block_size", "64", "-B", "4", "-T", "64", "--total_batch_size", "512",
                      "--max_steps", "4", "--eval_every", "2", "--val_tokens", "512",
-                     "--sample_every", "0", "--save_every", "0")
+                     "--sample_every", "0")
     timed = []
 
     def micro_step_of_a_second(model, optimizer, B, run, repeats=3):

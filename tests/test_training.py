@@ -17,10 +17,10 @@ import fineweb
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import (SHAPE_FLAGS, assert_one_line_error, hf_gpt2, log_of, resume_args, run_args,
-                     run_cli, series, step_lines, write_corpus_jsonl, write_hellaswag)
+from helpers import (SAVES, SHAPE_FLAGS, assert_one_line_error, hf_gpt2, log_of, resume_args,
+                     run_args, run_cli, series, step_lines, write_corpus_jsonl, write_hellaswag)
 
-QUIET = ["--eval_every", "0", "--sample_every", "0", "--save_every", "0"]
+QUIET = ["--eval_every", "0", "--sample_every", "0"]
 
 
 # ---------------------------------------------------------------------------------------- schedules
@@ -230,7 +230,7 @@ def test_a_real_process_writes_what_main_in_this_process_does(data, reference_ru
     run's log, checkpoints and printed lines, the same to the last digit written."""
     ref, in_process = reference_run
     log = str(tmp_path / "log")
-    r = run_cli(*run_args(data, log), subprocess_run=True)
+    r = run_cli(*run_args(data, log, *SAVES), subprocess_run=True)
     assert r.returncode == 0, r.stderr
     assert log_of(log) == log_of(ref)
     assert sorted(os.listdir(log)) == sorted(os.listdir(ref))
@@ -294,7 +294,7 @@ def straight(request, data, tmp_path):
 def test_resume_gives_identical_losses(data, straight, tmp_path):
     flags, reference = straight
     log = str(tmp_path / "log")
-    r = run_cli(*run_args(data, log, *flags, "--stop_step", "5"))
+    r = run_cli(*run_args(data, log, *flags, *SAVES, "--stop_step", "5"))
     assert r.returncode == 0, r.stderr
     assert [rundir.checkpoint_step(p) for p in rundir.find_checkpoints(log)] == [2, 4]
     with open(os.path.join(log, "log.txt"), "a") as f:
