@@ -385,6 +385,7 @@ POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
 SEED = bounded(int, 0, 2**32 - 1, what="in 0..4294967295, numpy's seed range")
 FLOAT32_MAX = 3.4028234663852886e38  # a larger learning rate is inf in the optimizer's float32
 LEARNING_RATE = bounded(float, 0, FLOAT32_MAX, low_open=True, what="positive, below 3.4e38")
+LEARNING_RATE_OR_OFF = bounded(float, 0, FLOAT32_MAX, what=">= 0 (0: off), below 3.4e38")
 
 
 def flag_dest(flags):

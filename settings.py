@@ -19,7 +19,7 @@ import torch
 
 import fineweb
 import rundir
-from common import (DTYPES, LEARNING_RATE, NONNEG, POSITIVE, SEED,
+from common import (DTYPES, LEARNING_RATE, LEARNING_RATE_OR_OFF, NONNEG, POSITIVE, SEED,
                     OneLineParser, UsageError, add_flags, auto_or, bounded, count, device_type_of,
                     flag_dest, one_line, print0)
 from metrics import flops_per_token, format_eta, peak_flops, profile_schedule
@@ -73,8 +73,9 @@ RUN_SETTINGS = {
         ("--muon_adjust_lr", "match_rms_adamw", ["match_rms_adamw", "original"],
          "match_rms_adamw: Muon's LR on AdamW's scale; original: ~10-50x larger --muon_lr"),
         ("--max_lr", 6e-4, LEARNING_RATE, "peak learning rate"),
-        ("--embed_lr", None, LEARNING_RATE,
-         "AdamW's peak LR for the token embedding wte (default: --max_lr's group)"),
+        ("--embed_lr", None, LEARNING_RATE_OR_OFF,
+         "AdamW's peak LR for the token embedding wte, in a group of its own (0 or unset: none, "
+         "wte in --max_lr's decayed group)"),
         ("--min_lr_ratio", 0.1, bounded(float, 0, 1, what="in [0, 1]"), "final LR / max_lr"),
         ("--warmup_steps", 715, count(0, STEPS), "linear warmup steps"),
         ("--wsd_decay", 0.0, bounded(float, 0, 1, what="in [0, 1]"),
@@ -603,14 +604,19 @@ def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
         raise UsageError(f"{args.resume} holds a model trained with {had_s}; the flags ask for "
                          f"{asked_s} (a resumed run needs no shape flags)")
     # --embed_lr puts wte in an AdamW group of its own: the checkpoint's groups must be this
-    # run's (a checkpoint's own --embed_lr comes with it when the flag is not given)
-    if args.embed_lr is not None and saved.get("embed_lr") is None:
+    # run's (a checkpoint's own --embed_lr comes with it when the flag is not given; 0 or None:
+    # no group of its own)
+    if args.embed_lr and not saved.get("embed_lr"):
         source, fix = "given", "resume without the flag"
         if "embed_lr" not in given:  # a default of the --arch / --preset given again
             source, fix = "the default of --arch / --preset", "resume without those flags"
         raise UsageError(f"{args.resume} was trained without --embed_lr (wte in AdamW's decayed "
                          f"group), and --embed_lr {args.embed_lr} is {source}: {fix}, or start "
                          f"a new run")
+    if saved.get("embed_lr") and args.embed_lr == 0:
+        raise UsageError(f"{args.resume} was trained with --embed_lr {saved['embed_lr']} (wte in "
+                         f"an AdamW group of its own), and --embed_lr 0 asks for none: resume "
+                         f"without the flag, or start a new run")
     if args.optimizer != saved["optimizer"]:
         kind = saved["optimizer"]
         raise UsageError(f"{args.resume} holds {kind} optimizer state but --optimizer "

@@ -593,12 +593,12 @@ class GPT(nn.Module):
         """AdamW, weight decay on matmuls and embeddings only. muon (make_muon's keywords): the
         blocks' 2-D weights go to torch.optim.Muon instead, both in one CombinedOptimizer.
         embed_lr: wte in an AdamW group of its own, at embed_lr where the rest is at
-        learning_rate (its lr_scale; tied, the head with it)."""
+        learning_rate (its lr_scale; tied, the head with it); None or 0: none."""
         matrices = []  # Muon's share: the 2-D weights inside the blocks (attention and MLP)
         if muon is not None:
             matrices = [p for p in self.transformer.h.parameters() if p.dim() == 2]
         embedding = []
-        if embed_lr is not None:
+        if embed_lr:
             embedding = [self.transformer.wte.weight]
         taken = {id(p) for p in matrices + embedding}
         params = [p for p in self.parameters() if p.requires_grad and id(p) not in taken]

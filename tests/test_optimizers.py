@@ -132,6 +132,32 @@ def test_embed_lr_on_a_checkpoint_trained_without_it_is_refused(reference, tmp_p
     assert dir_bytes(log) == before
 
 
+def test_embed_lr_0_is_none_and_a_checkpoint_with_one_keeps_it(data, tmp_path):
+    """--embed_lr 0 turns the modern tiny preset's embedding group off: wte back in the decayed
+    group, the groups of a run without the flag. A checkpoint trained with the group refuses 0 on
+    resume, before any work."""
+    flags = ["--arch", "modern", "--max_steps", "2", "--eval_every", "0", "--sample_every", "0"]
+    groups = {}
+    for name, extra in (("default", []), ("off", ["--embed_lr", "0"])):
+        log = str(tmp_path / name)
+        r = run_cli(*run_args(data, log, *flags, *extra))
+        assert r.returncode == 0, r.stderr
+        ckpt = torch.load(rundir.find_checkpoints(log)[-1], weights_only=True)
+        groups[name] = ckpt["optimizer"]["param_groups"]
+    assert groups["default"][-1]["params"] == ["transformer.wte.weight"]  # the preset's 3e-2
+    assert "lr_scale" in groups["default"][-1]
+    assert not any("lr_scale" in g for g in groups["off"]), groups["off"]
+    assert "transformer.wte.weight" in groups["off"][0]["params"]  # decayed, with the matrices
+    assert len(groups["off"]) == len(groups["default"]) - 1
+
+    log = str(tmp_path / "default")
+    before = dir_bytes(log)
+    r = run_cli(*resume_args(log, "--embed_lr", "0", "--max_steps", "3"))
+    assert_one_line_error(r, "trained with --embed_lr 0.03", "--embed_lr 0 asks for none",
+                          "resume without the flag")
+    assert dir_bytes(log) == before
+
+
 @pytest.mark.slow  # three runs
 def test_embed_lr_resume_is_exact(data, tmp_path):
     """A run with --embed_lr stopped after step 2 and resumed (the flag from its checkpoint, the
