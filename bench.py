@@ -599,7 +599,7 @@ def bench_startup(args, t):
     batch), and to open the train split headers-only (fineweb.open_split with vocab_size None).
     Shard 0 is val, the others train; the folders alternate for --rounds rounds, medians."""
     with tempfile.TemporaryDirectory() as tmp:
-        return startup_times(args, tmp, [int(c) for c in args.startup_shards.split(",")])
+        return startup_times(args, tmp, args.startup_shards)
 
 
 def startup_times(args, tmp, counts):
@@ -827,12 +827,14 @@ def learning_rates(text):
     return tuple(common.LEARNING_RATE(v) for v in values)
 
 
-def micro_batch_shape(text):
-    """--arch_shape's B,T: two positive integers."""
-    parts = text.split(",")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text}: give B,T (two positive integers)")
-    return int(parts[0]), int(parts[1])
+def integer_pair(low, what):
+    """An argparse type: two comma-separated integers, each at least low; what says which."""
+    def parse(text):
+        parts = text.split(",")
+        if len(parts) == 2 and all(p.isdigit() and int(p) >= low for p in parts):
+            return [int(p) for p in parts]
+        raise argparse.ArgumentTypeError(f"{text}: give {what}")
+    return parse
 
 
 def per_device(name):
@@ -883,7 +885,9 @@ FLAGS = [
     ("--core_long_examples", 2, common.POSITIVE_INT, "the same for the core_gpt2 row"),
     ("--core_long_preset", "gpt2", sorted(settings.MODEL_PRESETS),
      "the core_gpt2 row's model shape (GPT-2 124M's; the tests' check: tiny)"),
-    ("--startup_shards", "2,100", {"metavar": "N,N"},
+    ("--startup_shards", "2,100",
+     {"type": integer_pair(2, "N,N (two shard counts, each at least 2: val and train)"),
+      "metavar": "N,N"},
      "shards in the folders the startup row opens"),
     ("--startup_shard_tokens", 10_000_000, common.POSITIVE_INT,
      "tokens per shard in the startup row (sparse files: no disk used)"),
@@ -894,7 +898,8 @@ FLAGS = [
      "the arch row's steps a run (the tiny preset's schedule)"),
     ("--arch_warmup_steps", settings.RUN_PRESETS["tiny"]["warmup_steps"], common.NONNEG_INT,
      "the arch row's warmup steps (the tiny preset's; a shorter schedule wants fewer)"),
-    ("--arch_shape", None, {"type": micro_batch_shape, "metavar": "B,T"},
+    ("--arch_shape", None, {"type": integer_pair(1, "B,T (two positive integers)"),
+                            "metavar": "B,T"},
      "the arch row's micro-batch and sequence length, a step one micro-batch of B x T tokens "
      "(default: the tiny preset's, 8 x 256 a micro-batch, 2048 tokens a step; the tests': 2,64)"),
     ("--arch_val_tokens", None, common.POSITIVE_INT,

@@ -220,3 +220,19 @@ def test_arch_lrs_other_than_two_or_three_positive_numbers_are_one_line(lrs, cap
     assert e.value.code != 0
     err = capsys.readouterr().err
     assert err.startswith("error: argument --arch_lrs") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag, value", [("--startup_shards", "a,b"), ("--startup_shards", "1,5"),
+                                         ("--startup_shards", "2,3,4"), ("--arch_shape", "0,64"),
+                                         ("--arch_shape", "2")])
+def test_integer_pairs_other_than_two_in_range_are_one_line(flag, value, capsys):
+    """--startup_shards (each folder a val shard and a train shard at least) and --arch_shape:
+    refused by the parser, before any row runs."""
+    import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--only", "startup,arch", flag, value])
+    assert e.value.code != 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: argument {flag}: {value}: give") and \
+        len(err.strip().splitlines()) == 1
