@@ -76,12 +76,13 @@ def wait_for(path):
 
 
 def mark(pid=True):
-    """HOOK_MARKER, holding this process's pid: written under another name and renamed, so a test
-    that sees the file exist never reads it empty."""
+    """HOOK_MARKER, holding this process's pid: written under a name of this process's own (the
+    ranks of a run may mark at once) and renamed, so a test that sees it never reads it empty."""
     marker = os.environ["HOOK_MARKER"]
-    with open(marker + ".tmp", "w") as f:
+    own = f"{marker}.{os.getpid()}.tmp"
+    with open(own, "w") as f:
         f.write(str(os.getpid()) if pid else "")
-    os.replace(marker + ".tmp", marker)
+    os.replace(own, marker)
 
 
 def pause():
