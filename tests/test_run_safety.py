@@ -94,6 +94,26 @@ def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
     assert series(log)["train"][0] == list(range(3)), line  # one run's lines, once
 
 
+def test_the_run_that_lost_the_race_for_a_new_log_dir_leaves_the_winners_files(tmp_path,
+                                                                              monkeypatch):
+    # the slow test above, made certain: both runs found the dir missing, so both made it
+    log = tmp_path / "log"
+    run = types.SimpleNamespace(log_dir=str(log), overwrite=False, as_dict=dict)  # what it reads
+    one = common.Proc(environ={})  # a run of one process: the master
+    winner = rundir.claim_log_dir(run, None, one)
+    before = {name: (log / name).read_bytes() for name in os.listdir(log)}
+    assert set(before) == {".lock", ".lock.holder", "log.txt", "run_config.json"}
+    exists = os.path.exists
+    monkeypatch.setattr(rundir.os.path, "exists", lambda p: p != str(log) and exists(p))
+    with pytest.raises(common.UsageError, match="is in use by a live run"):
+        rundir.claim_log_dir(run, None, one)
+    monkeypatch.undo()
+    assert {name: (log / name).read_bytes() for name in os.listdir(log)} == before
+
+    winner.abandon()  # ending before its first step, the winner takes away all it made
+    assert not log.exists()
+
+
 @pytest.mark.slow
 def test_kill_9_mid_save_and_mid_run_then_resume_is_bit_exact(data, reference, tmp_path):
     # two victims side by side (each pays for its own torch import): one paused inside a
