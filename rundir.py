@@ -238,25 +238,22 @@ def open_checkpoint(path):
 # ===== The log dir: one run at a time, an earlier run never overwritten by accident ==============
 class LogDirClaim(contextlib.ExitStack):
     """A run's hold on its log dir: close() unlocks it; abandon(), for a run that ends before its
-    first step, also takes away a log dir the claim made and locked (its lock, run config and empty
-    log), so that a refused or failed run leaves nothing that looks like a run behind. A claim that
-    lost the lock leaves the dir alone: two runs started at once both find it missing, and it is
-    the winner's."""
+    first step, also takes away a log dir the claim made (its lock, run config and empty log), so
+    that a refused or failed run leaves nothing that looks like a run behind."""
 
     def __init__(self, log_dir):
         super().__init__()
-        self.log_dir, self.created, self.locked = log_dir, False, False
+        self.log_dir, self.created = log_dir, False
 
     def abandon(self):
-        ours = self.created and self.locked
-        if ours:  # removed while still locked, so no other run can claim the dir in between
+        if self.created:  # removed while still locked, so no other run can claim the dir between
             for name in ("run_config.json", "log.txt", ".lock"):
                 path = os.path.join(self.log_dir, name)
                 if os.path.isfile(path) and (name != "log.txt" or os.path.getsize(path) == 0):
                     with contextlib.suppress(OSError):  # Windows: filelock removes it on release
                         os.remove(path)
         self.close()  # unlocks; the lock's holder record goes with it
-        if ours:
+        if self.created:
             with contextlib.suppress(OSError):  # anything else in it (a profile, W&B files) stays
                 os.rmdir(self.log_dir)
 
@@ -272,9 +269,12 @@ def claim_log_dir(run, ckpt, proc):
         try:
             held.created = not os.path.exists(log_dir)
             os.makedirs(log_dir, exist_ok=True)
-            held.enter_context(dir_lock(log_dir, ".lock", "is in use by a live run ({holder}): "
-                                        "wait for it to end, or choose another --log_dir"))
-            held.locked = True
+            busy = "is in use by a live run ({holder}): wait for it to end, or choose another"
+            try:
+                held.enter_context(dir_lock(log_dir, ".lock", f"{busy} --log_dir"))
+            except UsageError:  # two runs started at once both made the dir: it is the holder's
+                held.created = False
+                raise
             for warning in prepare_log_dir(log_dir, resume_step, run.overwrite):
                 print(f"warning: {warning}", flush=True)
             save_run_config(log_dir, run.as_dict())
