@@ -267,12 +267,15 @@ def claim_log_dir(run, ckpt, proc):
     held, error = LogDirClaim(log_dir), None
     if proc.master:
         try:
-            held.created = not os.path.exists(log_dir)
-            os.makedirs(log_dir, exist_ok=True)
+            try:
+                os.makedirs(log_dir)
+                held.created = True
+            except FileExistsError:  # there already, or just made by a run started with this one
+                pass
             busy = "is in use by a live run ({holder}): wait for it to end, or choose another"
             try:
                 held.enter_context(dir_lock(log_dir, ".lock", f"{busy} --log_dir"))
-            except UsageError:  # two runs started at once both made the dir: it is the holder's
+            except UsageError:  # the dir is the holder's, even one this run made a moment ago
                 held.created = False
                 raise
             for warning in prepare_log_dir(log_dir, resume_step, run.overwrite):

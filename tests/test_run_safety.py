@@ -96,15 +96,18 @@ def test_two_runs_started_at_once_into_one_empty_dir(data, tmp_path):
 
 def test_the_run_that_lost_the_race_for_a_new_log_dir_leaves_the_winners_files(tmp_path,
                                                                               monkeypatch):
-    # the slow test above, made certain: both runs found the dir missing, so both made it
+    # the slow test above, made certain: the run refused the lock had found the dir missing and
+    # made it, a moment before the other run took the lock
     log = tmp_path / "log"
     run = types.SimpleNamespace(log_dir=str(log), overwrite=False, as_dict=dict)  # what it reads
     one = common.Proc(environ={})  # a run of one process: the master
     winner = rundir.claim_log_dir(run, None, one)
     before = {name: (log / name).read_bytes() for name in os.listdir(log)}
     assert set(before) == {".lock", ".lock.holder", "log.txt", "run_config.json"}
-    exists = os.path.exists
+    exists, makedirs = os.path.exists, os.makedirs
     monkeypatch.setattr(rundir.os.path, "exists", lambda p: p != str(log) and exists(p))
+    monkeypatch.setattr(rundir.os, "makedirs",
+                        lambda p, *a, **k: None if p == str(log) else makedirs(p, *a, **k))
     with pytest.raises(common.UsageError, match="is in use by a live run"):
         rundir.claim_log_dir(run, None, one)
     monkeypatch.undo()
