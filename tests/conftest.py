@@ -10,15 +10,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-# The files by their time in one process, longest first (pytest --durations=0 of the whole suite,
-# 2026-11-29, a loaded machine): the two test processes of the README's command (-n 2 --dist
-# loadfile) take whole files in this order, so neither is left with a long file at the end.
-# Within a file the order stays as written.
-LONGEST_FIRST = ("test_run_safety", "test_cuda_simulated", "test_distributed", "test_hellaswag",
-                 "test_bench", "test_fineweb", "test_optimizers", "test_core", "test_training",
-                 "test_flags", "test_input_checks", "test_notebook", "test_modern_arch",
-                 "test_gpu_paths_cpu", "test_model", "test_platform", "test_fp16",
-                 "test_settled_run", "test_monitoring", "test_commands", "test_scorer")
+# The files by their time in one process, longest first (a per-process timeline of the whole
+# suite, clean-clone CI on the idle 2-core VM, 2026-11-29): the two test processes of the README's
+# command (-n 2 --dist loadfile, with pyproject.toml's --no-loadscope-reorder) take whole files in
+# this order, so neither is left with a long file at the end. Within a file the order stays as
+# written.
+LONGEST_FIRST = ("test_cuda_simulated", "test_run_safety", "test_distributed", "test_bench",
+                 "test_hellaswag", "test_core", "test_training", "test_fineweb", "test_notebook",
+                 "test_modern_arch", "test_input_checks", "test_flags", "test_model",
+                 "test_platform", "test_settled_run", "test_gpu_paths_cpu", "test_optimizers",
+                 "test_fp16", "test_monitoring", "test_commands", "test_scorer", "test_tokenizer")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,5 +1,6 @@
 """The GPT model against transformers' GPT2LMHeadModel with the same weights: presets, init,
 attention, the KV cache and generation, GQA/MQA, dropout and bias, from_pretrained, export_hf."""
+import contextlib
 import json
 import math
 import os
@@ -389,6 +390,8 @@ def test_init_from_the_hub_offline_asks_it_once_and_says_what_to_do(tmp_path, mo
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{hub.getsockname()[1]}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
     r = run_cli("sample", "--init_from", "gpt2", "--device", "cpu")
+    with contextlib.suppress(OSError):  # Linux: wakes the thread's accept(), which close() does not
+        hub.shutdown(socket.SHUT_RDWR)
     hub.close()
     line = assert_one_line_error(r, "could not load GPT-2 model 'gpt2'", "unreachable",
                                  "not in the local cache")
