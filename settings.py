@@ -730,9 +730,6 @@ def step_memory(models, optimizers, mode, run):
     depths; the count at the run's depth follows (at_depth)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    with mode, torch.device(run.device):
-        for model, optimizer in zip(models, optimizers):
-            with_optimizer_state(model, optimizer)
     known = {}
 
     def count(model, optimizer, B):
@@ -749,12 +746,27 @@ def step_memory(models, optimizers, mode, run):
         return max(v["Total"] for d, v in snapshot.items() if d.type == run.device_type)
 
     def peak(B):
+        if not known:  # the optimizers' state, made once before the first count
+            with mode, torch.device(run.device):
+                for model, optimizer in zip(models, optimizers):
+                    with_optimizer_state(model, optimizer)
         if B not in known:
             counts = [count(m, o, B) for m, o in zip(models, optimizers)]
             known[B] = at_depth(counts, run.model.n_layer)
         return known[B]
 
     return peak
+
+
+def step_memory_bound(model, n_params, B, T):
+    """Bytes that a training step of B sequences of T tokens stays below, worked out in an
+    instant (step_memory counts for about a second even for a tiny model, and at least 2.3x less
+    than this: tests/test_input_checks.py): 24 a parameter (its value, gradient, the optimizer's
+    state and a cast), and for each token 4-byte values: 80 per channel and 6 per head and
+    position attended in each layer (eager attention keeps its (B, nh, T, T) weights), and 12 per
+    vocabulary entry (the logits, their softmax and gradients)."""
+    per_layer = 80 * model.n_embd + 6 * model.n_head * T
+    return 24 * n_params + 4 * B * T * (model.n_layer * per_layer + 12 * model.vocab_size)
 
 
 def divisors(n):
@@ -976,20 +988,24 @@ def plan_report(run, peak, n_params, n_params_non_embedding, seconds=None, first
         f"  time: {time_line}"])
 
 
-def check_machine(run, peak, n_params_non_embedding, first_step=0, planning=False):
+def check_machine(run, peak, n_params, n_params_non_embedding, first_step=0, planning=False):
     """Before any work: a UsageError if a step of the run cannot fit this device's memory at all
-    (peak: step_memory's; planning: plan reports it instead); warnings for what works but is not
-    what a user wants: a run a CPU takes hours for (at best: a plain matmul's rate; planning:
-    plan's report gives the time), fp16 on a CPU."""
+    (peak: step_memory's, counted only where step_memory_bound leaves it open; planning: plan
+    reports it instead); warnings for what works but is not what a user wants: a run a CPU takes
+    hours for (at best: a plain matmul's rate; planning: plan's report gives the time), fp16 on a
+    CPU."""
     memory = device_memory(run.device, run.local_world_size)
-    need = peak(run.micro_batch_size)
-    if memory is not None and need > memory[0] and not planning:
-        tiny = ""
-        if run.device_type == "cpu" and run.preset != "tiny":
-            tiny = " (on a CPU, --preset tiny is a run of minutes)"
-        raise UsageError(f"a training step of -B {run.micro_batch_size} x -T "
-                         f"{run.sequence_length} needs about {gib(need)} (estimated), more than "
-                         f"{memory[1]}: -B auto, or a smaller -B, -T or model{tiny}")
+    B, T = run.micro_batch_size, run.sequence_length
+    bound = step_memory_bound(run.model, n_params, B, T)
+    if memory is not None and bound > memory[0] and not planning:
+        need = peak(B)  # counted: the bound alone does not say that the step fits
+        if need > memory[0]:
+            tiny = ""
+            if run.device_type == "cpu" and run.preset != "tiny":
+                tiny = " (on a CPU, --preset tiny is a run of minutes)"
+            raise UsageError(f"a training step of -B {B} x -T {T} needs about {gib(need)} "
+                             f"(estimated), more than {memory[1]}: -B auto, or a smaller -B, -T "
+                             f"or model{tiny}")
     warnings = []
     if run.device_type == "cpu" and run.precision.name == "fp16":
         warnings.append("--dtype fp16 on a CPU is emulated, many times slower than fp32 (CPUs "

@@ -1340,13 +1340,13 @@ def settle(argv, planning=False):
     if args.fsdp and precision.scaler:
         raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
     run = settings.derive(args, proc, precision, config, args.micro_batch_size)
-    peak, _, n_params_non_embedding = estimate_step(run)
+    peak, n_params, n_params_non_embedding = estimate_step(run)
     if run.micro_batch_size == "auto":
         B, fit = auto_micro_batch(run, proc, peak, confirm=not planning)
         run = settings.derive(args, proc, precision, config, B, fit)
     first_step = 0 if ckpt is None else ckpt["step"] + 1
-    for warning in settings.check_machine(run, peak, n_params_non_embedding, first_step,
-                                          planning):
+    for warning in settings.check_machine(run, peak, n_params, n_params_non_embedding,
+                                          first_step, planning):
         print0(f"warning: {warning}")
     if not planning:  # what the data and the log dir would refuse, found now
         for note in check_data(run):
