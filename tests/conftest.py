@@ -57,6 +57,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_tmpdir(tmp_path_factory):
+    """The processes the tests start make their temporary files under pytest's own temporary
+    dir, which pytest prunes: torchrun's launcher leaves a torchelastic_* dir behind on each run.
+    (This process's tempfile has read TMPDIR already.)"""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """The tiny run's shards: one val shard of 3,000 tokens, three train shards of 6,000 in all.
