@@ -760,8 +760,8 @@ def step_memory(models, optimizers, mode, run):
 
 def step_memory_bound(model, n_params, B, T):
     """Bytes that a training step of B sequences of T tokens stays below, worked out in an
-    instant (step_memory counts for about a second even for a tiny model, and at least 2.3x less
-    than this: tests/test_input_checks.py): 24 a parameter (its value, gradient, the optimizer's
+    instant (step_memory counts for about a second even for a tiny model, and at most half of
+    this: tests/test_input_checks.py): 24 a parameter (its value, gradient, the optimizer's
     state and a cast), and for each token 4-byte values: 80 per channel and 6 per head and
     position attended in each layer (eager attention keeps its (B, nh, T, T) weights), and 12 per
     vocabulary entry (the logits, their softmax and gradients)."""
