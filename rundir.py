@@ -184,11 +184,19 @@ def check_fields(ckpt, path):
             bad(f"config entry {one_line(repr(key), 40)}", f"is {one_line(repr(value), 40)}")
 
 
+# Run flags train_gpt2.py gained after it first wrote checkpoints, each with what a run did
+# before it: a checkpoint without one resumes as it was trained, not on today's default or the
+# default an --arch / --preset given again brings (--arch modern's --wsd_decay and --embed_lr)
+BEFORE_THE_FLAG = {"optimizer": "adamw", "batch_ramp_tokens": 0, "core_every": 0,
+                   "wsd_decay": 0.0, "embed_lr": None}
+
+
 def upgrade_checkpoint(ckpt):
     """A checkpoint in today's layout, from any layout train_gpt2.py has written."""
     args = ckpt.get("args")
     if isinstance(args, dict):
-        args.setdefault("optimizer", "adamw")  # the only optimizer there was
+        for flag, before in BEFORE_THE_FLAG.items():
+            args.setdefault(flag, before)
         if "tokens_seen" not in ckpt and "step" in ckpt:  # no batch ramp: every step a full batch
             ckpt["tokens_seen"] = (ckpt["step"] + 1) * args["total_batch_size"]
     parts = ckpt.get("optimizer")

@@ -606,14 +606,11 @@ def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
     # --embed_lr puts wte in an AdamW group of its own: the checkpoint's groups must be this
     # run's (a checkpoint's own --embed_lr comes with it when the flag is not given; 0 or None:
     # no group of its own)
-    if args.embed_lr and not saved.get("embed_lr"):
-        source, fix = "given", "resume without the flag"
-        if "embed_lr" not in given:  # a default of the --arch / --preset given again
-            source, fix = "the default of --arch / --preset", "resume without those flags"
+    if args.embed_lr and not saved["embed_lr"]:
         raise UsageError(f"{args.resume} was trained without --embed_lr (wte in AdamW's decayed "
-                         f"group), and --embed_lr {args.embed_lr} is {source}: {fix}, or start "
-                         f"a new run")
-    if saved.get("embed_lr") and args.embed_lr == 0:
+                         f"group), and --embed_lr {args.embed_lr} is given: resume without the "
+                         f"flag, or start a new run")
+    if saved["embed_lr"] and args.embed_lr == 0:
         raise UsageError(f"{args.resume} was trained with --embed_lr {saved['embed_lr']} (wte in "
                          f"an AdamW group of its own), and --embed_lr 0 asks for none: resume "
                          f"without the flag, or start a new run")

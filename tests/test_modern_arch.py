@@ -554,8 +554,9 @@ def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_pat
     """A checkpoint whose config has no value_embeds, x0_skip, unet_skip (the modern model before
     them) and whose flags have no --wsd_decay and no --embed_lr (the cosine schedule, and wte in
     AdamW's decayed group, before them; --arch modern's defaults now) resumes as the model
-    without them, on the cosine, exactly. (Its runs give wte the decayed group's LR, 8e-3: the
-    same steps in a group of its own.)"""
+    without them, on the cosine, exactly: also with --arch modern and the tiny preset given
+    again, whose defaults are the warmup-stable-decay schedule and an --embed_lr. (Its runs give
+    wte the decayed group's LR, 8e-3: the same steps in a group of its own.)"""
     logs = [str(tmp_path / name) for name in ("whole", "resumed")]
     old = ("--arch", "modern", "--no-x0_skip", "--wsd_decay", "0", "--embed_lr", "8e-3")
     r = run_cli(*run_args(data, logs[0], *old))
@@ -573,12 +574,16 @@ def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_pat
     assert wte["params"] == ["transformer.wte.weight"], wte
     groups[0]["params"].insert(0, wte["params"][0])
     torch.save(ckpt, path)
-    # --arch modern given again brings the tiny preset's --embed_lr: refused, with the reason
-    r = run_cli(*resume_args(logs[1], "--arch", "modern", "--no-x0_skip", "--preset", "tiny"))
-    assert_one_line_error(r, "trained without --embed_lr", "the default of --arch / --preset")
+    again = shutil.copytree(logs[1], str(tmp_path / "again"))
     r = run_cli(*resume_args(logs[1]))
     assert r.returncode == 0, r.stderr
     assert log_of(logs[1]) == log_of(logs[0])
+    plain_warnings = [line for line in r.stdout.splitlines() if line.startswith("warning")]
+    r = run_cli(*resume_args(again, "--arch", "modern", "--no-x0_skip", "--preset", "tiny"))
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stdout.splitlines() if line.startswith("warning")] == \
+        plain_warnings, r.stdout  # none about the schedule
+    assert log_of(again) == log_of(logs[0])
 
 
 def test_a_modern_run_resumes_exactly(data, modern_run, tmp_path):

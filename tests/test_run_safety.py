@@ -701,10 +701,13 @@ def test_old_and_foreign_checkpoints(reference, tmp_path):
     newest = rundir.find_checkpoints(log)[-1]
     ckpt = torch.load(newest, weights_only=False)
     del ckpt["tokens_seen"]  # written before the batch ramp: every step a full batch
+    del ckpt["args"]["core_every"]  # and before CORE: a run without it (not --core_every 2000)
     torch.save(ckpt, newest)
     assert rundir.read_checkpoint(newest)["tokens_seen"] == 8 * 64
     r = run_cli(*resume_args(log, "--max_steps", "10"))
     assert r.returncode == 0, r.stderr
+    with open(os.path.join(log, "run_config.json")) as f:
+        assert json.load(f)["core_every"] == 0
     del ckpt["args"]
     torch.save(ckpt, newest)
     assert_one_line_error(run_cli("--resume", newest, "--log_dir", log, "--device", "cpu"),
