@@ -9,6 +9,7 @@ train_gpt2.py's settle() builds the Run with these parts; nothing changes it aft
 
 import argparse
 import contextlib
+import functools
 import glob
 import math
 import os
@@ -864,9 +865,10 @@ def measure_micro_step(model, optimizer, B, run, repeats=3):
     return timed[0], timed[len(timed) // 2], timed[-1]
 
 
+@functools.cache  # bench.py's rows and the tests run main() many times in one process
 def matmul_flops(device, n=512, repeats=8):
-    """FLOP/s of an (n, n) fp32 matmul on device, measured: an upper bound on what a training step
-    reaches there, for plan's estimate of a run too large to time a step of."""
+    """FLOP/s of an (n, n) fp32 matmul on device, measured once a process: an upper bound on what
+    a training step reaches there, for plan's estimate of a run too large to time a step of."""
     a = torch.randn(n, n, device=device)
     (a @ a).sum().item()  # warm-up
     t0 = time.perf_counter()
