@@ -240,14 +240,15 @@ def run_cli(*args, subprocess_run=False):
     return CliResult(code, out.getvalue(), err.getvalue(), exception)
 
 
-# The tiny run: 8 steps of 64 tokens on a one-layer model of width 32, on the CPU in fp32 on any
-# machine (`auto` would pick CUDA, bf16 and compile on a GPU box; tests/test_cuda.py covers CUDA).
-# A checkpoint of the last step, 7, only (and of the step a stop ends on): each is 19 MB, the
-# vocabulary-sized table and AdamW's two moments of it, and writing four would take a third of the
-# run's time; SAVES adds steps 2, 4 and 6 for a test that resumes from one of them. Val loss at 0,
-# 3, 6 and of the final model (logged at step 8); samples at 3, 6 and of the final model.
+# The tiny run: 8 steps of 64 tokens on a one-layer model of width 16 (two heads of 8), on the CPU
+# in fp32 on any machine (`auto` would pick CUDA, bf16 and compile on a GPU box; tests/test_cuda.py
+# covers CUDA). Most of its time and bytes are the 50,304-entry vocabulary's table and head, which
+# the width multiplies. A checkpoint of the last step, 7, only (and of the step a stop ends on):
+# each is 10 MB, the table and AdamW's two moments of it, and writing four would take a third of
+# the run's time; SAVES adds steps 2, 4 and 6 for a test that resumes from one of them. Val loss
+# at 0, 3, 6 and of the final model (logged at step 8); samples at 3, 6 and of the final model.
 RUN_FLAGS = {
-    "--preset": "tiny", "--n_layer": "1", "--n_head": "2", "--n_embd": "32", "--block_size": "32",
+    "--preset": "tiny", "--n_layer": "1", "--n_head": "2", "--n_embd": "16", "--block_size": "32",
     "-B": "2", "-T": "32", "--total_batch_size": "64", "--max_steps": "8", "--warmup_steps": "2",
     "--eval_every": "3", "--val_tokens": "64", "--sample_every": "3", "--sample_tokens": "4",
     "--num_samples": "1", "--save_every": "0", "--hellaswag_every": "0", "--device": "cpu",

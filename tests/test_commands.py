@@ -17,8 +17,8 @@ import hellaswag
 import openai_gpt2
 import rundir
 import train_gpt2 as tg
-from helpers import (REPO, assert_one_line_error, hf_gpt2, run_args, run_cli, tiny_model,
-                     write_hellaswag)
+from helpers import (REPO, RUN_FLAGS, SHAPE_FLAGS, assert_one_line_error, hf_gpt2, run_args,
+                     run_cli, tiny_model, write_hellaswag)
 
 
 def save_tiny_checkpoint(path, model):
@@ -247,7 +247,8 @@ def test_plan_works_out_a_run_on_the_cpu_and_writes_nothing(data, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "run config:" in r.stdout and "\nplan: " in r.stdout
     plan = r.stdout.split("\nplan: ", 1)[1]
-    n_params = tiny_model(n_layer=1, n_head=2, n_embd=32, block_size=32).get_num_params()
+    shape = {flag[2:]: int(RUN_FLAGS[flag]) for flag in SHAPE_FLAGS}
+    n_params = tiny_model(**shape).get_num_params()
     assert plan.startswith(f"{n_params:,} parameters on 1 x cpu in fp32"), plan
     assert "tokens: 8 steps x 64 = 512" in plan
     assert "batch: -B 2 x -T 32 x 1 process(es), 1 micro-step(s) a step" in plan

@@ -17,8 +17,9 @@ import fineweb
 import rundir
 import settings
 import train_gpt2 as tg
-from helpers import (SAVES, SHAPE_FLAGS, assert_one_line_error, hf_gpt2, log_of, resume_args,
-                     run_args, run_cli, series, step_lines, write_corpus_jsonl, write_hellaswag)
+from helpers import (RUN_FLAGS, SAVES, SHAPE_FLAGS, assert_one_line_error, hf_gpt2, log_of,
+                     resume_args, run_args, run_cli, series, step_lines, write_corpus_jsonl,
+                     write_hellaswag)
 
 QUIET = ["--eval_every", "0", "--sample_every", "0"]
 
@@ -210,7 +211,8 @@ def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     assert ckpt["config"]["n_layer"] == 1 and ckpt["args"]["max_steps"] == 8
     path = os.path.join(ref, "model_00007.pt")
-    assert tg.model_from_checkpoint(rundir.read_checkpoint(path), path).config.n_embd == 32
+    width = int(RUN_FLAGS["--n_embd"])
+    assert tg.model_from_checkpoint(rundir.read_checkpoint(path), path).config.n_embd == width
 
     # a second run into the same log_dir is refused; --overwrite replaces it
     log = str(tmp_path / "log")
@@ -270,7 +272,8 @@ def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
     # what settle() derived (the precision by its name); none False, no dict (those follow)
     assert groups["this run"] == (" device_type=cpu world_size=1 local_world_size=1 precision=fp32"
                                   " grad_accum_steps=1 end_step=8")
-    assert " n_embd=32 " in groups["GPTConfig"] and " vocab_size=50304 " in groups["GPTConfig"]
+    assert f" n_embd={RUN_FLAGS['--n_embd']} " in groups["GPTConfig"]
+    assert " vocab_size=50304 " in groups["GPTConfig"]
 
 
 # The runs that resume exactly: GPT-2's, and the modern architecture's with AdamW and with Muon
