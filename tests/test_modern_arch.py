@@ -542,7 +542,8 @@ def test_a_modern_run_starts_at_the_uniform_loss_and_records_its_parts(modern_ru
     val_steps, val_losses = series(log)["val"]
     # the zero head predicts the uniform distribution until it trains (random tokens: nothing to
     # learn that carries over to val, so the loss moves off the uniform's, either way)
-    assert val_losses[0] == pytest.approx(math.log(REAL_V), abs=1e-4) != val_losses[-1]
+    uniform = pytest.approx(math.log(REAL_V), abs=1e-4)
+    assert val_losses[0] == uniform and val_losses[-1] != uniform, val_losses
     ckpt = torch.load(rundir.find_checkpoints(log)[-1], weights_only=True)
     assert parts(tg.GPTConfig(**ckpt["config"])) == MODERN
     assert ckpt["model"]["transformer.h.0.mlp.c_proj.weight"].abs().max() > 0  # left zero
