@@ -5,8 +5,9 @@
 runs the checks one after the other in this process (the preload library LIB must be loaded before
 torch is imported: one process for all of them) and prints one line `RESULT {json}` per check:
 {"spec", "ok", "result"} or, for a check that raised, {"spec", "ok": false, "error": traceback}.
-@DIR runs the check against the train_gpt2.py / hellaswag.py in DIR instead of the project's: the
-negative controls run these same checks on copies of them with a device bug seeded in.
+@DIR runs the check against the scorer.py / hellaswag.py / train_gpt2.py in DIR instead of the
+project's: the negative controls run these same checks on copies of them with a device bug seeded
+in.
 
 Each check drives the project through its stable entry points (train_gpt2.main, GPT, generate,
 hellaswag.evaluate, ...) and watches it from outside, through torch: global module and optimizer
@@ -529,25 +530,34 @@ def check_mlp_kernels():
     return out
 
 
+# the project's modules a seeded copy may replace, each after the ones it imports
+SEEDABLE = ("scorer", "hellaswag", "train_gpt2")
+
+
 @contextlib.contextmanager
 def project_from(folder):
-    """train_gpt2 and hellaswag as the checks see them, taken from folder where it has them."""
+    """scorer, hellaswag and train_gpt2 as the checks see them, taken from folder where it has
+    them; once one is, the ones after it are loaded again, so that they import the copy."""
     global tg, hellaswag
-    before = {"train_gpt2": tg, "hellaswag": hellaswag}
-    loaded = dict(before)
-    for name in before:
+    before = {name: sys.modules[name] for name in SEEDABLE}
+    seeded = False
+    for name in SEEDABLE:
         path = os.path.join(folder, f"{name}.py")
-        if os.path.exists(path):
-            spec = importlib.util.spec_from_file_location(name, path)
-            loaded[name] = importlib.util.module_from_spec(spec)
-            sys.modules[name] = loaded[name]  # dataclasses look their module up there
-            spec.loader.exec_module(loaded[name])
-    tg, hellaswag = loaded["train_gpt2"], loaded["hellaswag"]
+        seeded = seeded or os.path.exists(path)
+        if not seeded:
+            continue
+        if not os.path.exists(path):
+            path = os.path.join(REPO, f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there; later ones import it
+        spec.loader.exec_module(module)
+    tg, hellaswag = sys.modules["train_gpt2"], sys.modules["hellaswag"]
     try:
         yield
     finally:
-        tg, hellaswag = before["train_gpt2"], before["hellaswag"]
         sys.modules.update(before)
+        tg, hellaswag = before["train_gpt2"], before["hellaswag"]
 
 
 def run(spec):

@@ -1,5 +1,5 @@
 """Seeded device bugs, the negative controls of the simulated checks: copies of train_gpt2.py /
-hellaswag.py with one tensor left on the CPU (a device= dropped, a .to(device) dropped) at a place
+scorer.py with one tensor left on the CPU (a device= dropped, a .to(device) dropped) at a place
 found by pattern; the check that covers the place must fail with the device mismatch a GPU
 raises."""
 import os
@@ -61,9 +61,9 @@ SEEDS = [
      matching(r"torch\.ones\(.*torch\.bool.*device="), drop_device_argument, "inference"),
     ("the batch transfer after next_batch", "train_gpt2.py", transfer_lines, drop_transfer,
      "train"),
-    ("HellaSwag's token batches", "hellaswag.py",
+    ("the scorer's token batches", "scorer.py",
      matching(r"torch\.from_numpy\(tok\)\.to\(device\)"), drop_transfer, "inference"),
-    ("HellaSwag's per-row loss sums", "hellaswag.py",
+    ("the scorer's per-row loss sums", "scorer.py",
      matching(r"sum_loss = torch\.zeros\(.*device="), drop_device_argument, "inference"),
 ]
 
