@@ -491,14 +491,19 @@ def test_unreadable_inputs(tmp_path):
                               message)
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
-                    reason="root can read anything")
-def test_permission_denied(tmp_path):
+def test_permission_denied(tmp_path, monkeypatch):
     src = tmp_path / "secret.txt"
     src.write_text("text")
     src.chmod(0)
-    with pytest.raises(DataPrepError, match="cannot read"):
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # root reads it anyway: what others get
+        def refused(path, *args, **kwargs):
+            if os.fspath(path) == str(src):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return open(path, *args, **kwargs)
+        monkeypatch.setattr(fineweb, "open", refused, raising=False)
+    with pytest.raises(DataPrepError, match=r"^cannot read .*secret\.txt: Permission denied$"):
         prepare(tmp_path / "out", inputs=[str(src)], progress=False)
+    assert not (tmp_path / "out").exists()  # refused before the output dir is made
 
 
 # -----------------------------------------------------------------------------
