@@ -970,7 +970,7 @@ def resolve(args):
     for name, value in DEVICE_DEFAULTS.get(device_type, DEVICE_DEFAULTS["cpu"]).items():
         if getattr(args, name) is None:  # compile comes first: warmup depends on it
             setattr(args, name, COMPILED_WARMUP if name == "warmup" and args.compile else value)
-    common.enable_tf32(device_type)
+    common.tune_for_device(device_type)
     return Target(config, device, autocast_ctx)
 
 

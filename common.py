@@ -4,7 +4,8 @@
 - files written safely: atomic_write (never a truncated file), umask, dir_lock (one process
   per folder);
 - command lines: OneLineParser, HelpFormatter, the bounded argparse types, print0 and exit_process;
-- device, dtype and TF32: resolve_device, resolve_dtype, autocast_for, Precision, enable_tf32;
+- device, dtype and the device's settings: resolve_device, resolve_dtype, autocast_for, Precision,
+  tune_for_device;
 - the process's place in a run under torchrun: Proc (rank, world size, master, agree).
 
 Nothing here trains, downloads or starts anything at import; torch is imported only where needed.
@@ -615,12 +616,39 @@ def autocast_for(dtype, device_type):
         raise UsageError(f"--dtype {dtype}: {e}; use --dtype fp32") from None
 
 
-def enable_tf32(device_type):
-    """TF32 matmuls on CUDA (set_float32_matmul_precision("high")); nothing elsewhere."""
-    if device_type_of(device_type) == "cuda":
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+
+
+def tune_for_device(device_type):
+    """The process-wide settings that make a device fast, set once before any work. CUDA: TF32
+    matmuls (set_float32_matmul_precision("high")). A CPU under glibc: freed memory kept for
+    reuse (mallopt: no block of its own mapped for a large allocation, and the heap never
+    trimmed). glibc otherwise maps each allocation over its mmap threshold (at most 32 MiB) afresh
+    and unmaps it when freed, so every training step page-faults its large tensors in again (the
+    vocabulary's logits and their gradient): 40% of the tiny preset's step on a 2-core VM
+    (docs/performance.md, "Freed memory kept for reuse on the CPU"). The price: memory freed is
+    not given back to the system before the process ends."""
+    kind = device_type_of(device_type)
+    if kind == "cuda":
         import torch
 
         torch.set_float32_matmul_precision("high")
+    elif kind == "cpu" and glibc():
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # mallopt's int: trim only beyond 2 GiB
+
+
+def glibc():
+    """Whether this process's C library is glibc (Linux's usual; not macOS's, Windows' or
+    musl's)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 class Precision:

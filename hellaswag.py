@@ -26,8 +26,8 @@ import time
 import fineweb
 from openai_gpt2 import OPENAI_MODELS, load_hf_model
 from common import (DTYPES, NONNEG_INT, POSITIVE_INT, OneLineParser, UsageError, atomic_write,
-                    autocast_for, enable_tf32, hub_unreachable, one_line, resolve_device, run_cli,
-                    torch_dtype)
+                    autocast_for, hub_unreachable, one_line, resolve_device, run_cli, torch_dtype,
+                    tune_for_device)
 from scorer import Row, max_positions, progress_bar, score_groups
 
 # ---------------------------------------------------------------------------
@@ -459,7 +459,7 @@ def score(args):
     for _ in itertools.islice(iterate_examples(args.split, args.hellaswag_dir), args.limit):
         pass
     device = resolve_device(args.device)
-    enable_tf32(device)
+    tune_for_device(device)
     _, dtype = autocast_for(args.dtype, device)  # a UsageError where the dtype is not honoured
     model = load_hf_model(args.model).to(device)
     t0 = time.perf_counter()

@@ -38,8 +38,8 @@ import hellaswag
 import openai_gpt2
 import rundir
 import settings
-from common import (Precision, Proc, UsageError, enable_tf32, exit_process, one_line, print0,
-                    new_dir, resolve_device, run_cli)
+from common import (Precision, Proc, UsageError, exit_process, new_dir, one_line, print0,
+                    resolve_device, run_cli, tune_for_device)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 from metrics import Metrics, Profiler
 
@@ -904,7 +904,7 @@ class Schedule:
 # ===== Distributed: this process in the run, FSDP =====
 def setup_distributed(args):
     """This process's Proc (torchrun's environment, or one process), on its device, with its
-    process group up and TF32 on for CUDA's fp32 matmuls."""
+    process group up and the device's settings made (common.tune_for_device)."""
     proc = Proc()
     if args.fsdp and not proc.distributed:
         raise UsageError("--fsdp shards the model across processes: launch with torchrun")
@@ -918,7 +918,7 @@ def setup_distributed(args):
         torch.cuda.set_device(device)
     if proc.distributed:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    enable_tf32(device)
+    tune_for_device(device)
     proc.device = device
     return proc
 

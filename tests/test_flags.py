@@ -343,10 +343,10 @@ def test_autocast_and_tf32():
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        common.enable_tf32("cpu")
-        common.enable_tf32("mps")
+        common.tune_for_device("cpu")
+        common.tune_for_device("mps")
         assert torch.get_float32_matmul_precision() == "highest"
-        common.enable_tf32("cuda:1")
+        common.tune_for_device("cuda:1")
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
