@@ -60,7 +60,9 @@ RUN_SETTINGS = {
         ("--qk_norm", None, bool, "RMS-normalize each head's queries and keys"),
         ("--activation", None, ["gelu", "relu2"], "the MLP's activation (relu2: ReLU squared)"),
         ("--tie_embeddings", None, bool, "lm_head shares wte's weight"),
-        ("--zero_init", None, bool, "output projections (and an untied lm_head) start at 0"),
+        ("--zero_init", None, bool, "the blocks' output projections start at 0"),
+        ("--zero_head", None, bool, "an untied lm_head starts at 0"),
+        ("--head_bias", None, bool, "a learned bias on each token's logit"),
         ("--logit_softcap", None, NONNEG, "logits to cap * tanh(logits / cap) (0: off)"),
         ("--value_embeds", None, bool, "every other block's values add a vector of each token"),
         ("--x0_skip", None, bool, "each block's input adds the embedding, by a learned scalar"),
@@ -139,15 +141,17 @@ DEFAULTS = {flag_dest(f): default for group in RUN_SETTINGS.values() for f, defa
 # gpt2: the 2019 model (GPTConfig's defaults). modern: the plain-PyTorch changes behind most of the
 # GPT-2 speedruns' gain in tokens (rotary positions, RMSNorm, QK-norm, ReLU², an untied head,
 # zero-initialised projections, tanh soft-capping of the logits, the embedding mixed into every
-# block's input); measured in docs/performance.md, where value embeddings and U-net skips did not
-# win on the tiny preset (each still a flag)
+# block's input) and a bias on the logits; measured in docs/performance.md, where value embeddings,
+# U-net skips, a normalized embedding and a zero head did not win on the tiny preset (each a flag)
 ARCHITECTURES = {
     "gpt2": dict(bias=True, pos_emb="learned", norm="layernorm", embed_norm=False, qk_norm=False,
-                 activation="gelu", tie_embeddings=True, zero_init=False,
-                 logit_softcap=0.0, value_embeds=False, x0_skip=False, unet_skip=False),
-    "modern": dict(bias=False, pos_emb="rope", norm="rmsnorm", embed_norm=True, qk_norm=True,
-                   activation="relu2", tie_embeddings=False, zero_init=True,
-                   logit_softcap=15.0, value_embeds=False, x0_skip=True, unet_skip=False),
+                 activation="gelu", tie_embeddings=True, zero_init=False, zero_head=False,
+                 head_bias=False, logit_softcap=0.0, value_embeds=False, x0_skip=False,
+                 unet_skip=False),
+    "modern": dict(bias=False, pos_emb="rope", norm="rmsnorm", embed_norm=False, qk_norm=True,
+                   activation="relu2", tie_embeddings=False, zero_init=True, zero_head=False,
+                   head_bias=True, logit_softcap=15.0, value_embeds=False, x0_skip=True,
+                   unet_skip=False),
 }
 ARCH_PARTS = tuple(ARCHITECTURES["gpt2"])
 SHAPE_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head", *ARCH_PARTS)

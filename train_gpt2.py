@@ -63,7 +63,9 @@ class GPTConfig:
     qk_norm: bool = False  # each head's queries and keys RMS-normalized before attention
     activation: str = "gelu"  # the MLP's: gelu (tanh approximation), or relu2 (ReLU squared)
     tie_embeddings: bool = True  # lm_head shares wte's weight
-    zero_init: bool = False  # the output projections (and an untied lm_head) start at zero
+    zero_init: bool = False  # the blocks' output projections start at zero
+    zero_head: bool = False  # an untied lm_head starts at zero (else N(0, 0.02), as GPT-2's)
+    head_bias: bool = False  # each token's logit adds a learned bias: its frequency, learned fast
     logit_softcap: float = 0.0  # logits squashed to (-cap, cap) by cap * tanh(logits / cap); 0: off
     value_embeds: bool = False  # every other block's values add a learned vector of each token
     x0_skip: bool = False  # each block's input adds the embedding x0, by a learned scalar
@@ -377,32 +379,42 @@ class Skips(nn.Module):
                 outputs.append(x)
         return x
 
+# the head's bias enters the logits times this: the unigram log-frequencies it learns are ~10 from
+# the start at 0, and AdamW moves each parameter by about its LR a step (docs/performance.md)
+HEAD_BIAS_SCALE = 30.0
+
 # elements of one chunk's (rows, vocab) logits in the soft-capped head: enough rows for fast
 # matmuls and few re-reads of the head's gradient, a few fp32 copies of a chunk at once
 HEAD_CHUNK = {"cpu": 1 << 25, "other": 1 << 28}
 
 class SoftcapHeadLoss(torch.autograd.Function):
-    """The mean cross-entropy of the logits cap * tanh(x @ w.T / cap) against targets, a chunk of
-    rows at a time, with the gradients of x and w computed in the forward: nothing of size
-    (N, vocab) is kept for the backward (the plain formula keeps the tanh's output and the
-    softmax), no logits are returned (training never reads them), and each chunk takes a few
-    elementwise passes (the plain formula's autograd takes twice as many over the whole tensor).
+    """The mean cross-entropy of the logits cap * tanh((x @ w.T + b) / cap) against targets (b:
+    the head's bias (vocab,), or None), a chunk of rows at a time, with the gradients of x, w and
+    b computed in the forward: nothing of size (N, vocab) is kept for the backward (the plain
+    formula keeps the tanh's output and the softmax), no logits are returned (training never reads
+    them), and each chunk takes a few elementwise passes (the plain formula's autograd takes twice
+    as many over the whole tensor).
     The tanh is 2 * sigmoid(2u) - 1, whose derivative 1 - tanh^2 is 4s(1 - s): sigmoid is the
     cheaper op. The passes run in the matmul's dtype (autocast's, as the plain formula's tanh);
     the sums and the gradients' scale in fp32."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, cap, n_real, grads):
+    def forward(ctx, x, weight, bias, targets, cap, n_real, grads):
         # x (N, C), weight (V, C), targets (N,); ids >= n_real (padding) are never predicted
         N, V = x.size(0), weight.size(0)
         rows = max(1, HEAD_CHUNK.get(x.device.type, HEAD_CHUNK["other"]) // V)
         losses = []  # each chunk's summed loss
         valid = targets != -100  # F.cross_entropy's ignore_index
         wide = torch.promote_types(x.dtype, torch.float32)
-        grad_x, grad_w = None, None
+        grad_x, grad_w, grad_b = None, None, None
         if grads:
             grad_x = torch.empty_like(x)
             grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, wide))
+        bz = None  # the bias on the sigmoid's scale, 2 b / cap
+        if bias is not None:
+            bz = bias.to(wide) * (2 / cap)
+            if grads:
+                grad_b = torch.zeros_like(bz)
         shift = torch.full((), -2 * cap, device=x.device)  # 0-dim: added in the same pass
         w = weight  # the matmuls' copy: autocast's dtype, cast once, not once a chunk
         if torch.is_autocast_enabled(x.device.type):
@@ -411,13 +423,16 @@ class SoftcapHeadLoss(torch.autograd.Function):
             xc, tc, vc = x[i: i + rows], targets[i: i + rows].clamp(min=0), valid[i: i + rows]
             xw, wt = xc.to(wide), weight[tc].to(wide)  # (r, C): the rows, the targets' weights
             xs = xw * (2 / cap)  # then z = 2u, u = logits / cap
-            s = F.linear(xs, w).sigmoid_()  # (r, V) in autocast's dtype; tanh(u) = 2s - 1
+            s = F.linear(xs, w, bz).sigmoid_()  # (r, V) in autocast's dtype; tanh(u) = 2s - 1
             # exp(logit - cap) = exp(2 cap s - 2 cap) <= 1: a softmax with no max to find
             e = torch.add(shift, s, alpha=2 * cap).exp_()
             e[:, n_real:] = 0  # padding ids: never predicted
             total = e.sum(dim=1, dtype=wide)  # (r,)
             # the targets' own logits in `wide` from their rows of the head (r,)
-            s_t = torch.sigmoid((xs * wt).sum(dim=1))
+            z_t = (xs * wt).sum(dim=1)
+            if bz is not None:
+                z_t = z_t + bz[tc]
+            s_t = torch.sigmoid(z_t)
             losses.append(((total.log() + cap - (2 * cap * s_t - cap)) * vc).sum())
             if not grads:
                 continue
@@ -431,17 +446,22 @@ class SoftcapHeadLoss(torch.autograd.Function):
             else:  # autocast: the product in its dtype, summed in fp32
                 grad_w += g.t() @ (xw * scale)
             grad_w.index_add_(0, tc, (-hit * xw).to(grad_w.dtype))
+            if grad_b is not None:  # the same sums with x a column of ones
+                grad_b += g.t() @ scale[:, 0].to(g.dtype)
+                grad_b.index_add_(0, tc, -hit[:, 0])
         count = valid.sum().clamp(min=1)
-        ctx.save_for_backward(grad_x, grad_w, count)
+        ctx.save_for_backward(grad_x, grad_w, grad_b, count)
         ctx.weight_dtype = weight.dtype
         return torch.stack(losses).sum() / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w, count = ctx.saved_tensors
+        grad_x, grad_w, grad_b, count = ctx.saved_tensors
         scale = grad_loss / count
+        if grad_b is not None:
+            grad_b = (grad_b * scale).to(ctx.weight_dtype)
         return ((grad_x * scale).to(grad_x.dtype), (grad_w * scale).to(ctx.weight_dtype),
-                None, None, None, None)
+                grad_b, None, None, None, None)
 
 class GPT(nn.Module):
     masked_logits_to_keep = True  # forward takes a (B, T) bool mask as logits_to_keep
@@ -469,11 +489,11 @@ class GPT(nn.Module):
                                                  for i in value_embed_layers(config)})
         if config.x0_skip or config.unet_skip:
             self.transformer.skips = Skips(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.head_bias)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
-        else:  # untied: a zero head starts every logit at 0, the loss at ln(vocab)
-            self.lm_head.ZERO_INIT = config.zero_init
+        else:  # untied: a zero head would start every logit at 0, the loss at ln(vocab)
+            self.lm_head.ZERO_INIT = config.zero_head
         # 0 for real tokens, -inf for padding ids, added in the lm_head matmul: padding is never
         # predicted. A buffer, not a parameter: the state dict stays GPT-2's
         real = torch.arange(config.vocab_size) < config.real_vocab_size
@@ -558,17 +578,22 @@ class GPT(nn.Module):
     def head(self, x, targets=None):
         """x (..., C) -> logits (..., vocab_size) and their mean cross-entropy vs targets; with
         a soft-cap and targets, the loss only (logits None: a (B, T, vocab) tensor saved)."""
-        cap, weight = self.config.logit_softcap, self.lm_head.weight
+        cap, weight, bias = self.config.logit_softcap, self.lm_head.weight, None
+        if self.lm_head.bias is not None:  # scaled up: AdamW moves a parameter by about its LR
+            bias = HEAD_BIAS_SCALE * self.lm_head.bias  # a step, a log-frequency is ~10 away
         if cap > 0 and targets is not None:  # the loss's gradients computed as it goes
-            grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            loss = SoftcapHeadLoss.apply(x.flatten(0, -2), weight, targets.reshape(-1), cap,
-                                         self.config.real_vocab_size, grads)
+            grads = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (x, weight, bias))
+            loss = SoftcapHeadLoss.apply(x.flatten(0, -2), weight, bias, targets.reshape(-1),
+                                         cap, self.config.real_vocab_size, grads)
             return None, loss
         # -inf added to the padding ids' logits in the matmul itself: they are never predicted
         if cap > 0:  # squashed into (-cap, cap) first: the -inf stays -inf
-            logits = F.linear(x, weight)  # (B, T, vocab_size), autocast's dtype
+            logits = F.linear(x, weight, bias)  # (B, T, vocab_size), autocast's dtype
             # the mask cast to it: an fp32 mask would make the (B, T, vocab_size) logits fp32
             logits = cap * torch.tanh(logits / cap) + self.vocab_mask.to(logits.dtype)
+        elif bias is not None:
+            logits = F.linear(x, weight, self.vocab_mask + bias)
         else:
             logits = F.linear(x, weight, self.vocab_mask)  # (B, T, vocab_size)
         loss = None

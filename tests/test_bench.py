@@ -68,7 +68,8 @@ def test_bench_json_has_every_row():
     assert arch["recipe_tokens"] == 128  # one step of --arch_shape's 2 x 64 tokens
     assert first["tokens_to_target"] == pytest.approx(128)  # reached at its last eval
     assert {r["val"][0] for r in arch["runs"]["gpt2_muon"] + recipes} == {first["val"][0]}
-    assert arch["runs"]["modern_muon"][0]["val"][0] == pytest.approx(math.log(50257), abs=1e-4)
+    # the modern head's N(0, 0.02) and zero bias: every logit near 0, the loss near the uniform's
+    assert arch["runs"]["modern_muon"][0]["val"][0] == pytest.approx(math.log(50257), abs=0.1)
 
 
 def test_bench_names_the_rows_it_left_out(capsys):

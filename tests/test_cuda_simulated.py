@@ -400,10 +400,11 @@ def test_gpu_estimate_of_gpt2_memory_and_flops(children):
 
 def test_gpu_estimate_of_the_modern_architecture_against_gpt2(children):
     """`--arch modern`, GPT-2 124M's shape, B=64. Its non-embedding parameters counted by hand:
-    no biases and no norm weights, the untied lm_head in, wte (a lookup) out; each is a matmul's
-    (exactly 6N of matmul FLOPs, GPT-2 has biases besides). The same matrices as GPT-2 (its own
-    head where GPT-2's is wte) and the same attention: the same FLOPs. Parameters and AdamW's
-    two states in fp32, wte's and the head's both. Peak memory below GPT-2's by more than the fp32
+    no biases but the head's and no norm weights, the untied lm_head in, wte (a lookup) out;
+    each but the head's bias and the scalars is a matmul's (6N of matmul FLOPs, GPT-2 has biases
+    besides). The same matrices as GPT-2 (its own head where GPT-2's is wte) and the same
+    attention: the same FLOPs. Parameters and AdamW's two states in fp32, wte's and the head's
+    both. Peak memory below GPT-2's by more than the fp32
     (B, T, vocab) softmax GPT-2's cross-entropy keeps for its backward, less the head's parameter
     and AdamW state: the chunked soft-capped head keeps none. The eager step's roofline within
     1.2x GPT-2's (an estimate computed from the ops' bytes and FLOPs, not a timing)."""
@@ -412,17 +413,20 @@ def test_gpu_estimate_of_the_modern_architecture_against_gpt2(children):
     gpt2, modern = estimate_of(children, "gpt2"), estimate_of(children, "modern")
     head = V * C
     n = modern["setting"]["non_embedding_params"]
-    assert n == L * 12 * C**2 + head + L, n  # per block: qkv 3C², proj C², MLP 8C²; x0's scalar
+    # per block: qkv 3C², proj C², MLP 8C²; the head's bias; x0's scalar a block
+    assert n == L * 12 * C**2 + head + V + L, n
     g, m = gpt2["estimate"][str(B)], modern["estimate"][str(B)]
-    assert abs(m["matmul_flops_over_6n"] * n / (n - L) - 1) < 1e-9, m  # the scalars: no matmul
+    # the scalars and the bias: no matmul's
+    assert abs(m["matmul_flops_over_6n"] * n / (n - L - V) - 1) < 1e-9, m
     assert m["flops"] == g["flops"] and 1.00 <= m["flops_over_formula"] <= 1.03, (m, g)
-    matrices = n - L + head
-    # AdamW's step counters: a scalar per tensor (4 matrices a block, wte, lm_head, the x0
-    # scalars), and the x0 scalars (48 bytes) and their two states: each in one 512-byte block of
-    # the caching allocator
-    steps = 512 * (4 * L + 3)
+    matrices = n - L - V + head
+    # AdamW's step counters: a scalar per tensor (4 matrices a block, wte, lm_head, its bias, the
+    # x0 scalars), and the x0 scalars (48 bytes) and their two states: each in one 512-byte block
+    # of the caching allocator; the bias (4V bytes, a multiple of 512) and its states
+    steps = 512 * (4 * L + 4)
     assert (m["peak_by_kind_gib"]["Parameter"], m["peak_by_kind_gib"]["Optstate"]) == \
-        ((4 * matrices + 512) * 2**-30, (8 * matrices + 2 * 512 + steps) * 2**-30), m  # GiB
+        ((4 * matrices + 4 * V + 512) * 2**-30,
+         (8 * matrices + 8 * V + 2 * 512 + steps) * 2**-30), m  # GiB
     softmax = B * T * V * 4
     assert g["peak_mem_gib"] - m["peak_mem_gib"] > (softmax - 12 * head) * 2**-30, (m, g)
     assert m["roofline_ms"] <= 1.2 * g["roofline_ms"], (m, g)

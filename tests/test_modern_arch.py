@@ -35,11 +35,14 @@ def modern_model(seed=0, **kw):
 
 def scrambled(model, std=0.1, seed=1):
     """Every weight redrawn from N(0, std): at init the zero projections make each block the
-    identity and the zero head makes every logit 0, which would hide what attention does."""
+    identity, which would hide what attention does. The head's bias is drawn so that it adds
+    N(0, std) to the logits (it enters them times tg.HEAD_BIAS_SCALE)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * std)
+        if model.lm_head.bias is not None:
+            model.lm_head.bias /= tg.HEAD_BIAS_SCALE
     return model
 
 
@@ -105,9 +108,9 @@ def attention_reference(attn, x, qk_norm, ve=None):
 
 
 def forward_reference(model, idx):
-    """The modern GPT's logits over the real vocabulary from its parts: the token embedding
-    RMS-normalized (x0), pre-norm blocks of attention_reference and a ReLU² MLP, each block's
-    input adding x0_lambdas[i] * x0, the final RMSNorm, the untied head, then cap * tanh(logits /
+    """The modern GPT's logits over the real vocabulary from its parts: the token embedding (x0),
+    pre-norm blocks of attention_reference and a ReLU² MLP, each block's input adding
+    x0_lambdas[i] * x0, the final RMSNorm, the untied head and its bias, then cap * tanh(logits /
     cap). (skips_reference: with the optional parts too.)"""
     return skips_reference(model, idx)
 
@@ -162,7 +165,7 @@ def test_rotary_gradient_is_the_turn_back():
 # ------------------------------------------------------------------------------ RMSNorm, QK-norm
 
 def test_rmsnorm_is_x_over_root_mean_square_plus_eps():
-    model = modern_model()
+    model = modern_model(embed_norm=True)
     t = model.transformer
     norms = [t.ln_e, t.ln_f] + [n for b in t.h for n in (b.ln_1, b.ln_2)]
     assert all(not list(n.parameters()) for n in norms)  # no weights: nothing to learn there
@@ -227,7 +230,7 @@ def test_logits_are_soft_capped_and_padding_stays_minus_inf():
         logits, _ = model(idx)
         none, loss = model(idx, targets)  # the loss only: training never reads the logits
     assert none is None
-    raw = F.linear(final[0], model.lm_head.weight)
+    raw = F.linear(final[0], model.lm_head.weight, tg.HEAD_BIAS_SCALE * model.lm_head.bias)
     real = logits[..., :REAL_V]
     assert raw[..., :REAL_V].abs().max() > 2 * cap
     torch.testing.assert_close(real, cap * torch.tanh(raw[..., :REAL_V] / cap))
@@ -241,31 +244,36 @@ def test_logits_are_soft_capped_and_padding_stays_minus_inf():
     assert out.max() < REAL_V
 
 
-def softcap_reference(x, w, targets, cap, n_real):
+def softcap_reference(x, w, b, targets, cap, n_real):
     """The soft-capped head and its loss by the plain formula: every (N, vocab) tensor kept."""
-    logits = cap * torch.tanh(F.linear(x, w) / cap)
+    logits = cap * torch.tanh(F.linear(x, w, b) / cap)
     logits = torch.cat((logits[:, :n_real], torch.full_like(logits[:, n_real:], -math.inf)), 1)
     return logits, F.cross_entropy(logits, targets)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 10_000])  # rows a chunk: one, a ragged last, all
-def test_softcap_head_loss_matches_the_plain_formula(chunk, monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+def test_softcap_head_loss_matches_the_plain_formula(chunk, bias, monkeypatch):
     N, width, vocab, n_real, cap = 50, 24, 300, 290, 5.0
     monkeypatch.setitem(tg.HEAD_CHUNK, "cpu", chunk * vocab)
     x = (randn(N, width, seed=1).double() * 3).requires_grad_()
     w = randn(vocab, width, seed=2).double().requires_grad_()
+    inputs, b = (x, w), None
+    if bias:
+        b = (randn(vocab, seed=4).double() * 4).requires_grad_()
+        inputs = (x, w, b)
     targets = tokens(1, N, seed=3)[0] % n_real
     targets[[4, 31]] = -100  # ignored, as F.cross_entropy's ignore_index
-    want_logits, want = softcap_reference(x, w, targets, cap, n_real)
-    want_grads = torch.autograd.grad(2.5 * want, (x, w))
-    loss = tg.SoftcapHeadLoss.apply(x, w, targets, cap, n_real, True)
-    grads = torch.autograd.grad(2.5 * loss, (x, w))
+    want_logits, want = softcap_reference(x, w, b, targets, cap, n_real)
+    want_grads = torch.autograd.grad(2.5 * want, inputs)
+    loss = tg.SoftcapHeadLoss.apply(x, w, b, targets, cap, n_real, True)
+    grads = torch.autograd.grad(2.5 * loss, inputs)
     assert want.abs() > 1 and want_logits[:, n_real:].isneginf().all()
     assert (F.linear(x, w).abs() > 4 * cap).any()  # the cap acts: raw logits far beyond it
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
     for got, ref in zip(grads, want_grads):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-14)
-    assert (grads[1][n_real:] == 0).all()  # padding rows of the head never learn
+    assert all((g[n_real:] == 0).all() for g in grads[1:])  # padding ids' rows never learn
 
 
 def test_the_modern_model_trains_through_the_chunked_head_as_by_the_plain_formula():
@@ -296,27 +304,31 @@ def test_the_modern_model_trains_through_the_chunked_head_as_by_the_plain_formul
 
 def test_zero_inits_give_the_uniform_loss_at_init():
     model = modern_model()
-    _, loss = model(tokens(4, 64, seed=9), tokens(4, 64, seed=10))
-    logits, _ = model(tokens(4, 64, seed=9))
-    assert abs(loss.item() - math.log(REAL_V)) < 1e-5  # every real token equally likely
-    assert (logits[..., :REAL_V] == 0).all()
     blocks = model.transformer.h
     assert all((w == 0).all() for b in blocks for w in (b.attn.c_proj.weight, b.mlp.c_proj.weight))
-    assert (model.lm_head.weight == 0).all()
     assert model.lm_head.weight is not model.transformer.wte.weight  # untied
-    # what is not zeroed keeps GPT-2's N(0, 0.02)
+    # what is not zeroed keeps GPT-2's N(0, 0.02): the head too, unless --zero_head
     for w in (model.transformer.wte.weight, blocks[0].attn.c_attn.weight,
-              blocks[1].mlp.c_fc.weight):
+              blocks[1].mlp.c_fc.weight, model.lm_head.weight):
         assert abs(w.std().item() - 0.02) < 0.002
-    # no biases, no norm weights: the x0 scalars are its one 1-D parameter, AdamW's no-decay group
+    zero_head = modern_model(zero_head=True)
+    _, loss = zero_head(tokens(4, 64, seed=9), tokens(4, 64, seed=10))
+    logits, _ = zero_head(tokens(4, 64, seed=9))
+    assert abs(loss.item() - math.log(REAL_V)) < 1e-5  # every real token equally likely
+    assert (logits[..., :REAL_V] == 0).all() and (zero_head.lm_head.weight == 0).all()
+    # GPT-2's tied head is its embedding, which the flag leaves alone
+    tied = tiny_model(n_head=4, zero_head=True)
+    assert abs(tied.lm_head.weight.std().item() - 0.02) < 0.002
+    # no biases but the head's, no norm weights: the x0 scalars and the head's bias are its 1-D
+    # parameters, both starting at 0, in AdamW's no-decay group
     assert [n for n, p in model.named_parameters() if p.dim() != 2] == \
-        ["transformer.skips.x0_lambdas"]
-    assert (model.transformer.skips.x0_lambdas == 0).all()
+        ["transformer.skips.x0_lambdas", "lm_head.bias"]
+    assert (model.transformer.skips.x0_lambdas == 0).all() and (model.lm_head.bias == 0).all()
     opt = model.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
-    assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters())) - 1, 1]
-    # without it, AdamW has one group: an empty no-decay one is what torch's state-dict helpers
+    assert [len(g["params"]) for g in opt.param_groups] == [len(list(model.parameters())) - 2, 2]
+    # without them, AdamW has one group: an empty no-decay one is what torch's state-dict helpers
     # refuse
-    bare = modern_model(x0_skip=False)
+    bare = modern_model(x0_skip=False, head_bias=False)
     opt = bare.configure_optimizers(0.1, 1e-3, "cpu", verbose=False)
     assert [len(g["params"]) for g in opt.param_groups] == [len(list(bare.parameters()))]
 
@@ -327,8 +339,8 @@ def test_gpt2_is_the_default_architecture_and_unchanged():
     # modern changes GPT-2's nine parts; the later ones are each a flag, in modern where measured
     # to win (docs/performance.md)
     changed = {k: v for k, v in MODERN.items() if v != GPT2[k]}
-    assert set(changed) >= {"bias", "pos_emb", "norm", "embed_norm", "qk_norm", "activation",
-                            "tie_embeddings", "zero_init", "logit_softcap"}
+    assert set(changed) >= {"bias", "pos_emb", "norm", "qk_norm", "activation",
+                            "tie_embeddings", "zero_init", "head_bias", "logit_softcap"}
     assert tg.GPTConfig(**MODERN).gpt2_differences() == [f"{k}={v}" for k, v in changed.items()]
     args, _, _ = settings.read_flags(["--preset", "tiny"])
     assert args.arch == "gpt2" and parts(tg.model_config(args)) == GPT2
@@ -349,12 +361,13 @@ def test_parameter_counts_by_hand():
     matrices = L * (C * 3 * C + C * C + C * 4 * C + 4 * C * C)  # c_attn, c_proj, c_fc, c_proj
     modern = modern_model()
     x0 = L  # a scalar a block
-    assert modern.get_num_params() == 2 * V * C + matrices + x0  # wte and the untied lm_head
+    # wte, the untied lm_head and its bias
+    assert modern.get_num_params() == 2 * V * C + V + matrices + x0
     # wte, a lookup, left out; lm_head, a matmul, kept
-    assert modern.get_num_params(non_embedding=True) == V * C + matrices + x0
+    assert modern.get_num_params(non_embedding=True) == V * C + V + matrices + x0
     tied = modern_model(tie_embeddings=True)  # one table, the head's: counted once, kept
     assert tied.get_num_params() == tied.get_num_params(non_embedding=True) == \
-        V * C + matrices + x0
+        V * C + V + matrices + x0
     gpt2 = tiny_model(n_head=4)
     biases = L * (3 * C + C + 4 * C + C)
     layernorms = L * 2 * 2 * C + 2 * C  # ln_1, ln_2 (weight, bias) per block, ln_f
@@ -372,7 +385,9 @@ def skips_reference(model, idx):
     definitions: block i's input adds x0_lambdas[i] * x0 (the normalized embedding) and, in the
     second half, unet_lambdas[j] * (block j's output) for its mirror j = n - 1 - i; the blocks
     with a value table (every other one, the last among them) add its rows to their values."""
-    x = x0 = rms_reference(model.transformer.wte.weight[idx])
+    x = x0 = model.transformer.wte.weight[idx]
+    if model.config.embed_norm:
+        x = x0 = rms_reference(x0)
     t, outputs = model.transformer, []
     skips = t.skips if "skips" in t else None
     tables = t.ve if "ve" in t else {}
@@ -387,8 +402,11 @@ def skips_reference(model, idx):
         h = F.linear(rms_reference(x), block.mlp.c_fc.weight)
         x = x + F.linear(F.relu(h) ** 2, block.mlp.c_proj.weight)
         outputs.append(x)
+    logits = rms_reference(x) @ model.lm_head.weight[:REAL_V].t()
+    if model.lm_head.bias is not None:  # the bias's parameter scaled (AdamW's steps: ~its LR)
+        logits = logits + tg.HEAD_BIAS_SCALE * model.lm_head.bias[:REAL_V]
     cap = MODERN["logit_softcap"]
-    return cap * torch.tanh(F.linear(rms_reference(x), model.lm_head.weight[:REAL_V]) / cap)
+    return cap * torch.tanh(logits / cap)
 
 
 def test_value_embeddings_and_skips_are_their_definitions_written_out():
@@ -416,7 +434,7 @@ def test_value_embeddings_and_skips_are_their_definitions_written_out():
     adamw, muon = opt
     decayed, plain = (set(map(id, g["params"])) for g in adamw.param_groups)
     assert {id(p) for p in model.transformer.ve.parameters()} <= decayed
-    assert {id(p) for p in model.transformer.skips.parameters()} == plain
+    assert {id(p) for p in model.transformer.skips.parameters()} | {id(model.lm_head.bias)} == plain
     gate = model.transformer.h[1].attn.ve_gate.weight
     assert id(gate) in set(map(id, muon.param_groups[0]["params"]))
 
@@ -536,14 +554,14 @@ def modern_run(data, tmp_path_factory):
     return log, r
 
 
-def test_a_modern_run_starts_at_the_uniform_loss_and_records_its_parts(modern_run):
+def test_a_modern_run_starts_near_the_uniform_loss_and_records_its_parts(modern_run):
     log, r = modern_run
-    assert step_lines(r.stdout)[0][0] == pytest.approx(math.log(REAL_V), abs=1e-5)
+    # the head's N(0, 0.02) and zero bias start every logit near 0: the loss near the uniform's
+    # (random tokens: nothing to learn that carries over to val, so the loss moves, either way)
+    assert step_lines(r.stdout)[0][0] == pytest.approx(math.log(REAL_V), abs=0.02)
     val_steps, val_losses = series(log)["val"]
-    # the zero head predicts the uniform distribution until it trains (random tokens: nothing to
-    # learn that carries over to val, so the loss moves off the uniform's, either way)
-    uniform = pytest.approx(math.log(REAL_V), abs=1e-4)
-    assert val_losses[0] == uniform and val_losses[-1] != uniform, val_losses
+    assert val_losses[0] == pytest.approx(math.log(REAL_V), abs=0.02)
+    assert val_losses[-1] != val_losses[0], val_losses
     ckpt = torch.load(rundir.find_checkpoints(log)[-1], weights_only=True)
     assert parts(tg.GPTConfig(**ckpt["config"])) == MODERN
     assert ckpt["model"]["transformer.h.0.mlp.c_proj.weight"].abs().max() > 0  # left zero
@@ -676,9 +694,9 @@ def test_plan_counts_the_modern_model(data, tmp_path):
         return int(re.search(r"^plan: ([\d,]+) parameters", r.stdout, re.M)[1].replace(",", ""))
 
     c, t, layers = (int(RUN_FLAGS[f]) for f in ("--n_embd", "--block_size", "--n_layer"))
-    # an untied head, no wpe, no biases (9C a block), no LayerNorm weights (4C a block, 2C ln_f),
-    # x0's scalar a block
-    expected = V * c - t * c - layers * (9 * c + 4 * c) - 2 * c + layers
+    # an untied head and its bias, no wpe, no other biases (9C a block), no LayerNorm weights
+    # (4C a block, 2C ln_f), x0's scalar a block
+    expected = V * c + V - t * c - layers * (9 * c + 4 * c) - 2 * c + layers
     modern = planned("--arch", "modern")
     assert modern - planned() == expected
     assert planned("--arch", "modern", "-B", "auto") == modern
