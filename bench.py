@@ -675,18 +675,23 @@ ARCH_ARMS = {
     "gpt2_adamw_4e-3": ["--arch", "gpt2", "--optimizer", "adamw", "--max_lr", "4e-3"],
     "gpt2_muon": ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "4e-3",
                   "--muon_lr", "4e-3"],
-    "modern_muon": ["--arch", "modern", "--optimizer", "muon", "--max_lr", "8e-3",
-                    "--muon_lr", "6e-3", "--embed_lr", "3e-2"],  # on --arch modern's WSD schedule
+    # on --arch modern's WSD schedule, at the LRs tuned on a schedule of 12 steps, no warmup
+    "modern_muon": ["--arch", "modern", "--optimizer", "muon", "--max_lr", "1.6e-2",
+                    "--muon_lr", "1e-2", "--embed_lr", "3e-2"],
 }
 # --arch_arms: the modern arm with one change each (its LRs, not tuned for the change); GPT-2 with
 # Muon on the modern arm's warmup-stable-decay schedule, at the LRs tuned for it there
 ARCH_ABLATIONS = {
     "modern_ve": [*ARCH_ARMS["modern_muon"], "--value_embeds"],
     "modern_x0": [*ARCH_ARMS["modern_muon"], "--x0_skip"],
+    "modern_no_x0": [*ARCH_ARMS["modern_muon"], "--no-x0_skip"],
     "modern_unet": [*ARCH_ARMS["modern_muon"], "--unet_skip"],
     "modern_cosine": [*ARCH_ARMS["modern_muon"], "--wsd_decay", "0"],
-    "gpt2_muon_wsd": ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "4e-3", "--muon_lr",
-                      "6e-3", "--embed_lr", "1e-2", "--wsd_decay", "0.4"],
+    "modern_embed_norm": [*ARCH_ARMS["modern_muon"], "--embed_norm"],
+    "modern_zero_head": [*ARCH_ARMS["modern_muon"], "--zero_head"],
+    "modern_no_head_bias": [*ARCH_ARMS["modern_muon"], "--no-head_bias"],
+    "gpt2_muon_wsd": ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3", "--muon_lr",
+                      "1e-2", "--embed_lr", "1.5e-2", "--wsd_decay", "0.4"],
 }
 
 
