@@ -22,11 +22,11 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 
 @pytest.fixture(scope="module")
 def narrow_data(tmp_path_factory):
-    """The tiny run's shards in 64 token ids. On `data`'s ids of the whole vocabulary a
-    zero-initialised lm_head starts at the best loss there is, and the losses hardly move; these
-    it learns, so the losses show the head and wte, which AdamW trains (its state restored from
-    the other process count). Muon's matrices hardly show in 8 steps: test_training.py resumes
-    them bit for bit."""
+    """The tiny run's shards in 64 token ids. On `data`'s random ids of the whole vocabulary a
+    head that starts near the uniform distribution starts near the best loss there is, and the
+    losses hardly move; these it learns, so the losses show the head and wte, which AdamW trains
+    (its state restored from the other process count). Muon's matrices hardly show in 8 steps:
+    test_training.py resumes them bit for bit."""
     root = str(tmp_path_factory.mktemp("narrow") / "data")
     write_shards(root, "val", [3000], seed=1, vocab=64)
     write_shards(root, "train", [2000, 1500, 2500], seed=2, vocab=64)

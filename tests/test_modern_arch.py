@@ -572,14 +572,17 @@ def test_a_modern_run_starts_near_the_uniform_loss_and_records_its_parts(modern_
 
 @pytest.mark.slow
 def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_path):
-    """A checkpoint whose config has no value_embeds, x0_skip, unet_skip (the modern model before
-    them) and whose flags have no --wsd_decay and no --embed_lr (the cosine schedule, and wte in
-    AdamW's decayed group, before them; --arch modern's defaults now) resumes as the model
-    without them, on the cosine, exactly: also with --arch modern and the tiny preset given
-    again, whose defaults are the warmup-stable-decay schedule and an --embed_lr. (Its runs give
-    wte the decayed group's LR, 8e-3: the same steps in a group of its own.)"""
+    """A checkpoint whose config has no value_embeds, x0_skip, unet_skip, zero_head, head_bias
+    (the modern model before them: its embedding normalized, its zero_init zeroing the head too)
+    and whose flags have no --wsd_decay and no --embed_lr (the cosine schedule, and wte in AdamW's
+    decayed group, before them; --arch modern's defaults now) resumes as the model without them,
+    on the cosine, exactly: also with --arch modern and the tiny preset given again, whose
+    defaults are the warmup-stable-decay schedule and an --embed_lr (and the parts that differ
+    given as they were). (Its runs give wte the decayed group's LR, 8e-3: the same steps in a
+    group of its own.)"""
     logs = [str(tmp_path / name) for name in ("whole", "resumed")]
-    old = ("--arch", "modern", "--no-x0_skip", "--wsd_decay", "0", "--embed_lr", "8e-3")
+    parts = ("--no-x0_skip", "--embed_norm", "--no-head_bias")
+    old = ("--arch", "modern", *parts, "--zero_head", "--wsd_decay", "0", "--embed_lr", "8e-3")
     r = run_cli(*run_args(data, logs[0], *old))
     assert r.returncode == 0, r.stderr
     r = run_cli(*run_args(data, logs[1], *old, "--stop_step", "5"))
@@ -587,8 +590,10 @@ def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_pat
     path = rundir.find_checkpoints(logs[1])[-1]
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["args"]["max_lr"] == 8e-3
-    for field in ("value_embeds", "x0_skip", "unet_skip"):
+    for field in ("value_embeds", "x0_skip", "unet_skip", "zero_head", "head_bias"):
         del ckpt["config"][field]
+    del ckpt["args"]["zero_head"], ckpt["args"]["head_bias"]
+    assert "lm_head.bias" not in ckpt["model"]
     del ckpt["args"]["wsd_decay"], ckpt["args"]["embed_lr"]
     groups = ckpt["optimizer"]["param_groups"]
     wte = groups.pop()  # --embed_lr's group, the last: back into the decayed group, the first
@@ -600,7 +605,7 @@ def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_pat
     assert r.returncode == 0, r.stderr
     assert log_of(logs[1]) == log_of(logs[0])
     plain_warnings = [line for line in r.stdout.splitlines() if line.startswith("warning")]
-    r = run_cli(*resume_args(again, "--arch", "modern", "--no-x0_skip", "--preset", "tiny"))
+    r = run_cli(*resume_args(again, "--arch", "modern", *parts, "--preset", "tiny"))
     assert r.returncode == 0, r.stderr
     assert [line for line in r.stdout.splitlines() if line.startswith("warning")] == \
         plain_warnings, r.stdout  # none about the schedule
@@ -614,7 +619,7 @@ def test_a_modern_run_resumes_exactly(data, modern_run, tmp_path):
     r = run_cli(*resume_args(log))
     assert r.returncode == 0, r.stderr
     assert log_of(log) == log_of(modern_run[0])
-    # the losses barely move in 8 steps from a zero head: the weights, bit for bit
+    # the losses barely move in 8 steps on random tokens: the weights, bit for bit
     a, b = (torch.load(rundir.checkpoint_path(d, 7), weights_only=True)["model"]
             for d in (log, modern_run[0]))
     assert all(torch.equal(a[k], b[k]) for k in a)
