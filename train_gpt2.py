@@ -592,10 +592,11 @@ class GPT(nn.Module):
             logits = F.linear(x, weight, bias)  # (B, T, vocab_size), autocast's dtype
             # the mask cast to it: an fp32 mask would make the (B, T, vocab_size) logits fp32
             logits = cap * torch.tanh(logits / cap) + self.vocab_mask.to(logits.dtype)
-        elif bias is not None:
-            logits = F.linear(x, weight, self.vocab_mask + bias)
         else:
-            logits = F.linear(x, weight, self.vocab_mask)  # (B, T, vocab_size)
+            mask = self.vocab_mask
+            if bias is not None:
+                mask = mask + bias
+            logits = F.linear(x, weight, mask)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
