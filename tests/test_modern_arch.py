@@ -244,6 +244,24 @@ def test_logits_are_soft_capped_and_padding_stays_minus_inf():
     assert out.max() < REAL_V
 
 
+def test_the_logits_bias_without_a_soft_cap_is_its_plain_formula():
+    """--head_bias with --logit_softcap 0: logits x @ w.T + HEAD_BIAS_SCALE * b, padding -inf,
+    and the loss and the bias's gradient those of F.cross_entropy on them."""
+    model = scrambled(modern_model(logit_softcap=0.0)).double()
+    final = []  # ln_f's output: the head's input
+    model.transformer.ln_f.register_forward_hook(lambda module, args, out: final.append(out))
+    idx, targets = tokens(2, 16, seed=14), tokens(2, 16, seed=15)
+    logits, loss = model(idx, targets)
+    b = model.lm_head.bias
+    want = final[0] @ model.lm_head.weight[:REAL_V].t() + tg.HEAD_BIAS_SCALE * b[:REAL_V]
+    torch.testing.assert_close(logits[..., :REAL_V], want, rtol=1e-12, atol=1e-12)
+    assert torch.isneginf(logits[..., REAL_V:]).all()
+    (grad,) = torch.autograd.grad(loss, b)
+    (ref,) = torch.autograd.grad(F.cross_entropy(want.reshape(-1, REAL_V), targets.view(-1)), b)
+    torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-14)
+    assert grad.abs().max() > 0 and (grad[REAL_V:] == 0).all()
+
+
 def softcap_reference(x, w, b, targets, cap, n_real):
     """The soft-capped head and its loss by the plain formula: every (N, vocab) tensor kept."""
     logits = cap * torch.tanh(F.linear(x, w, b) / cap)
