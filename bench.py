@@ -730,6 +730,76 @@ def tokens_to_reach(steps, values, target, tokens_per_step):
     return None
 
 
+# The count models: what a model that reads only the previous token (and, with a cache, the
+# tokens of its window) can reach from the same train tokens, the arch row's reference
+COUNT_DISCOUNTS = (0.5, 0.75, 0.9, 0.95)  # Kneser-Ney's discount of each counted pair
+COUNT_ADD_K = (0.01, 0.03, 0.1, 0.3, 1.0)  # added to each token's count of preceding tokens
+CACHE_WEIGHTS = (0.1, 0.2, 0.3, 0.4)  # the cache's share of the mixture
+
+
+def kn_bigram_probs(train, a, b, vocab, discount, k):
+    """p(b | a) for each pair of the arrays a, b under an interpolated Kneser-Ney bigram counted
+    from the token stream train: the pair's count less the discount, plus the discounted mass
+    spread over the vocab by how many different tokens each follows (add-k: no token gets 0).
+    Without a pair counted: every token alike."""
+    if len(train) < 2:
+        return np.full(len(a), 1.0 / vocab)
+    seen, counts = np.unique(train[:-1] * vocab + train[1:], return_counts=True)
+    context = np.bincount(train[:-1], minlength=vocab)  # c(a, any)
+    followers = np.bincount(seen // vocab, minlength=vocab)  # different tokens after a
+    lower = (np.bincount(seen % vocab, minlength=vocab) + k) / (len(seen) + k * vocab)
+    query = a * vocab + b
+    i = np.minimum(np.searchsorted(seen, query), len(seen) - 1)
+    pair = np.where(seen[i] == query, counts[i], 0)
+    c = np.maximum(context[a], 1)
+    p = np.maximum(pair - discount, 0) / c + discount * followers[a] / c * lower[b]
+    return np.where(context[a] > 0, p, lower[b])
+
+
+def window_cache_probs(stream, T):
+    """For each target stream[j + 1], the share of its window's inputs so far (its row of T, up to
+    and with stream[j]) that are that token: a cache of the context, as a model reads it."""
+    n = len(stream) - 1
+    padded = np.full(-(-n // T) * T + 1, -1, dtype=np.int64)  # the last row filled with no token
+    padded[: n + 1] = stream
+    x, y = padded[:-1].reshape(-1, T), padded[1:].reshape(-1, T)
+    earlier = np.tril(np.ones((T, T), dtype=bool))  # [i, j]: input j is in target i's context
+    hits = ((y[:, :, None] == x[:, None, :]) & earlier).sum(-1)  # (rows, T)
+    return (hits / np.arange(1, T + 1)).reshape(-1)[:n]
+
+
+def count_model_curves(train, val, steps, tokens_per_step, T, vocab):
+    """The val loss after each of steps (0: none) of tokens_per_step train tokens of a Kneser-Ney
+    bigram alone ("bigram") and mixed with the window's cache ("bigram_cache"), each point's
+    constants the best on val itself: a bound in the count models' favour. val: the evaluated val
+    tokens and the one after, as the run's evaluation reads them."""
+    a, b = val[:-1], val[1:]
+    cache = window_cache_probs(val, T)
+    curves = {"bigram": [], "bigram_cache": []}
+    for step in steps:
+        seen = train[: step * tokens_per_step + 1]
+        best = {name: float("inf") for name in curves}
+        for discount in COUNT_DISCOUNTS:
+            for k in COUNT_ADD_K:
+                p = kn_bigram_probs(seen, a, b, vocab, discount, k)
+                best["bigram"] = min(best["bigram"], -np.log(p).mean())
+                for w in CACHE_WEIGHTS:
+                    mixed = -np.log((1 - w) * p + w * cache).mean()
+                    best["bigram_cache"] = min(best["bigram_cache"], mixed)
+        for name in curves:
+            curves[name].append(float(best[name]))
+    return curves
+
+
+def count_models_on(data_root, steps, tokens_per_step, T, val_tokens):
+    """count_model_curves on the tokens the arch row's runs read from data_root: the train stream
+    from its start (the first epoch's shards in order), and the val's first val_tokens targets."""
+    train = np.concatenate(fineweb.open_split(data_root, "train", None)[1]).astype(np.int64)
+    val = np.concatenate(fineweb.open_split(data_root, "val", None)[1]).astype(np.int64)
+    return count_model_curves(train, val[: min(val_tokens, len(val) - 1) + 1], steps,
+                              tokens_per_step, T, fineweb.GPT2_VOCAB_SIZE)
+
+
 def arch_run(flags, log_dir):
     """One arm's run through train_gpt2.main, its step lines on stderr: (val steps, val losses,
     median seconds per step)."""
@@ -743,9 +813,11 @@ def arch_run(flags, log_dir):
 def bench_arch(args, t):
     """The tiny preset trained by each of ARCH_ARMS for each of --arch_seeds, the arms alternated
     (seed by seed), on the same local text: each run's val curve, and the tokens each arm needs to
-    reach the GPT-2 recipe's final val loss (the better of its arms' seed means)."""
+    reach the GPT-2 recipe's final val loss (the better of its arms' seed means); and the same for
+    two count models on the same tokens, the reference of what the previous token, and then the
+    window, tell (count_model_curves)."""
     tiny = settings.RUN_PRESETS["tiny"]
-    tokens_per_step = tiny["total_batch_size"]
+    tokens_per_step, T = tiny["total_batch_size"], tiny["sequence_length"]
     shape = []
     if args.arch_shape:
         B, T = args.arch_shape
@@ -782,12 +854,18 @@ def bench_arch(args, t):
                 runs[arm].append({"seed": seed, "steps": steps, "val": values,
                                   "s_per_step": seconds})
 
+        steps = range(args.arch_max_steps + 1)
+        counts = count_models_on(data, steps, tokens_per_step, T, val_tokens)
+
     target = args.arch_target
     if target is None:
         target = min(statistics.mean(r["val"][-1] for r in runs[arm]) for arm in recipes)
     row = {"target_val": target, "recipe_tokens": args.arch_max_steps * tokens_per_step,
            "arms": arms, "lrs": args.arch_lrs, "warmup_steps": args.arch_warmup_steps,
-           "inputs": args.arch_input or ["stdlib docstrings"], "runs": runs}
+           "inputs": args.arch_input or ["stdlib docstrings"], "runs": runs,
+           "count_models": counts}
+    for name, values in counts.items():
+        row[f"{name}_tokens"] = tokens_to_reach(list(steps), values, target, tokens_per_step)
     for arm, arm_runs in runs.items():
         for r in arm_runs:
             r["tokens_to_target"] = tokens_to_reach(r["steps"], r["val"], target,
@@ -1103,7 +1181,9 @@ def table_rows(r):
     if "arch" in r:
         a = r["arch"]
         rows += [("arch: GPT-2 recipe's val loss", f"{a['target_val']:.4f}"),
-                 ("arch: recipe's tokens", fmt(a["recipe_tokens"]))]
+                 ("arch: recipe's tokens", fmt(a["recipe_tokens"])),
+                 ("arch: a counted bigram's tokens to it", fmt(a["bigram_tokens"])),
+                 ("arch: the same with a window cache", fmt(a["bigram_cache_tokens"]))]
         for arm in a["arms"]:
             rows += [(f"arch: {arm} tokens to it", fmt(a[f"{arm}_tokens"])),
                      (f"arch: {arm} s/step", fmt(a[f"{arm}_s_per_step"]))]

@@ -70,6 +70,10 @@ def test_bench_json_has_every_row():
     assert {r["val"][0] for r in arch["runs"]["gpt2_muon"] + recipes} == {first["val"][0]}
     # the modern head's N(0, 0.02) and zero bias: every logit near 0, the loss near the uniform's
     assert arch["runs"]["modern_muon"][0]["val"][0] == pytest.approx(math.log(50257), abs=0.1)
+    # the count models at the same evaluations: before any count, the bigram is the uniform
+    counts = arch["count_models"]
+    assert len(counts["bigram"]) == len(counts["bigram_cache"]) == 2
+    assert counts["bigram"][0] == pytest.approx(math.log(50257))
 
 
 def test_bench_names_the_rows_it_left_out(capsys):
@@ -180,6 +184,63 @@ def test_tokens_to_reach_interpolates_between_evaluations():
     assert bench.tokens_to_reach(steps, values, 4.0, 100) is None  # never
 
 
+def kn_bigram_by_loops(train, a, b, vocab, discount, k):
+    """The interpolated Kneser-Ney bigram's p(b | a), counted one pair at a time."""
+    pairs = {}
+    for x, y in zip(train[:-1], train[1:]):
+        pairs[x, y] = pairs.get((x, y), 0) + 1
+    context = sum(c for (x, _), c in pairs.items() if x == a)
+    if context == 0:
+        return (sum(1 for (_, y) in pairs if y == b) + k) / (len(pairs) + k * vocab)
+    followers = sum(1 for (x, _) in pairs if x == a)
+    lower = (sum(1 for (_, y) in pairs if y == b) + k) / (len(pairs) + k * vocab)
+    pair = max(pairs.get((a, b), 0) - discount, 0) / context
+    return pair + discount * followers / context * lower
+
+
+@pytest.mark.parametrize("discount, k", [(0.5, 0.1), (0.9, 1.0), (0.95, 0.01)])
+def test_kn_bigram_is_the_formula_and_a_distribution(discount, k):
+    """Every pair's probability against the formula counted pair by pair, for seen and unseen
+    contexts and targets; each context's probabilities sum to 1; no pair counted: the uniform."""
+    import bench
+    vocab = 7  # token 6 never appears; token 5 only last: a context never counted
+    train = np.array([0, 1, 0, 1, 2, 0, 3, 3, 3, 1, 0, 4, 2, 1, 0, 5])
+    a, b = np.repeat(np.arange(vocab), vocab), np.tile(np.arange(vocab), vocab)
+    p = bench.kn_bigram_probs(train, a, b, vocab, discount, k)
+    expected = [kn_bigram_by_loops(train.tolist(), x, y, vocab, discount, k)
+                for x, y in zip(a.tolist(), b.tolist())]
+    np.testing.assert_allclose(p, expected, rtol=1e-12)
+    np.testing.assert_allclose(p.reshape(vocab, vocab).sum(1), 1.0, rtol=1e-12)
+    np.testing.assert_allclose(bench.kn_bigram_probs(train[:1], a, b, vocab, discount, k),
+                               1 / vocab)
+
+
+@pytest.mark.parametrize("n, T", [(12, 4), (13, 4), (5, 8)])
+def test_window_cache_is_each_targets_share_of_its_windows_inputs(n, T):
+    """Each target's share among the inputs of its window up to its own, as a model reads them
+    in rows of T (the last row short when n is not a multiple of T)."""
+    import bench
+    stream = np.random.default_rng(n).integers(0, 3, n + 1)
+    expected = []
+    for j in range(n):
+        context = stream[(j // T) * T: j + 1]
+        expected.append((context == stream[j + 1]).sum() / len(context))
+    np.testing.assert_allclose(bench.window_cache_probs(stream, T), expected)
+
+
+def test_count_models_learn_a_repeating_text():
+    """On a text that repeats one cycle, the counted bigram starts at the uniform's loss and ends
+    near 0; the cache, which sees the cycle in each window, beats the uniform before any count."""
+    import bench
+    cycle = np.arange(10)
+    train, val = np.tile(cycle, 50), np.tile(cycle, 4)[:33]
+    curves = bench.count_model_curves(train, val, [0, 1, 2, 40], 10, 16, 1000)
+    assert curves["bigram"][0] == pytest.approx(math.log(1000))
+    assert curves["bigram"][0] > curves["bigram"][1] > curves["bigram"][2] > 0.1
+    assert curves["bigram"][3] < 0.02  # 40 cycles counted: the next token all but certain
+    assert curves["bigram_cache"][0] < math.log(1000) - 1
+
+
 def test_arch_row_flags_reach_every_arms_run(monkeypatch, tmp_path):
     """--arch_lrs and --arch_warmup_steps replace each arm's own LRs and the preset's warmup in
     the command line each run gets (read back by train_gpt2's own flag parser); an arm's other
@@ -196,6 +257,7 @@ def test_arch_row_flags_reach_every_arms_run(monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench, "arch_run", arch_run)
     monkeypatch.setattr(fineweb, "prepare", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench, "count_models_on", lambda *args: {"bigram": [10.0] * 31})
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a text")
     args = bench.parse_args(["--device", "cpu", "--only", "arch", "--arch_seeds", "1",
