@@ -1182,8 +1182,8 @@ def table_rows(r):
         a = r["arch"]
         rows += [("arch: GPT-2 recipe's val loss", f"{a['target_val']:.4f}"),
                  ("arch: recipe's tokens", fmt(a["recipe_tokens"])),
-                 ("arch: a counted bigram's tokens to it", fmt(a["bigram_tokens"])),
-                 ("arch: the same with a window cache", fmt(a["bigram_cache_tokens"]))]
+                 ("arch: a counted bigram's tokens", fmt(a["bigram_tokens"])),
+                 ("arch: the same, with a cache", fmt(a["bigram_cache_tokens"]))]
         for arm in a["arms"]:
             rows += [(f"arch: {arm} tokens to it", fmt(a[f"{arm}_tokens"])),
                      (f"arch: {arm} s/step", fmt(a[f"{arm}_s_per_step"]))]
