@@ -764,7 +764,8 @@ def window_cache_probs(stream, T):
     padded[: n + 1] = stream
     x, y = padded[:-1].reshape(-1, T), padded[1:].reshape(-1, T)
     earlier = np.tril(np.ones((T, T), dtype=bool))  # [i, j]: input j is in target i's context
-    hits = ((y[:, :, None] == x[:, None, :]) & earlier).sum(-1)  # (rows, T)
+    hits = np.stack([((row_y[:, None] == row_x) & earlier).sum(-1)  # a row at a time: (T, T)
+                     for row_x, row_y in zip(x, y)])  # (rows, T)
     return (hits / np.arange(1, T + 1)).reshape(-1)[:n]
 
 
@@ -794,10 +795,18 @@ def count_model_curves(train, val, steps, tokens_per_step, T, vocab):
 def count_models_on(data_root, steps, tokens_per_step, T, val_tokens):
     """count_model_curves on the tokens the arch row's runs read from data_root: the train stream
     from its start (the first epoch's shards in order), and the val's first val_tokens targets."""
-    train = np.concatenate(fineweb.open_split(data_root, "train", None)[1]).astype(np.int64)
-    val = np.concatenate(fineweb.open_split(data_root, "val", None)[1]).astype(np.int64)
-    return count_model_curves(train, val[: min(val_tokens, len(val) - 1) + 1], steps,
-                              tokens_per_step, T, fineweb.GPT2_VOCAB_SIZE)
+    def first(split, n):  # the split's first n tokens (fewer if it holds fewer), as int64
+        pieces = []
+        for shard in fineweb.open_split(data_root, split, None)[1]:
+            pieces.append(shard[:n].astype(np.int64))  # memory-mapped: only these are read
+            n -= len(pieces[-1])
+            if n == 0:
+                break
+        return np.concatenate(pieces)
+
+    train = first("train", max(steps) * tokens_per_step + 1)
+    return count_model_curves(train, first("val", val_tokens + 1), steps, tokens_per_step, T,
+                              fineweb.GPT2_VOCAB_SIZE)
 
 
 def arch_run(flags, log_dir):

@@ -241,6 +241,27 @@ def test_count_models_learn_a_repeating_text():
     assert curves["bigram_cache"][0] < math.log(1000) - 1
 
 
+def test_count_models_read_the_tokens_the_runs_read(monkeypatch, tmp_path):
+    """The train stream from its start across shards, as far as the last step reads, and the
+    val's first targets with the token after the last."""
+    import bench
+    from helpers import write_shards
+
+    train = np.concatenate(write_shards(tmp_path, "train", [50, 50, 50], seed=1))
+    val = write_shards(tmp_path, "val", [40], seed=2)[0]
+    got = {}
+
+    def curves(train, val, steps, tokens_per_step, T, vocab):
+        got.update(train=train, val=val)
+        return {}
+
+    monkeypatch.setattr(bench, "count_model_curves", curves)
+    bench.count_models_on(str(tmp_path), range(4), 20, 8, 16)
+    np.testing.assert_array_equal(got["train"], train[:61])  # 3 steps of 20, and the next
+    np.testing.assert_array_equal(got["val"], val[:17])
+    assert got["train"].dtype == np.int64
+
+
 def test_arch_row_flags_reach_every_arms_run(monkeypatch, tmp_path):
     """--arch_lrs and --arch_warmup_steps replace each arm's own LRs and the preset's warmup in
     the command line each run gets (read back by train_gpt2's own flag parser); an arm's other
