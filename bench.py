@@ -737,23 +737,37 @@ COUNT_ADD_K = (0.01, 0.03, 0.1, 0.3, 1.0)  # added to each token's count of prec
 CACHE_WEIGHTS = (0.1, 0.2, 0.3, 0.4)  # the cache's share of the mixture
 
 
-def kn_bigram_probs(train, a, b, vocab, discount, k):
-    """p(b | a) for each pair of the arrays a, b under an interpolated Kneser-Ney bigram counted
-    from the token stream train: the pair's count less the discount, plus the discounted mass
+def bigram_counts(train, a, b, vocab):
+    """What a Kneser-Ney bigram counted from the token stream train needs for the pairs of the
+    arrays a, b: each pair's count, its context's count and number of different followers, its
+    target's number of different preceding tokens, and the number of different pairs."""
+    seen, counts = np.unique(train[:-1] * vocab + train[1:], return_counts=True)
+    query = a * vocab + b
+    i = np.minimum(np.searchsorted(seen, query), max(len(seen) - 1, 0))
+    pair = np.zeros(len(query), dtype=np.int64)
+    if len(seen):
+        pair = np.where(seen[i] == query, counts[i], 0)
+    context = np.bincount(train[:-1], minlength=vocab)[a]  # c(a, any)
+    followers = np.bincount(seen // vocab, minlength=vocab)[a]  # different tokens after a
+    preceders = np.bincount(seen % vocab, minlength=vocab)[b]  # different tokens before b
+    return pair, context, followers, preceders, len(seen)
+
+
+def kn_bigram_from(counts, vocab, discount, k):
+    """p(b | a) from bigram_counts: the pair's count less the discount, plus the discounted mass
     spread over the vocab by how many different tokens each follows (add-k: no token gets 0).
     Without a pair counted: every token alike."""
-    if len(train) < 2:
-        return np.full(len(a), 1.0 / vocab)
-    seen, counts = np.unique(train[:-1] * vocab + train[1:], return_counts=True)
-    context = np.bincount(train[:-1], minlength=vocab)  # c(a, any)
-    followers = np.bincount(seen // vocab, minlength=vocab)  # different tokens after a
-    lower = (np.bincount(seen % vocab, minlength=vocab) + k) / (len(seen) + k * vocab)
-    query = a * vocab + b
-    i = np.minimum(np.searchsorted(seen, query), len(seen) - 1)
-    pair = np.where(seen[i] == query, counts[i], 0)
-    c = np.maximum(context[a], 1)
-    p = np.maximum(pair - discount, 0) / c + discount * followers[a] / c * lower[b]
-    return np.where(context[a] > 0, p, lower[b])
+    pair, context, followers, preceders, n_seen = counts
+    lower = (preceders + k) / (n_seen + k * vocab)
+    c = np.maximum(context, 1)
+    p = np.maximum(pair - discount, 0) / c + discount * followers / c * lower
+    return np.where(context > 0, p, lower)
+
+
+def kn_bigram_probs(train, a, b, vocab, discount, k):
+    """p(b | a) for each pair of the arrays a, b under an interpolated Kneser-Ney bigram counted
+    from the token stream train."""
+    return kn_bigram_from(bigram_counts(train, a, b, vocab), vocab, discount, k)
 
 
 def window_cache_probs(stream, T):
@@ -778,11 +792,11 @@ def count_model_curves(train, val, steps, tokens_per_step, T, vocab):
     cache = window_cache_probs(val, T)
     curves = {"bigram": [], "bigram_cache": []}
     for step in steps:
-        seen = train[: step * tokens_per_step + 1]
+        counts = bigram_counts(train[: step * tokens_per_step + 1], a, b, vocab)  # once a step
         best = {name: float("inf") for name in curves}
         for discount in COUNT_DISCOUNTS:
             for k in COUNT_ADD_K:
-                p = kn_bigram_probs(seen, a, b, vocab, discount, k)
+                p = kn_bigram_from(counts, vocab, discount, k)
                 best["bigram"] = min(best["bigram"], -np.log(p).mean())
                 for w in CACHE_WEIGHTS:
                     mixed = -np.log((1 - w) * p + w * cache).mean()
@@ -863,8 +877,8 @@ def bench_arch(args, t):
                 runs[arm].append({"seed": seed, "steps": steps, "val": values,
                                   "s_per_step": seconds})
 
-        steps = range(args.arch_max_steps + 1)
-        counts = count_models_on(data, steps, tokens_per_step, T, val_tokens)
+        count_steps = range(args.arch_max_steps + 1)  # the runs' evaluations, every step
+        counts = count_models_on(data, count_steps, tokens_per_step, T, val_tokens)
 
     target = args.arch_target
     if target is None:
@@ -874,7 +888,8 @@ def bench_arch(args, t):
            "inputs": args.arch_input or ["stdlib docstrings"], "runs": runs,
            "count_models": counts}
     for name, values in counts.items():
-        row[f"{name}_tokens"] = tokens_to_reach(list(steps), values, target, tokens_per_step)
+        row[f"{name}_tokens"] = tokens_to_reach(list(count_steps), values, target,
+                                                tokens_per_step)
     for arm, arm_runs in runs.items():
         for r in arm_runs:
             r["tokens_to_target"] = tokens_to_reach(r["steps"], r["val"], target,
