@@ -6,7 +6,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+import types
 from dataclasses import asdict
 
 import pytest
@@ -16,6 +18,7 @@ import common
 import hellaswag
 import openai_gpt2
 import rundir
+import settings
 import train_gpt2 as tg
 from helpers import (REPO, RUN_FLAGS, SHAPE_FLAGS, assert_one_line_error, hf_gpt2, run_args,
                      run_cli, tiny_model, write_hellaswag)
@@ -258,3 +261,53 @@ def test_plan_works_out_a_run_on_the_cpu_and_writes_nothing(data, tmp_path):
     assert_one_line_error(run_cli("plan", *run_args(data, str(log), "-B", "3")),
                           "not divisible by B*T*world_size")
     assert not log.exists()
+
+
+def evaluations_by_the_loop(every, first_step, end_step, max_steps):
+    """How many times train_gpt2's loop runs an every-N block, step by step as the loop goes."""
+    n = 0
+    for step in range(first_step, max_steps + 1):
+        last_step = step == max_steps
+        if step == end_step and not last_step:
+            break
+        n += tg.due(every, step, last_step)
+    return n
+
+
+def test_the_evaluations_a_plan_counts_are_those_the_loop_runs():
+    """settings.evaluations against the loop, resumed or not, stopped early or not."""
+    for max_steps in range(1, 16):
+        for end_step in range(1, max_steps + 1):
+            for first_step in range(end_step + 1):
+                run = types.SimpleNamespace(end_step=end_step, max_steps=max_steps)
+                for every in range(6):
+                    assert (settings.evaluations(every, run, first_step)
+                            == evaluations_by_the_loop(every, first_step, end_step, max_steps)), (
+                        every, first_step, end_step, max_steps)
+
+
+def plan_evaluations(data, log, max_steps, *extra):
+    """The val and CORE counts of plan's report of the tiny run (0: off)."""
+    r = run_cli("plan", *run_args(data, log, "--max_steps", str(max_steps), "--eval_every", "7",
+                                  "--core_every", "11", *extra))
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.split("  evaluations: ", 1)[1].split("\n", 1)[0]
+    val, core = re.fullmatch(r"val (\d+) time\(s\); CORE (\d+) time\(s\), .*", line).groups()
+    return int(val), int(core)
+
+
+@pytest.mark.parametrize("max_steps, stop", [(40, ()), (40, ("--stop_step", "23")),
+                                             (10**9, ()), (10**9, ("--stop_step", "500000000"))])
+def test_plan_counts_the_evaluations_of_any_number_of_steps(data, tmp_path, max_steps, stop):
+    """The val passes and CORE evaluations of a plan: those the loop would run, counted by it
+    for 40 steps; for the most steps a run may have (which the loop would take minutes to step
+    through), ceil(steps / N) and the final model's, worked out here."""
+    counts = plan_evaluations(data, str(tmp_path / "log"), max_steps, *stop)
+    end_step = int(stop[1]) if stop else max_steps
+    if max_steps < 100:
+        assert counts == tuple(evaluations_by_the_loop(every, 0, end_step, max_steps)
+                               for every in (7, 11))
+    else:
+        assert counts == tuple(-(-end_step // every) + (end_step == max_steps)
+                               for every in (7, 11))
+    assert not (tmp_path / "log").exists()
