@@ -185,18 +185,69 @@ def umask():
     return _fallback_umask
 
 
+def check_writable_folder(path, flag):
+    """A UsageError (naming flag and path) unless the folder that would hold path exists and takes
+    a new file. A probe file is made there and removed: os.access says yes to root even on a
+    read-only filesystem. mkstemp's name is new, so no file of the user's is touched."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        if os.path.exists(parent):
+            raise UsageError(f"{flag} {path}: {parent} is not a folder")
+        raise UsageError(f"{flag} {path}: its folder does not exist ({parent})")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write_probe.", suffix=".tmp", dir=parent)
+    except OSError as e:  # its strerror alone: the probe's name would only puzzle
+        why = e.strerror or one_line(e, 100)
+        raise UsageError(f"{flag} {path}: cannot write in {parent} ({why})") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.remove(probe)
+
+
+def check_outputs(paths_by_flag, overwrite=False, inputs=None):
+    """A UsageError, before any work, unless each file asked for by name (flag -> path, None where
+    not asked for) can be written at the end: not empty, not a directory or other non-file, an
+    existing file only with overwrite, in a folder that takes a new file, and no two flags naming
+    one file (by real path: a symlink or another spelling is the same file), an input's included
+    (inputs: flag -> path, read by the command)."""
+    outputs = {flag: path for flag, path in paths_by_flag.items() if path is not None}
+    seen = {os.path.realpath(p): flag for flag, p in (inputs or {}).items() if p}
+    for flag, path in outputs.items():  # all of them first: two the same is the likelier slip
+        if not path:
+            raise UsageError(f"{flag} is empty: give a file path")
+        real = os.path.realpath(path)
+        if real in seen:
+            raise UsageError(f"{seen[real]} and {flag} name the same file ({path}): give "
+                             f"{flag} another path")
+        seen[real] = flag
+    for flag, path in outputs.items():
+        if os.path.isdir(path):
+            raise UsageError(f"{flag} {path} is a directory: give a file path")
+        if path.endswith(os.sep) or os.path.exists(path) and not os.path.isfile(path):
+            raise UsageError(f"{flag} {path} is not a regular file: give a file path")
+        if os.path.exists(path) and not overwrite:
+            raise UsageError(f"{flag} {path} exists: give --overwrite to replace it, or another "
+                             f"path")
+        check_writable_folder(path, flag)
+
+
+def check_new_dir(path, flag):
+    """A UsageError unless path can become a new directory (new_dir's checks, made before any
+    work): not empty, new or an empty directory, in a folder that takes a new entry."""
+    if not path:
+        raise UsageError(f"{flag} is empty: give the directory to write")
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UsageError(f"{flag} {path} exists and is not an empty directory: choose a new one")
+    check_writable_folder(path, flag)
+
+
 @contextlib.contextmanager
 def new_dir(path, flag):
     """A folder to fill in the body, renamed to path (a new or empty directory) when the body ends
     without an error: a failed write leaves nothing behind. flag names the path in errors."""
-    if not path:
-        raise UsageError(f"{flag} is empty: give the directory to write")
+    check_new_dir(path, flag)
     out = os.path.abspath(path)
     parent = os.path.dirname(out)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UsageError(f"{flag} {path} exists and is not an empty directory: choose a new one")
-    if not os.path.isdir(parent):
-        raise UsageError(f"{flag} {path}: its parent {parent} is not an existing folder")
     tmp = os.path.join(parent, f".{os.path.basename(out)}.{os.getpid()}.tmp")
     try:
         os.makedirs(tmp)

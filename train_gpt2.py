@@ -18,7 +18,6 @@ command lines share).
 import argparse
 import copy
 import math
-import os
 import random
 import re
 import signal
@@ -38,8 +37,8 @@ import hellaswag
 import openai_gpt2
 import rundir
 import settings
-from common import (Precision, Proc, UsageError, exit_process, new_dir, one_line, print0,
-                    resolve_device, run_cli, tune_for_device)
+from common import (Precision, Proc, UsageError, check_new_dir, check_outputs, exit_process,
+                    new_dir, one_line, print0, resolve_device, run_cli, tune_for_device)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 from metrics import Metrics, Profiler
 
@@ -1464,6 +1463,7 @@ def sample_main(args):
     return 0
 
 def export_main(args):
+    check_new_dir(args.out, "--out")  # before the checkpoint is read
     ckpt = rundir.open_checkpoint(args.checkpoint)
     model = model_from_checkpoint(ckpt, args.checkpoint)
     with new_dir(args.out, "--out") as tmp:
@@ -1480,11 +1480,12 @@ def eval_main(args):
         if getattr(args, flag) is not None:
             goes_with = "--tasks hellaswag" if core else "CORE's tasks (--tasks core or labels)"
             raise UsageError(f"--{flag} goes with {goes_with}")
-    for path in (args.results, args.examples):  # outputs asked for by name: refused, not replaced
-        if path and os.path.exists(path) and not args.overwrite:
-            raise UsageError(f"{path} exists: give --overwrite to replace it, or another path")
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise UsageError(f"{path}: its folder does not exist")
+    for flag in ("eval_bundle", "eval_dir", "hellaswag_dir"):  # "" would quietly be the default
+        if getattr(args, flag) == "":
+            raise UsageError(f"--{flag} is empty: give a path, or leave the flag out")
+    # written at the end, after minutes of work: a bad path is refused now, not then
+    check_outputs({"--results": args.results, "--examples": args.examples}, args.overwrite,
+                  inputs={"--checkpoint": args.checkpoint, "--eval_bundle": args.eval_bundle})
     proc = setup_distributed(argparse.Namespace(device=args.device, fsdp=False))
     model, device, precision = model_for_command(args)  # a bad checkpoint: before a download
     if not core:
