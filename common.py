@@ -4,6 +4,7 @@
 - files written safely: atomic_write (never a truncated file), umask, dir_lock (one process
   per folder);
 - command lines: OneLineParser, HelpFormatter, the bounded argparse types, print0 and exit_process;
+- stop signals: Stopped, and stops_raise (SIGTERM raises, so that cleanup runs);
 - device, dtype and the device's settings: resolve_device, resolve_dtype, autocast_for, Precision,
   tune_for_device;
 - the process's place in a run under torchrun: Proc (rank, world size, master, agree).
@@ -25,6 +26,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -470,6 +472,42 @@ def add_flags(parser, entries, shown=None):
         parser.add_argument(*flags.split(), **kwargs)
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal: raised at once outside a training step's micro-steps (evaluation, samples,
+    data prep, an install), or between two micro-steps on every rank together (agreed: the ranks
+    can still save together). run_cli exits with 128 + signum."""
+
+    def __init__(self, signum, agreed=False):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.agreed = signum, agreed
+
+
+@contextlib.contextmanager
+def stops_raise():
+    """SIGTERM raises Stopped while the body runs, as Ctrl-C does, so that the body's cleanup runs
+    (an install undone) instead of the process dying where it stands; a second signal is let pass
+    until the body has left, so that it cannot cut the cleanup short. A handler someone else set
+    (a training run's StopSignals) is left as it is; so is every handler outside the main thread,
+    where none can be set."""
+    defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+    ours = {}
+    if threading.current_thread() is threading.main_thread():
+        ours = {s: h for s, h in defaults.items() if signal.getsignal(s) == h}
+    raised = []
+
+    def stop(signum, frame):
+        if not raised:
+            raised.append(signum)
+            raise Stopped(signum)
+    for s in ours:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s, handler in ours.items():
+            signal.signal(s, handler)
+
+
 def run_cli(main, *args):
     """main(*args)'s exit status, with what a user can fix as one line on stderr: a UsageError
     (status 1; under torchrun from rank 0, or from the rank it concerns), an OSError such as a full
@@ -489,7 +527,7 @@ def run_cli(main, *args):
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         record_error(f"error: {one_line(e)}")
         return 1
-    except KeyboardInterrupt as e:  # Ctrl-C, or rundir.Stopped: a stop signal
+    except KeyboardInterrupt as e:  # Ctrl-C, or Stopped: a stop signal
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"error: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
         return 128 + signum

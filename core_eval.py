@@ -16,21 +16,25 @@ with each file's SHA-256 in a manifest, checked at every load (load_tasks).
 Importing this downloads, spawns and opens nothing, and imports neither torch nor requests.
 """
 
+import contextlib
 import csv
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
 import random
 import shutil
+import stat
 import tempfile
 import time
 import zipfile
+import zlib
 
 import fineweb
 import scorer
-from common import UsageError, atomic_write, dir_lock, one_line
+from common import UsageError, atomic_write, dir_lock, one_line, stops_raise
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DEFAULT_DIR = os.path.join(fineweb.REPO_DIR, "eval_bundle")  # or $EVAL_BUNDLE_DIR, --eval_dir
@@ -43,6 +47,13 @@ FEWSHOT_SEED = 1234  # example i's few-shot examples: random.Random(FEWSHOT_SEED
 FEWSHOT_SEPARATOR = "\n\n"
 CONNECT_TIMEOUT, READ_TIMEOUT = 5, 60  # seconds: an offline machine says so within seconds
 WAIT_FOR_INSTALL = 3600  # seconds another process's install may take before we give up on it
+# The bounds of an install (docs/evaluation.md): a hostile or broken source ends in one line, not
+# in a full disk or a download that never ends. nanochat's bundle is far inside every one of them.
+DOWNLOAD_TIMEOUT = 1800  # seconds a download may take in all (--download_timeout)
+MAX_BUNDLE_MB = 2048  # MiB a download may send, and the bundle's files may unpack to (in all)
+MAX_RATIO = 100  # a zip member may unpack to 100x its packed size (text deflates 3-10x)
+MAX_FILES = 10_000  # files in a bundle (nanochat's has a few dozen)
+MAX_LINE = 16 << 20  # bytes in a task file's line; core.yaml and the CSV whole
 
 
 class BundleError(UsageError):
@@ -73,13 +84,10 @@ def _read_config(folder, where):
     """The tasks of core.yaml (no examples yet), each checked: a UsageError naming the file."""
     import yaml
 
-    path = os.path.join(folder, CONFIG)
-    if not os.path.isfile(path):
-        raise BundleError(f"{where(CONFIG)} is missing: the bundle has no task list")
+    text = _small_text(folder, CONFIG, where, "the bundle has no task list")
     try:
-        with open(path, encoding="utf-8") as f:
-            config = yaml.safe_load(f)
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as e:
         raise BundleError(f"{where(CONFIG)}: not valid YAML ({one_line(e, 120)})") from None
     entries = config.get("icl_tasks") if isinstance(config, dict) else None
     if not isinstance(entries, list) or not entries:
@@ -119,22 +127,43 @@ def _task_of(entry, k, where):
     return Task(label, kind, shots[0], delimiter, uri, None)
 
 
-def _read_baselines(folder, where):
-    """{task label: random baseline in percent} from eval_meta_data.csv."""
-    path = os.path.join(folder, META)
+def _small_text(folder, rel, where, what):
+    """The text of core.yaml or the CSV: a regular file of at most MAX_LINE bytes, UTF-8."""
+    path = os.path.join(folder, rel)
     if not os.path.isfile(path):
-        raise BundleError(f"{where(META)} is missing: the bundle has no random baselines")
+        raise BundleError(f"{where(rel)} is missing: {what}")
+    with open(path, "rb") as f:
+        data = f.read(MAX_LINE + 1)
+    if len(data) > MAX_LINE:
+        raise BundleError(f"{where(rel)}: larger than {MAX_LINE >> 20} MiB: not a bundle's file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{where(rel)}: not UTF-8 text (byte {e.start})") from None
+
+
+def _read_baselines(folder, where):
+    """{task label: random baseline in percent} from eval_meta_data.csv; each finite, in [0, 100)
+    (a baseline of 100 leaves no room above chance to centre on)."""
+    text = _small_text(folder, META, where, "the bundle has no random baselines")
     baselines = {}
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
         if not {"Eval Task", "Random baseline"} <= set(reader.fieldnames or ()):
             raise BundleError(f"{where(META)}: no 'Eval Task' and 'Random baseline' columns")
         for row in reader:
+            value = row["Random baseline"]
             try:
-                baselines[row["Eval Task"]] = float(row["Random baseline"])
+                baseline = float(value)
             except (TypeError, ValueError):
+                baseline = None
+            if baseline is None or not 0 <= baseline < 100:  # nan and inf fail this too
                 raise BundleError(f"{where(META)}:{reader.line_num}: the random baseline "
-                                  f"{row['Random baseline']!r} is not a number") from None
+                                  f"{one_line(repr(value), 40)} is not a percentage in [0, 100)")
+            baselines[row["Eval Task"]] = baseline
+    except csv.Error as e:  # a field over csv's limit, a NUL byte
+        raise BundleError(f"{where(META)}:{reader.line_num}: not a readable CSV row "
+                          f"({one_line(e, 80)})") from None
     return baselines
 
 
@@ -181,20 +210,37 @@ def _read_examples(task, folder, where):
     if not os.path.isfile(path):
         raise BundleError(f"{where(rel)} is missing: the file of task {task.label}")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BundleError(f"{where(rel)}:{line_no + 1}: not valid JSON ({e.msg} at "
-                                  f"column {e.colno})") from None
-            _check_record(rec, task.kind, f"{where(rel)}:{line_no + 1}")
-            examples.append((line_no, rec))
+    for line_no, line in _lines(path, where(rel)):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BundleError(f"{where(rel)}:{line_no + 1}: not valid JSON ({e.msg} at "
+                              f"column {e.colno})") from None
+        _check_record(rec, task.kind, f"{where(rel)}:{line_no + 1}")
+        examples.append((line_no, rec))
     if len(examples) < task.shots + 1:
         raise BundleError(f"{where(rel)}: task {task.label} has {len(examples)} examples, fewer "
                           f"than its {task.shots} shots + 1")
     task.examples = examples
     return task
+
+
+def _lines(path, where):
+    """(0-based line number, text) of each line of a task file: UTF-8, at most MAX_LINE bytes a
+    line (a file with no newline is not read whole into memory)."""
+    with open(path, "rb") as f:
+        for line_no in itertools.count():
+            line = f.readline(MAX_LINE + 1)
+            if not line:
+                return
+            if len(line) > MAX_LINE:
+                raise BundleError(f"{where}:{line_no + 1}: a line longer than {MAX_LINE >> 20} "
+                                  f"MiB: not a task file")
+            try:
+                yield line_no, line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BundleError(f"{where}:{line_no + 1}: not UTF-8 text (byte {e.start} of "
+                                  f"the line)") from None
 
 
 def read_bundle(folder, where=None, labels=None):
@@ -217,12 +263,38 @@ def read_bundle(folder, where=None, labels=None):
 
 
 # ===== Installing: download or copy, unpack, check, hash, then the manifest ======================
+# An install writes only into a folder it owns: a new or empty one, or one whose manifest says it
+# holds our install. Its partial files are one staging folder named STAGING...tmp (the download
+# inside it); the bundle's entries move out of it only once every file is checked, listed first
+# in JOURNAL, so that a killed install's entries are known as ours and taken away by the next.
+STAGING = ".core_eval-install-"
+JOURNAL = ".core_eval-moving.json"
+BUNDLE_ENTRIES = (CONFIG, META, DATA)  # what an install puts in its folder, besides the manifest
+OURS = (MANIFEST, LOCK, LOCK + ".holder", JOURNAL)
+KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a device",
+         stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
+
 def _sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+class _Budget:
+    """The bytes a download, or the bundle's unpacked files, may still take (--max_bundle_mb)."""
+
+    def __init__(self, max_mb):
+        self.max_mb, self.left = max_mb, max_mb << 20
+
+    def take(self, n, what):
+        self.left -= n
+        if self.left < 0:
+            raise BundleError(f"{what}: more than {self.max_mb} MiB (--max_bundle_mb): not "
+                              f"nanochat's eval bundle; give a larger --max_bundle_mb if it is "
+                              f"meant")
 
 
 def _bundle_root(names, source):
@@ -238,63 +310,161 @@ def _bundle_root(names, source):
     return tops[0]
 
 
-def _unzip(zip_path, source, staging):
-    """The bundle's files of the zip at zip_path into staging."""
+def _bundle_entry(name, root, source):
+    """The parts of name's path inside the bundle when it is one of the bundle's files (core.yaml,
+    eval_meta_data.csv, eval_data/...), else None: anything else a source holds is not copied (a
+    manifest.json of its own, a script)."""
+    if not name.startswith(root):
+        return None
+    parts = name[len(root):].split("/")
+    if "__MACOSX" in parts or parts[0] not in BUNDLE_ENTRIES:
+        return None
+    if parts[0] == DATA and len(parts) == 1:  # a file where the task files' folder should be
+        return None
+    if parts[0] != DATA and len(parts) > 1:
+        return None
+    if any(p in ("", ".", "..") or "\\" in p for p in parts):
+        raise BundleError(f"{source}: {name} points outside the bundle")
+    return parts
+
+
+def _kind(mode):
+    return KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _staged_file(staged, parts, what):
+    """A new file at staged/parts, open for writing."""
+    out = os.path.join(staged, *parts)
     try:
-        with zipfile.ZipFile(zip_path) as z:
-            members = [m for m in z.infolist() if not m.is_dir()]
-            root = _bundle_root({m.filename for m in members}, source)
-            for m in members:
-                name = m.filename
-                parts = name.split("/")
-                if not name.startswith(root) or "__MACOSX" in parts:
-                    continue
-                if name.startswith("/") or ".." in parts:
-                    raise BundleError(f"{source}: member {name} points outside the bundle")
-                out = os.path.join(staging, *name[len(root):].split("/"))
-                os.makedirs(os.path.dirname(out), exist_ok=True)
-                with z.open(m) as src, open(out, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
-        raise BundleError(f"{source}: not a readable zip file ({one_line(e, 100)})") from None
-
-
-def _copy_dir(folder, staging):
-    """The bundle's files under folder (core.yaml at its top or one folder down) into staging."""
-    names = set()
-    for top, _, files in os.walk(folder):
-        for name in files:
-            names.add(os.path.relpath(os.path.join(top, name), folder).replace(os.sep, "/"))
-    root = _bundle_root(names, folder)
-    for name in sorted(names):
-        parts = name.split("/")
-        if not name.startswith(root) or name.endswith(".tmp") or parts[-1] in (
-                MANIFEST, LOCK, LOCK + ".holder"):
-            continue
-        out = os.path.join(staging, *name[len(root):].split("/"))
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        shutil.copyfile(os.path.join(folder, *parts), out)
+        return open(out, "xb")
+    except (FileExistsError, NotADirectoryError, IsADirectoryError):
+        raise BundleError(f"{what}: given twice, or both as a file and a folder") from None
 
 
-def _download(url, path):
-    """url's body into path; a one-line BundleError when it can't be had."""
+def _copy(src, dst, budget, what, cap=None):
+    """src's bytes into dst, each taken from budget; more than cap bytes is refused."""
+    n = 0
+    for block in iter(lambda: src.read(1 << 20), b""):
+        n += len(block)
+        budget.take(len(block), what)
+        if cap is not None and n > cap:
+            raise BundleError(f"{what} unpacks to over {MAX_RATIO}x its packed size: a zip "
+                              f"bomb, not an eval bundle")
+        dst.write(block)
+
+
+# what a damaged or unsupported member raises (bz2's corrupt data: an OSError without errno)
+ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, NotImplementedError)
+with contextlib.suppress(ImportError):  # a Python built without lzma cannot open such members
+    import lzma
+    ZIP_ERRORS += (lzma.LZMAError,)
+
+
+def _unzip(zip_path, source, staged, budget):
+    """The bundle's files of the zip at zip_path into staged: regular, unencrypted files only,
+    each within MAX_RATIO of its packed size, all within budget."""
+    try:
+        z = zipfile.ZipFile(zip_path)
+    except ZIP_ERRORS + (OSError,) as e:
+        raise BundleError(f"{source}: not a readable zip file ({one_line(e, 100)})") from None
+    with z:
+        members = [m for m in z.infolist() if not m.is_dir()]
+        if len(members) > MAX_FILES:
+            raise BundleError(f"{source}: {len(members)} files, more than a bundle's "
+                              f"{MAX_FILES}: not an eval bundle")
+        root = _bundle_root({m.filename for m in members}, source)
+        for m in members:
+            parts = _bundle_entry(m.filename, root, source)
+            if parts is None:
+                continue
+            what = f"{source}: {m.filename}"
+            mode = m.external_attr >> 16
+            if stat.S_IFMT(mode) not in (0, stat.S_IFREG):  # 0: an archiver that keeps no modes
+                raise BundleError(f"{what} is {_kind(mode)}: a bundle holds regular files only")
+            if m.flag_bits & 0x1:
+                raise BundleError(f"{what} is encrypted: a bundle's files are not")
+            with _staged_file(staged, parts, what) as dst:
+                try:
+                    with z.open(m) as src:
+                        _copy(src, dst, budget, what, cap=max(MAX_RATIO * m.compress_size, 1 << 20))
+                except ZIP_ERRORS as e:
+                    raise BundleError(f"{what}: cannot be unpacked ({one_line(e, 100)})") from None
+                except OSError as e:
+                    if e.errno is not None:  # the machine's: a full disk
+                        raise
+                    raise BundleError(f"{what}: cannot be unpacked ({one_line(e, 100)})") \
+                        from None
+
+
+def _copy_dir(folder, staged, budget):
+    """The bundle's files under folder (core.yaml at its top or one folder down) into staged:
+    regular files only (a link, device or FIFO is refused, never followed), all within budget."""
+    modes = {}
+    for top, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            modes[os.path.relpath(path, folder).replace(os.sep, "/")] = os.lstat(path).st_mode
+        if len(modes) > MAX_FILES:
+            raise BundleError(f"{folder}: more than a bundle's {MAX_FILES} files: not an eval "
+                              f"bundle")
+    root = _bundle_root(set(modes), folder)
+    for name, mode in sorted(modes.items()):
+        parts = _bundle_entry(name, root, folder)
+        if parts is None or stat.S_ISDIR(mode):
+            continue
+        what = os.path.join(folder, *name.split("/"))
+        if not stat.S_ISREG(mode):
+            raise BundleError(f"{what} is {_kind(mode)}: a bundle holds regular files only")
+        # O_NOFOLLOW and O_NONBLOCK: a file swapped for a link or a FIFO since is refused, at once
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(what, flags)
+        except OSError as e:
+            raise BundleError(f"{what}: cannot be read ({one_line(e, 100)})") from None
+        with os.fdopen(fd, "rb") as src, _staged_file(staged, parts, what) as dst:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BundleError(f"{what} is {_kind(os.fstat(fd).st_mode)}: a bundle holds "
+                                  f"regular files only")
+            _copy(src, dst, budget, what)
+
+
+def _download(url, path, timeout, budget):
+    """url's body into path, within timeout seconds in all and budget's bytes; a one-line
+    BundleError when it can't be had."""
     import requests
+    import urllib3
 
     hint = (f"give a local copy: fetch {url} on a machine with internet and pass the .zip (or "
             f"the folder it unpacks to) with --eval_bundle PATH")
     print(f"core: downloading the eval bundle from {url}", flush=True)
+    deadline = time.monotonic() + timeout
     try:
-        with requests.get(url, stream=True, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT)) as r:
+        # a read waits at most READ_TIMEOUT (or the whole limit, if shorter) for a byte; the
+        # limit itself is checked between reads, so that a server sending a byte now and then
+        # ends too
+        with requests.get(url, stream=True,
+                          timeout=(CONNECT_TIMEOUT, min(READ_TIMEOUT, timeout))) as r:
             if r.status_code != 200:
                 raise BundleError(f"cannot download the CORE eval bundle: {url} answered HTTP "
                                   f"{r.status_code}; {hint}")
             expected = r.headers.get("Content-Length")
+            if expected is not None and expected.isdigit():
+                budget.take(int(expected), f"{url} (its Content-Length)")
+                budget.left += int(expected)  # the bytes themselves are taken as they come
             got = 0
             with open(path, "wb") as f:
-                for chunk in r.iter_content(1 << 20):
-                    f.write(chunk)
-                    got += len(chunk)
-    except requests.RequestException as e:
+                while True:
+                    if time.monotonic() > deadline:
+                        raise BundleError(f"the download of {url} took over {timeout:g} s "
+                                          f"(--download_timeout); {hint}")
+                    block = r.raw.read1(1 << 20, decode_content=True)  # what has come, at once
+                    if not block:
+                        break
+                    budget.take(len(block), url)
+                    f.write(block)
+                    got += len(block)
+    except (requests.RequestException, urllib3.exceptions.HTTPError) as e:
         raise BundleError(f"cannot download the CORE eval bundle from {url} ({one_line(e, 120)});"
                           f" {hint}") from None
     if expected is not None and expected.isdigit() and int(expected) != got:
@@ -302,103 +472,181 @@ def _download(url, path):
                           f"again, or {hint}")
 
 
-def _stage(source, staging):
-    """The bundle of source (a URL, a .zip or a folder) unpacked into staging."""
-    if source.startswith(("http://", "https://")):
-        fd, zip_path = tempfile.mkstemp(suffix=".zip.tmp", dir=os.path.dirname(staging))
-        os.close(fd)
-        try:
-            _download(source, zip_path)
-            _unzip(zip_path, source, staging)
-        finally:
-            os.remove(zip_path)
+def _is_url(source):
+    return source.startswith(("http://", "https://"))
+
+
+def _stage(source, area, staged, timeout, max_mb):
+    """The bundle of source (a URL, a .zip or a folder) unpacked into staged; a download goes to
+    area (the staging folder staged is in)."""
+    if _is_url(source):
+        zip_path = os.path.join(area, "download.zip")
+        _download(source, zip_path, timeout, _Budget(max_mb))
+        _unzip(zip_path, source, staged, _Budget(max_mb))
     elif os.path.isdir(source):
-        _copy_dir(source, staging)
+        _copy_dir(source, staged, _Budget(max_mb))
     elif os.path.isfile(source):
-        _unzip(source, source, staging)
+        _unzip(source, source, staged, _Budget(max_mb))
+    elif os.path.exists(source):
+        raise BundleError(f"--eval_bundle {source} is {_kind(os.stat(source).st_mode)}: give a "
+                          f".zip, the folder it unpacks to, or an http(s) URL")
     else:
         raise BundleError(f"--eval_bundle {source}: no such file or folder (give a .zip, the "
                           f"folder it unpacks to, or an http(s) URL)")
 
 
 def _source_of(source):
-    """The source as the manifest records it: a URL as is, a path made absolute."""
-    if source.startswith(("http://", "https://")):
+    """The source as the manifest records it: a URL as is, a path by its real path (the same zip
+    through a link is the same source)."""
+    if _is_url(source):
         return source
-    return os.path.abspath(source)
+    return os.path.realpath(source)
 
 
-def _install_locked(source, folder):
-    """Install source into folder, which this process has locked and which holds no manifest."""
-    for name in os.listdir(folder):  # an interrupted install's leftovers: never complete
-        path = os.path.join(folder, name)
-        if name.startswith(".staging.") and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif name.endswith(".zip.tmp"):
-            os.remove(path)
-    staging = tempfile.mkdtemp(prefix=".staging.", suffix=".tmp", dir=folder)
-    moved = []
+def _journal(folder):
+    """The bundle entries an interrupted install was moving into folder (JOURNAL), or []."""
     try:
-        _stage(source, staging)
-        read_bundle(staging, where=lambda rel: f"{source}: {rel}")  # every task, every line
+        with open(os.path.join(folder, JOURNAL), encoding="utf-8") as f:
+            names = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(names, list):
+        return []
+    return [n for n in names if n in BUNDLE_ENTRIES]
+
+
+def _foreign(folder):
+    """What folder holds that no install of ours put there (empty when it holds our install)."""
+    names = os.listdir(folder)
+    if MANIFEST in names:  # written before the journal goes: an install, done
+        return []
+    ours = set(OURS) | set(_journal(folder))
+    return sorted(n for n in names
+                  if n not in ours and not (n.startswith(STAGING) and n.endswith(".tmp")))
+
+
+def _refuse_foreign(folder):
+    foreign = _foreign(folder)
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4
+                                          else "")
+        raise BundleError(f"{folder} holds {shown} and no eval bundle ({MANIFEST} is missing): "
+                          f"the bundle installs only into a new or empty folder; give another "
+                          f"--eval_dir, or move those out")
+
+
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _install_locked(source, folder, timeout, max_mb):
+    """Install source into folder, which this process has locked and which holds no manifest."""
+    for name in os.listdir(folder):  # an interrupted install's staging folder: never complete
+        if name.startswith(STAGING) and name.endswith(".tmp"):
+            _remove(os.path.join(folder, name))
+    for name in _journal(folder):  # a killed install's entries, moved but never made an install
+        _remove(os.path.join(folder, name))
+    _remove(os.path.join(folder, JOURNAL))
+    _refuse_foreign(folder)
+    area = tempfile.mkdtemp(prefix=STAGING, suffix=".tmp", dir=folder)
+    staged, moved = os.path.join(area, "bundle"), []
+    try:
+        os.mkdir(staged)
+        _stage(source, area, staged, timeout, max_mb)
+        read_bundle(staged, where=lambda rel: f"{source}: {rel}")  # every task, every line
         files = {}
-        for top, _, names in os.walk(staging):
+        for top, _, names in os.walk(staged):
             for name in names:
                 full = os.path.join(top, name)
-                files[os.path.relpath(full, staging).replace(os.sep, "/")] = _sha256(full)
-        for name in sorted(os.listdir(staging)):  # the bundle's entries into place, then the
-            target = os.path.join(folder, name)  # manifest that makes them an install
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target)
-            os.replace(os.path.join(staging, name), target)
+                files[os.path.relpath(full, staged).replace(os.sep, "/")] = _sha256(full)
+        entries = sorted(os.listdir(staged))
+        data = json.dumps(entries).encode()
+        atomic_write(os.path.join(folder, JOURNAL), lambda f: f.write(data))
+        for name in entries:  # the bundle's entries into place, then the manifest that makes
+            target = os.path.join(folder, name)  # them an install
+            if os.path.lexists(target):  # _refuse_foreign left none: another process's
+                raise BundleError(f"{target} appeared during the install: is another process "
+                                  f"writing to {folder}?")
+            os.rename(os.path.join(staged, name), target)
             moved.append(target)
         manifest = {"source": _source_of(source), "sha256": dict(sorted(files.items()))}
         data = (json.dumps(manifest, indent=1) + "\n").encode()
         atomic_write(os.path.join(folder, MANIFEST), lambda f: f.write(data))
+        os.remove(os.path.join(folder, JOURNAL))
     except BaseException:
-        for target in moved:  # nothing half-installed stays: no manifest, no files
-            if os.path.isdir(target):
-                shutil.rmtree(target, ignore_errors=True)
-            elif os.path.exists(target):
-                os.remove(target)
+        if not os.path.exists(os.path.join(folder, MANIFEST)):
+            for target in moved:  # nothing half-installed stays: no manifest, no files
+                _remove(target)
+            _remove(os.path.join(folder, JOURNAL))
         raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(area, ignore_errors=True)
 
 
 class _Busy(Exception):
     """Another process holds the install lock."""
 
 
-def install(source=None, eval_dir=None):
+def _make_dirs(folder):
+    """Create folder and its missing parents; the ones created, deepest first."""
+    made, path = [], folder
+    while not os.path.isdir(path):
+        made.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise BundleError(f"--eval_dir {folder}: cannot create it ({one_line(e, 100)})") \
+            from None
+    return made
+
+
+def install(source=None, eval_dir=None, timeout=DOWNLOAD_TIMEOUT, max_mb=MAX_BUNDLE_MB):
     """The folder holding the installed bundle, installing it first if it is not there: from
-    source (a URL, a .zip or an unpacked folder; None: nanochat's URL). One process installs
-    (common.dir_lock); another waits for it, then finds the install done. A bundle installed from
-    another source than one given here is refused (one line). Returns the folder."""
+    source (a URL, a .zip or an unpacked folder; None: nanochat's URL), a download within timeout
+    seconds, the download and the unpacked files within max_mb MiB each. One process installs
+    (common.dir_lock); another waits for it, then finds the install done. A folder holding
+    anything but our install is refused before anything is read or written; a bundle installed
+    from another source than one given here is refused (one line). A failure or a stop signal
+    leaves the folder as it was, and no folder this call made. Returns the folder."""
     folder = os.path.abspath(data_dir(eval_dir))
     manifest = os.path.join(folder, MANIFEST)
     if not os.path.isfile(manifest):
-        made = not os.path.isdir(folder)
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as e:
-            raise BundleError(f"--eval_dir {folder}: cannot create it ({one_line(e, 100)})") \
-                from None
-        try:
-            _install_waiting(source or BUNDLE_URL, folder)
-        except BaseException:
-            if made and set(os.listdir(folder)) <= {LOCK, LOCK + ".holder"}:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise
+        if os.path.isdir(folder):
+            _refuse_foreign(folder)
+        elif os.path.lexists(folder):
+            raise BundleError(f"--eval_dir {folder} is {_kind(os.lstat(folder).st_mode)}, not "
+                              f"a folder")
+        with stops_raise():  # SIGTERM, as Ctrl-C, undoes what the install did
+            made = _make_dirs(folder)
+            try:
+                _install_waiting(source or BUNDLE_URL, folder, timeout, max_mb)
+            except BaseException:
+                if os.listdir(folder) == [LOCK]:  # the folder as it was: no lock file of ours
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(folder, LOCK))
+                for path in made:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(path)  # only if empty: what another process put there stays
+                raise
     if source is not None:
         recorded = _read_manifest(folder).get("source")
-        if recorded != _source_of(source):
+        same = recorded == source
+        if isinstance(recorded, str) and not _is_url(source) and not _is_url(recorded):
+            same = os.path.realpath(recorded) == os.path.realpath(source)
+        if not same:
             raise BundleError(f"{folder} holds the eval bundle of {recorded}, not of {source}: "
                               f"give another --eval_dir, or delete {folder} to install this one")
     return folder
 
 
-def _install_waiting(source, folder):
+def _install_waiting(source, folder, timeout, max_mb):
     """Install under the lock, or wait while another process installs into folder."""
     deadline, said = time.monotonic() + WAIT_FOR_INSTALL, False
     busy = "is being installed into by another process ({holder})"
@@ -406,7 +654,7 @@ def _install_waiting(source, folder):
         try:
             with dir_lock(folder, LOCK, busy, error=_Busy):
                 if not os.path.isfile(os.path.join(folder, MANIFEST)):
-                    _install_locked(source, folder)
+                    _install_locked(source, folder, timeout, max_mb)
                 return
         except _Busy as e:
             if time.monotonic() > deadline:
@@ -420,6 +668,9 @@ def _install_waiting(source, folder):
 def _read_manifest(folder):
     path = os.path.join(folder, MANIFEST)
     try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_LINE:
+            raise ValueError(f"{_kind(st.st_mode)}, or over {MAX_LINE >> 20} MiB")
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
         files = manifest["sha256"]
@@ -437,17 +688,31 @@ def _read_manifest(folder):
 _VERIFIED = {}  # path: (size, mtime_ns, sha256) of a file hashed once by this process
 
 
+def _manifest_path(folder, rel):
+    """The path of a manifest entry, which must name a file of the bundle inside folder."""
+    parts = rel.split("/")
+    inside = os.path.realpath(os.path.join(folder, *parts)).startswith(
+        os.path.realpath(folder) + os.sep)
+    if parts[0] not in BUNDLE_ENTRIES or any(p in ("", ".", "..") for p in parts) or not inside:
+        raise BundleError(f"{os.path.join(folder, MANIFEST)}: the entry {rel!r} is not a file "
+                          f"of the bundle inside {folder}; delete {folder} to install again")
+    return os.path.join(folder, *parts)
+
+
 def verify(folder):
     """A one-line BundleError naming the first file of the manifest that is missing or changed
     since the install (by SHA-256; a file whose size and mtime this process has seen match is not
-    hashed again)."""
+    hashed again), or is no longer a regular file inside folder."""
     for rel, want in _read_manifest(folder)["sha256"].items():
-        path = os.path.join(folder, *rel.split("/"))
+        path = _manifest_path(folder, rel)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except OSError:
             raise BundleError(f"{path} is missing from the installed eval bundle; delete "
                               f"{folder} to install it again") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise BundleError(f"{path} is {_kind(st.st_mode)}, not the file installed; delete "
+                              f"{folder} to install it again")
         seen = _VERIFIED.get(path)
         if seen is not None and seen[:2] == (st.st_size, st.st_mtime_ns) and seen[2] == want:
             continue
@@ -458,16 +723,17 @@ def verify(folder):
         _VERIFIED[path] = (st.st_size, st.st_mtime_ns, got)
 
 
-def ready_on_every_rank(proc, source=None, eval_dir=None):
+def ready_on_every_rank(proc, source=None, eval_dir=None, timeout=DOWNLOAD_TIMEOUT,
+                        max_mb=MAX_BUNDLE_MB):
     """The installed bundle's folder on every rank: the master installs (or checks) it, then the
     others find it. A failure is one line from the master; the other ranks stop with it."""
     if proc is None or proc.world_size == 1:
-        return install(source, eval_dir)
+        return install(source, eval_dir, timeout, max_mb)
     folder, error = None, None
     for masters_turn in (True, False):
         if proc.master == masters_turn:
             try:
-                folder = install(source, eval_dir)
+                folder = install(source, eval_dir, timeout, max_mb)
             except UsageError as e:
                 error = e
         if not proc.agree(error is None):
@@ -477,7 +743,9 @@ def ready_on_every_rank(proc, source=None, eval_dir=None):
 
 # ===== Choosing tasks and examples ================================================================
 def task_labels(folder):
-    """The labels of core.yaml in the installed bundle, in its order."""
+    """The labels of core.yaml in the installed bundle, in its order: its files checked against
+    the manifest first (an edited core.yaml is a changed file, not a malformed one)."""
+    verify(folder)
     return [t.label for t in _read_config(folder, lambda rel: os.path.join(folder, rel))]
 
 
@@ -492,10 +760,13 @@ def select(spec, labels):
     chosen = []
     for item in spec.split(","):
         label = item.strip()
+        if label == "core":
+            raise UsageError("--tasks: core is the group of all the tasks, not a label: give it "
+                             "alone (--tasks core), or name the labels")
         if label.startswith("core:"):
             label = label[len("core:"):]
         if label not in labels:
-            near = difflib.get_close_matches(label, list(labels) + ["core"], n=1, cutoff=0.5)
+            near = difflib.get_close_matches(label, list(labels), n=1, cutoff=0.5)
             hint = f" (did you mean {near[0]}?)" if near else ""
             raise UsageError(f"--tasks: {label!r} is not a task of core.yaml{hint}; the tasks: "
                              f"core (all), {', '.join(labels)}")

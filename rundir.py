@@ -30,7 +30,8 @@ import time
 import numpy as np
 import torch
 
-from common import UsageError, atomic_write, dir_lock, one_line, print0, report_error
+from common import (Stopped, UsageError, atomic_write, dir_lock, one_line, print0,
+                    report_error)
 
 
 # ===== Checkpoint files ==========================================================================
@@ -421,16 +422,6 @@ def truncate_log(path, last_step):
 
 
 # ===== How a run ends: stop signals, and the line that says what stopped it =====================
-class Stopped(KeyboardInterrupt):
-    """A stop signal: raised at once outside a training step's micro-steps (evaluation, samples,
-    data prep), or between two micro-steps on every rank together (agreed: the ranks can still
-    save together)."""
-
-    def __init__(self, signum, agreed=False):
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.agreed = signum, agreed
-
-
 class StopSignals:
     """SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before a time limit): during a training
     step's gradient accumulation the run drops the step at the next micro-step (poll; nothing of

@@ -18,6 +18,7 @@ from dataclasses import asdict, fields, make_dataclass
 
 import torch
 
+import core_eval
 import fineweb
 import rundir
 from common import (DTYPES, LEARNING_RATE, LEARNING_RATE_OR_OFF, NONNEG, POSITIVE, SEED,
@@ -226,6 +227,10 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
              ("--eval_dir", None, str,
               "the folder the eval bundle is installed in (default: $EVAL_BUNDLE_DIR, or "
               "eval_bundle/ beside the scripts)"),
+             ("--download_timeout", core_eval.DOWNLOAD_TIMEOUT, POSITIVE,
+              "seconds the eval bundle's download may take in all"),
+             ("--max_bundle_mb", core_eval.MAX_BUNDLE_MB, count(1, 1 << 20),
+              "MiB the eval bundle's download may send, and its files unpack to"),
              ("--results", None, str, "CORE: write the scores to this JSON file"),
              ("--examples", None, str, "CORE: write every example's result to this JSONL file"),
              ("--overwrite", False, {"action": "store_true"},

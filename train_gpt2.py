@@ -1497,7 +1497,8 @@ def eval_main(args):
         print0(hellaswag.summary(args.checkpoint or args.init_from, device, precision.name, "val",
                                  res, time.perf_counter() - t0))
         return 0
-    folder = core_eval.ready_on_every_rank(proc, args.eval_bundle, args.eval_dir)
+    folder = core_eval.ready_on_every_rank(proc, args.eval_bundle, args.eval_dir,
+                                           args.download_timeout, args.max_bundle_mb)
     labels = core_eval.select(args.tasks, core_eval.task_labels(folder))
     tasks = core_eval.load_tasks(folder, labels, args.max_per_task)
     t0 = time.perf_counter()
