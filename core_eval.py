@@ -135,7 +135,7 @@ def _small_text(folder, rel, where, what):
     with open(path, "rb") as f:
         data = f.read(MAX_LINE + 1)
     if len(data) > MAX_LINE:
-        raise BundleError(f"{where(rel)}: larger than {MAX_LINE >> 20} MiB: not a bundle's file")
+        raise BundleError(f"{where(rel)}: larger than {MAX_LINE:,} bytes: not a bundle's file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -162,7 +162,7 @@ def _read_baselines(folder, where):
                                   f"{one_line(repr(value), 40)} is not a percentage in [0, 100)")
             baselines[row["Eval Task"]] = baseline
     except csv.Error as e:  # a field over csv's limit, a NUL byte
-        raise BundleError(f"{where(META)}:{reader.line_num}: not a readable CSV row "
+        raise BundleError(f"{where(META)}:{reader.reader.line_num}: not a readable CSV row "
                           f"({one_line(e, 80)})") from None
     return baselines
 
@@ -234,8 +234,8 @@ def _lines(path, where):
             if not line:
                 return
             if len(line) > MAX_LINE:
-                raise BundleError(f"{where}:{line_no + 1}: a line longer than {MAX_LINE >> 20} "
-                                  f"MiB: not a task file")
+                raise BundleError(f"{where}:{line_no + 1}: a line longer than {MAX_LINE:,} "
+                                  f"bytes: not a task file")
             try:
                 yield line_no, line.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -577,7 +577,7 @@ def _install_locked(source, folder, timeout, max_mb):
         atomic_write(os.path.join(folder, MANIFEST), lambda f: f.write(data))
         os.remove(os.path.join(folder, JOURNAL))
     except BaseException:
-        if not os.path.exists(os.path.join(folder, MANIFEST)):
+        if not os.path.lexists(os.path.join(folder, MANIFEST)):
             for target in moved:  # nothing half-installed stays: no manifest, no files
                 _remove(target)
             _remove(os.path.join(folder, JOURNAL))
@@ -617,7 +617,7 @@ def install(source=None, eval_dir=None, timeout=DOWNLOAD_TIMEOUT, max_mb=MAX_BUN
     leaves the folder as it was, and no folder this call made. Returns the folder."""
     folder = os.path.abspath(data_dir(eval_dir))
     manifest = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(manifest):
+    if not os.path.lexists(manifest):  # any manifest.json: read (and checked) below, never replaced
         if os.path.isdir(folder):
             _refuse_foreign(folder)
         elif os.path.lexists(folder):
@@ -653,7 +653,7 @@ def _install_waiting(source, folder, timeout, max_mb):
     while True:
         try:
             with dir_lock(folder, LOCK, busy, error=_Busy):
-                if not os.path.isfile(os.path.join(folder, MANIFEST)):
+                if not os.path.lexists(os.path.join(folder, MANIFEST)):
                     _install_locked(source, folder, timeout, max_mb)
                 return
         except _Busy as e:
@@ -669,8 +669,10 @@ def _read_manifest(folder):
     path = os.path.join(folder, MANIFEST)
     try:
         st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_LINE:
-            raise ValueError(f"{_kind(st.st_mode)}, or over {MAX_LINE >> 20} MiB")
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"it is {_kind(st.st_mode)}")
+        if st.st_size > MAX_LINE:
+            raise ValueError(f"over {MAX_LINE:,} bytes")
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
         files = manifest["sha256"]
@@ -691,8 +693,10 @@ _VERIFIED = {}  # path: (size, mtime_ns, sha256) of a file hashed once by this p
 def _manifest_path(folder, rel):
     """The path of a manifest entry, which must name a file of the bundle inside folder."""
     parts = rel.split("/")
-    inside = os.path.realpath(os.path.join(folder, *parts)).startswith(
-        os.path.realpath(folder) + os.sep)
+    # the folders on the way resolved (a linked eval_data/ leads out); the file itself is lstat'ed
+    root = os.path.realpath(folder)
+    on_the_way = os.path.realpath(os.path.join(folder, *parts[:-1]))
+    inside = on_the_way == root or on_the_way.startswith(root + os.sep)
     if parts[0] not in BUNDLE_ENTRIES or any(p in ("", ".", "..") for p in parts) or not inside:
         raise BundleError(f"{os.path.join(folder, MANIFEST)}: the entry {rel!r} is not a file "
                           f"of the bundle inside {folder}; delete {folder} to install again")
