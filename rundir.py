@@ -192,6 +192,16 @@ BEFORE_THE_FLAG = {"optimizer": "adamw", "batch_ramp_tokens": 0, "core_every": 0
                    "wsd_decay": 0.0, "embed_lr": None}
 
 
+def rounds_otherwise(config):
+    """Whether a checkpoint's model computed its rotary embedding or its soft-capped logits and
+    loss on the kernels train_gpt2.py had before Rotary and SoftcapHeadLoss, whose float rounding
+    differs from theirs: resumed today it continues its run closely, not bit for bit, and undoing
+    that would take the old kernels kept beside the new. Its sign is a config without x0_skip, a
+    field that came two commits after them (a checkpoint of those two counts too)."""
+    return "x0_skip" not in config and (config.get("pos_emb") == "rope"
+                                        or (config.get("logit_softcap") or 0) > 0)
+
+
 def upgrade_checkpoint(ckpt):
     """A checkpoint in today's layout, from any layout train_gpt2.py has written."""
     args = ckpt.get("args")

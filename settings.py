@@ -637,6 +637,10 @@ def check_resumed_flags(args, given, ckpt, asked_shape, lrs):
                          f"leave nothing to train")
 
     warnings = []
+    if rundir.rounds_otherwise(ckpt["config"]):
+        warnings.append(f"{args.resume} comes from a train_gpt2.py whose rotary embedding and "
+                        f"soft-capped head rounded differently (its config has no x0_skip): the "
+                        f"run continues closely, not bit for bit")
     for k in SCHEDULE_FLAGS:
         if k in given and k in saved and getattr(args, k) != saved[k]:
             warnings.append(f"--{k} is {getattr(args, k)} now but was {saved[k]} in the "

@@ -597,7 +597,8 @@ def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_pat
     on the cosine, exactly: also with --arch modern and the tiny preset given again, whose
     defaults are the warmup-stable-decay schedule and an --embed_lr (and the parts that differ
     given as they were). (Its runs give wte the decayed group's LR, 8e-3: the same steps in a
-    group of its own.)"""
+    group of its own. Its weights are today's: one the code of then trained is resumed on kernels
+    that round otherwise, as the run's warning says.)"""
     logs = [str(tmp_path / name) for name in ("whole", "resumed")]
     parts = ("--no-x0_skip", "--embed_norm", "--no-head_bias")
     old = ("--arch", "modern", *parts, "--zero_head", "--wsd_decay", "0", "--embed_lr", "8e-3")
@@ -622,12 +623,64 @@ def test_a_modern_checkpoint_from_before_the_skips_resumes_exactly(data, tmp_pat
     r = run_cli(*resume_args(logs[1]))
     assert r.returncode == 0, r.stderr
     assert log_of(logs[1]) == log_of(logs[0])
-    plain_warnings = [line for line in r.stdout.splitlines() if line.startswith("warning")]
+    plain_warnings = [line.replace(logs[1], "LOG") for line in r.stdout.splitlines()
+                      if line.startswith("warning")]
+    assert sum("not bit for bit" in line for line in plain_warnings) == 1  # its shape says so
     r = run_cli(*resume_args(again, "--arch", "modern", *parts, "--preset", "tiny"))
     assert r.returncode == 0, r.stderr
-    assert [line for line in r.stdout.splitlines() if line.startswith("warning")] == \
-        plain_warnings, r.stdout  # none about the schedule
+    assert [line.replace(again, "LOG") for line in r.stdout.splitlines()
+            if line.startswith("warning")] == plain_warnings, r.stdout  # none about the schedule
     assert log_of(again) == log_of(logs[0])
+
+
+# What a checkpoint written before Rotary and SoftcapHeadLoss (the kernels the modern model's
+# rotary embedding and soft-capped head run on) lacks of today's: 5109747's, checked against one
+NOT_BEFORE_THE_KERNELS = {
+    "config": ("value_embeds", "x0_skip", "unet_skip", "zero_head", "head_bias"),
+    "args": ("value_embeds", "x0_skip", "unet_skip", "zero_head", "head_bias", "wsd_decay",
+             "embed_lr", "core_every", "core_max_per_task", "max_micro_steps")}
+
+
+def test_a_checkpoint_from_before_the_kernels_resumes_saying_it_is_not_bit_for_bit(data,
+                                                                                  tmp_path):
+    """A modern Muon checkpoint shaped as one from before today's rotary and soft-capped head
+    kernels, which round otherwise than those it was trained on (resumed, the old code's tiny
+    Muon run leaves its uninterrupted run in the sixth digit of the loss), resumes with one line
+    that says so; the same run's checkpoint as today writes it, without. Its weights are today's:
+    here both go on the same."""
+    log, today = str(tmp_path / "old"), str(tmp_path / "today")
+    old = ("--arch", "modern", "--optimizer", "muon", "--no-x0_skip", "--embed_norm",
+           "--no-head_bias", "--zero_head", "--wsd_decay", "0", "--embed_lr", "0")
+    r = run_cli(*run_args(data, log, *old, "--stop_step", "3"))
+    assert r.returncode == 0, r.stderr
+    shutil.copytree(log, today)
+    path = rundir.find_checkpoints(log)[-1]
+    ckpt = torch.load(path, weights_only=True)
+    for part, keys in NOT_BEFORE_THE_KERNELS.items():
+        for key in keys:
+            del ckpt[part][key]
+    torch.save(ckpt, path)
+    for folder, said in ((log, 1), (today, 0)):
+        r = run_cli(*resume_args(folder))
+        assert r.returncode == 0, r.stderr
+        warned = [line for line in r.stdout.splitlines() if "bit for bit" in line]
+        assert len(warned) == said, r.stdout
+    assert log_of(log) == log_of(today)
+
+
+def test_which_checkpoints_round_otherwise():
+    """rundir.rounds_otherwise: a config without x0_skip whose model has rotary embeddings or a
+    soft-cap; not GPT-2's (its kernels are the same), not a config of today's."""
+    modern = asdict(tg.GPTConfig(**settings.ARCHITECTURES["modern"]))
+    gpt2 = asdict(tg.GPTConfig())
+
+    def before(config):
+        return {k: v for k, v in config.items() if k != "x0_skip"}
+    assert rundir.rounds_otherwise(before(modern)) and not rundir.rounds_otherwise(modern)
+    assert not rundir.rounds_otherwise(before(gpt2))
+    for part in ({"pos_emb": "rope"}, {"logit_softcap": 15.0}):
+        assert rundir.rounds_otherwise(before({**gpt2, **part}))
+        assert not rundir.rounds_otherwise({**gpt2, **part})
 
 
 def test_a_modern_run_resumes_exactly(data, modern_run, tmp_path):
