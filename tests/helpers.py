@@ -7,6 +7,7 @@ older-transformers HellaSwag check, the simulated-CUDA harness) can import it to
 """
 import contextlib
 import copy
+import http.server
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -148,6 +150,15 @@ def write_core_bundle(folder, n=8, seed=0, tasks=CORE_TASKS, lm_answers=(), reco
     with open(os.path.join(root, "eval_meta_data.csv"), "w") as f:
         f.write("\n".join(meta) + "\n")
     return root
+
+
+def edit_line(path, line, change):
+    """The 0-based line of a text file replaced by change(line)."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    lines[line] = change(lines[line])
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def zip_folder(folder, path):
@@ -590,3 +601,37 @@ def classic_scores(model, recs):
 
 def preds(results):
     return [(r["pred"], r["pred_norm"]) for r in results]
+
+
+# ===== A server on 127.0.0.1 ====================================================================
+class Server:
+    """A thread serving every GET with body(handler) (a BaseHTTPRequestHandler) on 127.0.0.1,
+    while the with block runs; `asked` is set at the first request. A client that leaves ends its
+    answer. Each test's body stops by itself."""
+
+    def __init__(self, body):
+        self.asked = threading.Event()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                server.asked.set()
+                try:
+                    body(self)
+                except OSError:  # the client left: what these tests want
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/eval_bundle.zip"
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()

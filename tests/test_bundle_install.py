@@ -4,7 +4,6 @@ devices and FIFOs, a manifest that points outside, malformed text, zips and base
 asserts one error line, the exit status, and the user's files byte for byte afterwards. Every
 server here stops by itself, and every hostile size is a few MiB (the limits are lowered by flag
 or by the module's constants where the real ones are large)."""
-import http.server
 import json
 import os
 import shutil
@@ -13,7 +12,6 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 import zipfile
 from dataclasses import asdict
@@ -22,8 +20,8 @@ import pytest
 import torch
 
 import core_eval
-from helpers import (HANG_LIMIT_S, REPO, assert_one_line_error, run_cli, tiny_model,
-                     write_core_bundle, zip_folder)
+from helpers import (HANG_LIMIT_S, REPO, Server, assert_one_line_error, edit_line, run_cli,
+                     tiny_model, write_core_bundle, zip_folder)
 
 
 @pytest.fixture(autouse=True)
@@ -168,38 +166,6 @@ def test_a_killed_install_is_taken_away_by_the_next(ckpt, bundle, tmp_path):
 
 
 # ===== Servers on 127.0.0.1 that never end, or crawl ============================================
-class Server:
-    """A thread serving every GET with body(handler) on 127.0.0.1; `asked` is set at the first
-    request. Every body here stops by itself within BODY_LIMIT_S."""
-
-    def __init__(self, body):
-        self.asked = threading.Event()
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                server.asked.set()
-                try:
-                    body(self)
-                except OSError:  # the client left: what these tests want
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/eval_bundle.zip"
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 BODY_LIMIT_S = 120
 
 
@@ -374,14 +340,6 @@ def test_a_manifest_that_points_outside_or_at_a_link_is_refused(ckpt, bundle, tm
 
 
 # ===== Malformed text, zips and baselines: one line naming the file and line =====================
-def edit_line(path, line, change):
-    with open(path) as f:
-        lines = f.read().splitlines()
-    lines[line] = change(lines[line])
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 def set_baseline(root, value):
     path = os.path.join(root, "eval_meta_data.csv")
     edit_line(path, 2, lambda line: line.replace(",30.0,", f",{value},"))

@@ -4,7 +4,6 @@ folder, a URL served here; one download for two processes), its manifest, every 
 line, the flags, 2 ranks == 1 and both architectures. No network: the bundles are fixtures written
 here, and the default URL is pointed at a closed local port."""
 import csv
-import http.server
 import json
 import math
 import os
@@ -22,8 +21,8 @@ import yaml
 import core_eval
 import rundir
 import settings
-from helpers import (REPO, CORE_TASKS, assert_one_line_error, hf_gpt2, run_args, run_cli,
-                     tiny_model, torchrun, write_core_bundle, zip_folder)
+from helpers import (REPO, CORE_TASKS, Server, assert_one_line_error, edit_line, hf_gpt2, run_args,
+                     run_cli, tiny_model, torchrun, write_core_bundle, zip_folder)
 
 EOT = 50256  # <|endoftext|>
 
@@ -327,43 +326,30 @@ def no_tmp_left(*folders):
             assert not [n for n in dirs + names if n.endswith(".tmp")], top
 
 
-class Serving:
+class Serving(Server):
     """zip_path served at url on 127.0.0.1 by a thread, while the with block runs: the paths
     asked for in `served`; `asked` set at the first request, whose answer waits for `release`
     (set from the start unless hold)."""
 
     def __init__(self, zip_path, hold=False):
-        self.served, self.asked, self.release = [], threading.Event(), threading.Event()
+        self.served, self.release = [], threading.Event()
         if not hold:
             self.release.set()
-        serving = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                serving.served.append(self.path)
-                serving.asked.set()
-                serving.release.wait(300)
-                with open(zip_path, "rb") as f:
-                    body = f.read()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/eval_bundle.zip"
-
-    def __enter__(self):
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
+        def send_zip(handler):
+            self.served.append(handler.path)
+            self.release.wait(300)
+            with open(zip_path, "rb") as f:
+                body = f.read()
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body)
+        super().__init__(send_zip)
 
     def __exit__(self, *exc):
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        super().__exit__(*exc)
 
 
 def test_install_from_a_zip_a_folder_and_a_url(bundle, tmp_path):
@@ -408,14 +394,6 @@ def test_manifest_names_a_changed_or_missing_file(ckpt, bundle, tmp_path):
                           "changed since the eval bundle was installed")
     os.remove(task_file)
     assert_one_line_error(core(ckpt, "--eval_dir", ed), task_file, "is missing")
-
-
-def edit_line(path, line, change):
-    with open(path) as f:
-        lines = f.read().splitlines()
-    lines[line] = change(lines[line])
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
 def keep_lines(path, n):
