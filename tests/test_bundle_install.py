@@ -301,6 +301,12 @@ def test_links_devices_and_fifos_are_refused(ckpt, bundle, tmp_path):
     os.remove(src / task)
     os.mkfifo(src / task)
     cases.append((str(src), "is a FIFO"))
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # only root makes device files (CI is root)
+        src = tmp_path / "device"
+        shutil.copytree(bundle, src)
+        os.remove(src / task)
+        os.mknod(src / task, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero's numbers
+        cases.append((str(src), "is a device"))
     src = tmp_path / "dirlink"
     shutil.copytree(bundle, src)
     shutil.rmtree(src / "eval_data/fixture")
