@@ -628,7 +628,7 @@ def install(source=None, eval_dir=None, timeout=DOWNLOAD_TIMEOUT, max_mb=MAX_BUN
             try:
                 _install_waiting(source or BUNDLE_URL, folder, timeout, max_mb)
             except BaseException:
-                if os.listdir(folder) == [LOCK]:  # the folder as it was: no lock file of ours
+                if os.path.isdir(folder) and os.listdir(folder) == [LOCK]:  # as it was: no lock
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(folder, LOCK))
                 for path in made:
