@@ -51,6 +51,12 @@ CHAT_TEMPLATE = (
 )
 
 
+def is_chat_model(config):
+    """Whether a model (its GPTConfig) speaks this format: its padding mask lets the special
+    tokens be predicted (real_vocab_size covers them), as fine-tuning on conversations sets it."""
+    return getattr(config, "real_vocab_size", 0) >= CHAT_VOCAB_SIZE
+
+
 class ChatDataError(UsageError):
     """A conversation file that cannot be used: one line naming it."""
 
