@@ -16,6 +16,7 @@ command lines share).
 """
 
 import argparse
+import bisect
 import copy
 import math
 import random
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import chat
 import core_eval
 import fineweb
 import hellaswag
@@ -762,6 +764,169 @@ class DataLoaderLite:
         self.position += B * T * self.num_processes
         return x, y
 
+    def divisor(self, micro_step, micro_steps):
+        """What a micro-step's mean loss is divided by: every micro-step's mean is over B*T
+        tokens, so their sum over micro_steps is the step's mean (ChatLoader's differ)."""
+        return micro_steps
+
+def chat_spans(ids, mask, starts, capacity):
+    """(start, length, supervised tokens) of each conversation that fits capacity tokens once cut
+    after its last whole assistant turn that fits (chat.crop's rule), and a line saying how many
+    were cut or dropped and the supervised tokens that costs."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.diff(starts)
+    begin = starts[:-1]
+    supervised = np.add.reduceat(np.asarray(mask), begin, dtype=np.int64) if len(begin) else \
+        np.zeros(0, dtype=np.int64)
+    total = int(supervised.sum())
+    keep = np.ones(len(begin), dtype=bool)
+    long = np.flatnonzero(lengths > capacity)
+    if len(long):
+        ends = np.flatnonzero(np.asarray(ids) == chat.END["assistant"])  # each reply's last token
+        for i in long:
+            j = int(np.searchsorted(ends, begin[i] + capacity)) - 1  # the last end that fits
+            if j < 0 or ends[j] < begin[i]:
+                keep[i] = False
+                continue
+            lengths[i] = ends[j] + 1 - begin[i]
+            supervised[i] = int(mask[begin[i]: begin[i] + lengths[i]].sum())
+    spans = np.stack([begin, lengths, supervised], axis=1)[keep]
+    lost = total - int(spans[:, 2].sum())
+    note = None
+    if len(long):
+        dropped = int((~keep).sum())
+        note = (f"{len(long) - dropped} of {len(begin)} conversations cut to the context of "
+                f"{capacity - 1} tokens, {dropped} dropped: {lost:,} of {total:,} supervised "
+                f"tokens ({100 * lost / max(total, 1):.1f}%) not trained")
+    return spans, note
+
+
+def pack_rows(lengths, order, capacity, window):
+    """Conversations (indices into lengths, taken in `order`) packed into rows of at most
+    capacity tokens: each row takes, while one fits, the longest of the next `window` waiting
+    conversations that fits what is left of it (the earliest among equals). Returns the rows,
+    lists of indices."""
+    waiting, rows, k, arrived = [], [], 0, 0  # waiting: sorted (length, -arrival, index)
+    while k < len(order) or waiting:
+        while len(waiting) < window and k < len(order):
+            bisect.insort(waiting, (int(lengths[order[k]]), -arrived, int(order[k])))
+            k, arrived = k + 1, arrived + 1
+        row, room = [], capacity
+        while waiting:
+            at = bisect.bisect_right(waiting, (room, 1)) - 1  # the longest that fits
+            if at < 0:
+                break
+            length, _, index = waiting.pop(at)
+            row.append(index)
+            room -= length
+            if len(waiting) < window and k < len(order):  # the window stays full
+                bisect.insort(waiting, (int(lengths[order[k]]), -arrived, int(order[k])))
+                k, arrived = k + 1, arrived + 1
+        rows.append(row)
+    return rows
+
+
+class ChatLoader:
+    """Batches (x, y) of shape (B, T) for fine-tuning on conversations (chat.py's format): rows of
+    T + 1 tokens, each of whole conversations packed best-fit (pack_rows), the rest of a row
+    padding; y is -100 (F.cross_entropy's ignore_index) where a token is not trained: the user's
+    and system's turns and the padding. The rows are one stream for any number of processes: a
+    micro-step takes B * num_processes rows, rank r the r-th B of them, so 2 ranks see the rows
+    1 does. Train conversations come in a seeded order each epoch, val ones in file order.
+
+    divisor() makes each micro-step's mean loss its share of the step's mean over all the step's
+    supervised tokens, of every micro-step and rank: a micro-step with few weighs little."""
+
+    def __init__(self, B, T, data, process_rank=0, num_processes=1, split="train", seed=1337,
+                 window=100):
+        self.B, self.T, self.split, self.seed, self.window = B, T, split, seed, window
+        self.process_rank, self.num_processes = process_rank, num_processes
+        self.ids, self.mask, starts = data  # chat's prepared arrays: uint16, uint8, int64
+        self.spans, self.note = chat_spans(self.ids, self.mask, starts, T + 1)
+        if len(self.spans) == 0:
+            raise UsageError(f"not one {split} conversation's first reply fits -T {T} + 1 "
+                             f"tokens: a larger -T")
+        self.packed = {}  # epoch: its rows (one kept: an epoch is packed once)
+        self.epoch_tokens = len(self.epoch_rows(0)) * T + 1  # positions, as DataLoaderLite's
+        self.reset()
+
+    def epoch_rows(self, epoch):
+        if self.split != "train":
+            epoch = 0
+        if epoch not in self.packed:
+            order = np.arange(len(self.spans))
+            if self.split == "train":  # val: in file order, the same rows every time
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.spans))
+            self.packed = {epoch: pack_rows(self.spans[:, 1], order, self.T + 1, self.window)}
+        return self.packed[epoch]
+
+    def reset(self):
+        self.epoch, self.row = 0, 0  # the next row of the stream
+        self.position = 0  # rows drawn x T: where evaluate_loss is, in positions
+        self.queue, self.step_supervised = [], None
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "row": self.row, "position": self.position,
+                "split": self.split, "seed": self.seed, "conversations": len(self.spans),
+                "tokens": int(self.spans[:, 1].sum())}
+
+    def load_state_dict(self, state):
+        now = (len(self.spans), int(self.spans[:, 1].sum()))
+        then = (state["conversations"], state["tokens"])
+        if then != now:
+            raise UsageError(f"the {self.split} conversations changed since the checkpoint "
+                             f"({then[0]} conversations / {then[1]} tokens then, {now[0]} / "
+                             f"{now[1]} now)")
+        self.reset()
+        self.seed, self.epoch, self.row = state["seed"], state["epoch"], state["row"]
+        self.position = state["position"]
+
+    def _draw(self):
+        """The next micro-step's rows of every rank, each a list of conversation indices."""
+        rows = []
+        while len(rows) < self.B * self.num_processes:
+            epoch_rows = self.epoch_rows(self.epoch)
+            take = epoch_rows[self.row: self.row + self.B * self.num_processes - len(rows)]
+            rows += take
+            self.row += len(take)
+            if self.row == len(epoch_rows):
+                self.epoch, self.row = self.epoch + 1, 0
+        self.position += len(rows) * self.T
+        return rows
+
+    def _supervised(self, rows):
+        return sum(int(self.spans[i, 2]) for row in rows for i in row)
+
+    def next_batch(self):
+        rows = self.queue.pop(0) if self.queue else self._draw()
+        mine = rows[self.process_rank * self.B: (self.process_rank + 1) * self.B]
+        self.mine_supervised = self._supervised(mine)
+        buf = np.full((self.B, self.T + 1), EOT, dtype=np.int64)  # padding: never a target
+        trained = np.zeros((self.B, self.T + 1), dtype=bool)
+        for b, row in enumerate(mine):
+            at = 0
+            for i in row:
+                start, length = int(self.spans[i, 0]), int(self.spans[i, 1])
+                buf[b, at: at + length] = self.ids[start: start + length]
+                trained[b, at: at + length] = self.mask[start: start + length]
+                at += length
+        x = torch.from_numpy(buf[:, :-1].copy())
+        y = torch.from_numpy(np.where(trained[:, 1:], buf[:, 1:], -100))
+        self.last_rows = rows
+        return x, y
+
+    def divisor(self, micro_step, micro_steps):
+        """What this micro-step's mean loss is divided by so that the step's micro-steps add up
+        to the mean over all its supervised tokens, ranks included (DDP averages the ranks'
+        gradients, hence the world size): N / (n * world size), N the step's, n this micro-step's
+        on this rank. At the first micro-step the step's other micro-batches are drawn (to count
+        them) and kept for the next_batch calls that follow."""
+        if micro_step == 0:
+            self.queue = [self._draw() for _ in range(micro_steps - 1)]
+            self.step_supervised = self._supervised(self.last_rows) + sum(
+                self._supervised(rows) for rows in self.queue)
+        return self.step_supervised / (self.mine_supervised * self.num_processes)
+
 def short_of_a_batch(what, tokens, B, T, split):
     """The refusal of a split of `tokens` tokens that cannot fill one batch of B x T (+1)."""
     return (f"{what} {tokens:,} {split} tokens, fewer than one batch of -B {B} x -T {T} + 1 = "
@@ -982,9 +1147,10 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
         x, y = x.to(device), y.to(device)
         with autocast_ctx:
             _, loss = model(x, y)
-        if valid > 0:
-            total[0] += loss.double() * valid
-            total[1] += valid
+        if valid > 0:  # loss: the mean over the targets not ignored (fine-tuning: the trained)
+            counted = (y != -100).sum()
+            total[0] += torch.where(counted > 0, loss.double() * counted, 0.0)
+            total[1] += counted
     model.train(was_training)
     if world_size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -1289,7 +1455,8 @@ def train(run, proc, ckpt=None):
                     model.require_backward_grad_sync = micro_step == micro_steps - 1
                 with run.precision.autocast:
                     _, loss = model(x, y)
-                loss = loss / micro_steps  # a mean over B*T tokens each: their sum is the step's
+                # each a mean over its targets: divided so that they add up to the step's mean
+                loss = loss / train_loader.divisor(micro_step, micro_steps)
                 loss_accum += loss.detach()
                 scaler.scale(loss).backward()
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones

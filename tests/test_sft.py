@@ -1,0 +1,148 @@
+"""Fine-tuning on conversations: the rows ChatLoader packs (best fit, whole conversations, padding
+never trained, one stream for any number of ranks, an exact resume), the conversations cut to the
+context, and the step's loss as the mean over all its supervised tokens: K micro-steps of very
+different supervised counts give the gradient of one forward over all their rows."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import chat
+import train_gpt2 as tg
+from helpers import tiny_model
+
+WORDS = "the a river city water light plant red blue green small old new runs grows".split()
+
+
+def conversations(n, seed=0, max_words=30):
+    """n made-up conversations of 1 to 3 turns, some with a system message."""
+    rng = random.Random(seed)
+
+    def text():
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_words)))
+    out = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": text()}] if i % 3 == 0 else []
+        for _ in range(rng.randint(1, 3)):
+            msgs += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+        out.append(msgs)
+    return out
+
+
+def arrays(convs, enc):
+    """(ids, mask, starts) as the prepared data holds them: rendered, concatenated."""
+    ids, mask, starts = [], [], [0]
+    for msgs in convs:
+        i, m = chat.render(msgs, enc)
+        ids += i
+        mask += m
+        starts.append(len(ids))
+    return (np.array(ids, dtype=np.uint16), np.array(mask, dtype=np.uint8),
+            np.array(starts, dtype=np.int64))
+
+
+@pytest.fixture(scope="module")
+def data(enc):
+    return arrays(conversations(120), enc)
+
+
+def test_pack_rows_places_each_conversation_once_best_fit():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 60, 300)
+    order = rng.permutation(300)
+    rows = tg.pack_rows(lengths, order, 64, window=20)
+    placed = [i for row in rows for i in row]
+    assert sorted(placed) == list(range(300))
+    assert all(row and sum(lengths[i] for i in row) <= 64 for row in rows)
+    # best fit: within a row, each pick is the longest that fitted among those waiting
+    assert any(len(row) > 1 for row in rows)
+
+
+def test_conversations_cut_to_the_context_as_chat_crop_does(enc):
+    convs = conversations(40, seed=1, max_words=60)
+    ids, mask, starts = arrays(convs, enc)
+    spans, note = tg.chat_spans(ids, mask, starts, 64)
+    want, lost, total = [], 0, int(mask.sum())
+    for k, msgs in enumerate(convs):
+        i, m = chat.render(msgs, enc)
+        cut = chat.crop(i, m, 64)
+        if cut is None:
+            lost += sum(m)
+            continue
+        want.append((int(starts[k]), len(cut[0]), sum(cut[1])))
+        lost += cut[2]
+    assert [tuple(s) for s in spans.tolist()] == want
+    assert note is not None and f"{lost:,} of {total:,} supervised tokens" in note
+
+
+def loader(data, B=3, T=64, rank=0, world=1, split="train"):
+    return tg.ChatLoader(B, T, data, rank, world, split=split, seed=5, window=10)
+
+
+def test_rows_train_the_assistant_only_and_pad_with_nothing_trained(data, enc):
+    ld = loader(data)
+    x, y = ld.next_batch()
+    assert x.shape == y.shape == (3, 64)
+    trained = y != -100
+    assert trained.sum() == ld.mine_supervised > 0
+    specials = set(y[trained].tolist()) & set(chat.SPECIAL_TOKENS.values())
+    assert specials == {chat.END["assistant"]}  # the only special token trained
+    row = torch.cat([x[0], y[0, -1:]])  # the row's T + 1 tokens
+    assert row[0] == chat.EOT  # a row starts with a conversation
+
+
+def test_two_ranks_see_the_rows_of_one(data):
+    one = loader(data, B=4)
+    two = [loader(data, B=2, rank=r, world=2) for r in range(2)]
+    for _ in range(6):
+        x1, y1 = one.next_batch()
+        halves = [ld.next_batch() for ld in two]
+        assert torch.equal(x1, torch.cat([h[0] for h in halves]))
+        assert torch.equal(y1, torch.cat([h[1] for h in halves]))
+
+
+def test_a_resumed_loader_continues_the_stream(data):
+    a = loader(data)
+    for _ in range(len(a.epoch_rows(0)) // 3 - 2):  # to the end of the first epoch
+        a.next_batch()
+    state = a.state_dict()
+    b = loader(data)
+    b.load_state_dict(state)
+    for _ in range(5):
+        xa, ya = a.next_batch()
+        xb, yb = b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert a.epoch >= 1  # the epochs' orders differ, and resume into them
+
+
+def test_the_steps_loss_is_the_mean_over_all_its_supervised_tokens(data):
+    """K micro-steps (losses divided by divisor()) give the gradient of one forward over all their
+    rows, whose loss is the mean over all their supervised tokens: not the mean of the micro-
+    steps' means. The micro-batches' supervised counts differ several-fold."""
+    torch.manual_seed(0)
+    model = tiny_model(real_vocab_size=chat.CHAT_VOCAB_SIZE)
+    ld = loader(data, B=1, T=64)
+    K = 4
+    xs, ys, counts = [], [], []
+    for k in range(K):
+        x, y = ld.next_batch()
+        d = ld.divisor(k, K)
+        _, loss = model(x, y)
+        (loss / d).backward()
+        xs.append(x)
+        ys.append(y)
+        counts.append(int((y != -100).sum()))
+    assert max(counts) > 1.5 * min(counts), counts
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    _, loss = model(torch.cat(xs), torch.cat(ys))  # the plain reference: one big batch
+    loss.backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-7)
+    # the mean of the micro-steps' means would have been another gradient
+    model.zero_grad()
+    for x, y in zip(xs, ys):
+        (model(x, y)[1] / K).backward()
+    assert not all(torch.allclose(g, p.grad, rtol=1e-3, atol=1e-6)
+                   for g, p in zip(got, model.parameters()))
