@@ -192,3 +192,208 @@ def read_conversations(path):
         raise ChatDataError(f"{path}: no usable conversation{said}")
     return good, note
 
+
+# ===== Talking: a conversation's KV cache across turns ===========================================
+# The chat command's engine. One KV cache holds the whole conversation, so a new turn runs only
+# its new tokens (the last reply's final token and <|assistant_end|>, then the user's turn and
+# <|assistant_start|>): the cost of a turn's first token does not grow with the turns before it.
+# The model comes in as a value (anything with train_gpt2.GPT's make_kv_cache, config and
+# forward), and so does the sampling rule, so this file stays free of the training script.
+class ContextFull(UsageError):
+    """A message that does not fit the model's context, even with every earlier turn dropped."""
+
+
+class TextStream:
+    """The text of a reply's tokens as they come. GPT-2's byte-level BPE can split one UTF-8
+    character over several tokens, so a token's bytes are held until they complete a character:
+    no piece ends in half of one. Bytes that never make a character come out as U+FFFD, as
+    enc.decode gives them, so the pieces join to enc.decode of the text tokens. Special tokens
+    (<|endoftext|> and the chat tokens) are never text."""
+
+    def __init__(self, enc):
+        import codecs
+
+        self.enc = enc
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token):
+        """The text that token completes: "" while a character is still unfinished."""
+        if token >= EOT:
+            return ""
+        return self.utf8.decode(self.enc.decode_single_token_bytes(token))
+
+    def flush(self):
+        """What is left when the reply ends: U+FFFD for an unfinished character, else ""."""
+        return self.utf8.decode(b"", final=True)
+
+
+class Talk:
+    """A conversation with a chat model: its token ids so far (<|endoftext|>, the system message
+    if any, then each turn) and a KV cache holding the first cache.pos of them. ask() adds the
+    user's turn, answer() streams the reply; the reply's tokens are the sampled ids themselves,
+    never its text encoded again (which could tokenize differently from what the model saw).
+
+    A turn must leave room for a reply of max_new_tokens and its <|assistant_end|>. When the
+    context cannot, the oldest turns are dropped (the system message stays) and what follows them
+    is run again at its new positions; a message that does not fit even alone is ContextFull.
+    recompute=True runs the whole conversation again at each turn: the baseline the cache is
+    measured against."""
+
+    def __init__(self, model, enc, sample, system=None, max_new_tokens=None, device="cpu",
+                 dtype=None, autocast=None, recompute=False):
+        import contextlib
+
+        self.model, self.enc, self.sample = model, enc, sample  # sample: (1, V) logits -> (1, 1)
+        self.block_size = model.config.block_size
+        self.n_vocab = model.config.real_vocab_size  # the padding rows are never sampled
+        # a quarter of the context by default: nanochat's 256 at GPT-2's 1024
+        self.max_new_tokens = max_new_tokens or max(1, self.block_size // 4)
+        self.device, self.recompute = device, recompute
+        self.autocast = autocast if autocast is not None else contextlib.nullcontext()
+        self.ids = [EOT]
+        if system:
+            self.ids += [START["system"], *enc.encode_ordinary(system), END["system"]]
+        self.head = len(self.ids)  # what dropping turns keeps
+        self.turns = []  # where each user's turn starts in ids
+        self.open = False  # a user's turn asked whose answer is not closed yet
+        smallest = self.head + 4 + self.max_new_tokens + 1  # a one-token message, a full reply
+        if smallest > self.block_size:
+            system_takes = f" (the system message takes {self.head - 1})" if system else ""
+            raise ContextFull(f"--max_new_tokens {self.max_new_tokens} leaves no room for a "
+                              f"message in the model's context of {self.block_size} tokens"
+                              f"{system_takes}")
+        self.cache = model.make_kv_cache(1, self.block_size, device, dtype)
+
+    def ask(self, text):
+        """The user's message added (as plain text): returns how many of the oldest turns were
+        dropped to make room for it and its reply (0 while the conversation fits). A ContextFull
+        leaves the conversation as it was."""
+        self._close()  # an answer never started (Ctrl-C before it) is an empty reply
+        turn = [START["user"], *self.enc.encode_ordinary(text), END["user"], START["assistant"]]
+        need = len(turn) + self.max_new_tokens + 1
+        starts = self.turns + [len(self.ids)]  # drop k turns: keep the ids from starts[k] on
+        for k, start in enumerate(starts):
+            if self.head + len(self.ids) - start + need <= self.block_size:
+                break
+        else:
+            system_takes = f", the system message {self.head - 1}" if self.head > 1 else ""
+            raise ContextFull(f"a message of {len(turn) - 3} tokens and a reply of up to "
+                              f"{self.max_new_tokens} (--max_new_tokens{system_takes}) do not fit "
+                              f"the model's context of {self.block_size} tokens")
+        if k:
+            cut = starts[k]
+            self.ids = self.ids[: self.head] + self.ids[cut:]
+            self.turns = [s - (cut - self.head) for s in self.turns[k:]]
+            # the turns kept moved to earlier positions: their keys and values are computed anew
+            self.cache.pos = min(self.cache.pos, self.head)
+        self.turns.append(len(self.ids))
+        self.ids += turn
+        self.open = True
+        return k
+
+    def answer(self):
+        """The reply to the message asked, as text pieces while its tokens come. It ends at
+        <|assistant_end|> or after max_new_tokens, and stays in the conversation however it ends:
+        a caller that stops it (closes the generator, as Ctrl-C does) keeps the tokens given so
+        far as the reply, closed by <|assistant_end|>."""
+        if not self.open:
+            raise ValueError("answer() follows ask()")
+        if self.recompute:
+            self.cache.pos = 0
+        text = TextStream(self.enc)
+        try:
+            for _ in range(self.max_new_tokens):
+                token = self._next_token()
+                if token == END["assistant"]:
+                    break
+                self.ids.append(token)
+                piece = text.push(token)
+                if piece:
+                    yield piece
+            tail = text.flush()
+            if tail:
+                yield tail
+        finally:
+            self._close()
+
+    def reply(self, text):
+        """ask(text), then answer()'s pieces (the number of turns dropped is not told)."""
+        self.ask(text)
+        yield from self.answer()
+
+    def last_reply(self):
+        """The ids of the last reply (without its <|assistant_end|>)."""
+        start = self.turns[-1]
+        opened = self.ids.index(START["assistant"], start) + 1
+        return self.ids[opened: len(self.ids) - (0 if self.open else 1)]
+
+    def _next_token(self):
+        """The next token: the ids not yet in the cache run through it (a turn's first token:
+        its new tokens; then the last token sampled), one sampled after them."""
+        import torch
+
+        new = torch.tensor([self.ids[self.cache.pos:]], dtype=torch.long, device=self.device)
+        with torch.no_grad(), self.autocast:
+            logits, _ = self.model(new, kv_cache=self.cache, logits_to_keep=1)
+        return int(self.sample(logits[:, -1, : self.n_vocab]).item())
+
+    def _close(self):
+        if self.open:
+            self.ids.append(END["assistant"])
+            self.open = False
+
+
+def say(text="", end="\n", err=False):
+    """text printed at once (streamed pieces appear as they come), on stderr for notes."""
+    import sys
+
+    print(text, end=end, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def answer_once(talk, text):
+    """The chat command's --prompt: one message answered on stdout."""
+    if not text.strip():
+        raise UsageError("--prompt is empty: give a message")
+    talk.ask(text)  # a ContextFull is the one error line
+    for piece in talk.answer():
+        say(piece, end="")
+    say()
+    return 0
+
+
+def converse(talk, read=None):
+    """The terminal chat: a message read, its answer streamed, until end of input or Ctrl-C at
+    the prompt (status 0). Ctrl-C during an answer stops that answer, not the chat: what it said
+    so far stays in the conversation."""
+    if read is None:  # input() as it is now, not as it was when this file was imported
+        read = input
+        try:
+            import readline  # noqa: F401 (input() then edits the line and keeps a history)
+        except ImportError:  # not on Windows
+            pass
+    while True:
+        try:
+            text = read("User: ")
+        except (EOFError, KeyboardInterrupt):
+            say()
+            return 0
+        if not text.strip():
+            continue
+        pieces = None
+        try:
+            dropped = talk.ask(text)
+            if dropped:
+                say(f"note: the conversation outgrew the model's context ({talk.block_size} "
+                    f"tokens): its oldest {dropped} turn{'s' if dropped > 1 else ''} dropped",
+                    err=True)
+            say("Assistant: ", end="")
+            pieces = talk.answer()
+            for piece in pieces:
+                say(piece, end="")
+        except ContextFull as e:
+            say(f"error: {e}", err=True)
+            continue
+        except KeyboardInterrupt:
+            if pieces is not None:
+                pieces.close()  # the reply is the tokens given so far
+        say()

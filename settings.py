@@ -235,6 +235,20 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
              ("--examples", None, str, "CORE: write every example's result to this JSONL file"),
              ("--overwrite", False, {"action": "store_true"},
               "replace an existing --results or --examples file (refused without it)")],
+    "chat": ["talk to a chat model (a checkpoint of an sft run) in the terminal, or answer "
+             "--prompt", *(f for f in SHARED if f[0] != "--init_from"), CHECKPOINT,
+             ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"},
+              "refused: OpenAI's GPT-2 is a base model (fine-tune it with sft first)"),
+             ("--prompt", None, str, "answer this one message on stdout and exit"),
+             ("--system", None, str, "a system message that opens the conversation"),
+             # nanochat's chat command samples at 0.6 with the top 50
+             ("--temperature", 0.6, NONNEG, "softmax temperature (0: greedy)"),
+             ("--top_k", 50, count(1, WIDTH * 16), "the k likeliest tokens (1: greedy)"),
+             ("--seed", 1337, SEED, "sampling seed"),
+             ("--max_new_tokens", None, count(1, CONTEXT),
+              "the longest answer in tokens (default: a quarter of the model's context, 256 at "
+              "GPT-2's 1024). Room for it is kept: a turn that would leave less drops the "
+              "conversation's oldest turns (the system message stays), saying so")],
 }
 
 def build_parser(shown=DEFAULTS, command=None):

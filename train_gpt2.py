@@ -17,6 +17,7 @@ command lines share).
 
 import argparse
 import bisect
+import contextlib
 import copy
 import math
 import random
@@ -1679,7 +1680,40 @@ def eval_main(args):
             core_eval.write_examples(args.examples, res)
     return 0
 
-COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main}
+def chat_main(args):
+    """A terminal chat with a chat model, or its answer to --prompt (chat.Talk: the conversation's
+    KV cache kept across turns)."""
+    if args.init_from is not None:  # refused before any download
+        raise UsageError(f"--init_from {args.init_from}: OpenAI's GPT-2 is a base model, not a "
+                         f"chat model: fine-tune it first (train_gpt2.py sft --init_from "
+                         f"{args.init_from}), then chat with --checkpoint of that run")
+    if args.checkpoint is None:
+        raise UsageError("give --checkpoint: a model_*.pt of an sft run")
+    quiet = contextlib.nullcontext()
+    if args.prompt is not None:  # its stdout is the answer alone: no line on what wrote the model
+        quiet = contextlib.redirect_stdout(None)  # print() to a None sys.stdout writes nothing
+    with quiet:
+        model, device, precision = model_for_command(args)
+    if not chat.is_chat_model(model.config):
+        raise UsageError(f"{args.checkpoint} is a base model, not a chat model: fine-tune it "
+                         f"first (train_gpt2.py sft --init_from {args.checkpoint}), then chat "
+                         f"with --checkpoint of that run")
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+
+    def sample(logits):
+        return sample_next(logits, args.temperature, args.top_k, generator)
+
+    talk = chat.Talk(model, fineweb.get_encoding(), sample, system=args.system,
+                     max_new_tokens=args.max_new_tokens, device=device,
+                     dtype=precision.dtype or model.lm_head.weight.dtype,
+                     autocast=precision.autocast)
+    if args.prompt is not None:
+        return chat.answer_once(talk, args.prompt)
+    print(f"a chat model with a context of {model.config.block_size} tokens, {precision.name} on "
+          f"{device}. Ctrl-C stops an answer; Ctrl-D, or Ctrl-C at the prompt, quits.")
+    return chat.converse(talk)
+
+COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main, "chat": chat_main}
 
 def run(argv):
     if argv and argv[0] in COMMANDS:
