@@ -427,10 +427,13 @@ DATA_FILES = tuple(data_file(s, n) for s in DATA_SPLITS for n in DATA_ARRAYS)
 class ChatSplit:
     """One split of prepared conversations: ids (uint16) and mask (uint8, 1 = trained) of all of
     them concatenated, memory-mapped, and starts (int64, n + 1 offsets): conversation i is
-    ids[starts[i]:starts[i + 1]]."""
+    ids[starts[i]:starts[i + 1]]. It unpacks as (ids, mask, starts), the data ChatLoader takes."""
 
     def __init__(self, ids, mask, starts):
         self.ids, self.mask, self.starts = ids, mask, starts
+
+    def __iter__(self):
+        return iter((self.ids, self.mask, self.starts))
 
     def __len__(self):
         return len(self.starts) - 1

@@ -83,6 +83,8 @@ def assert_split(folder, split, conversations, enc):
         got_ids, got_mask = data.conversation(i)
         assert got_ids.tolist() == ids and got_mask.tolist() == mask
     assert data.starts[-1] == len(data.ids) == len(data.mask)
+    ids, mask, starts = data  # as ChatLoader takes it
+    assert ids is data.ids and mask is data.mask and starts is data.starts
     return data
 
 
