@@ -209,15 +209,18 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
     "export": ["a checkpoint as a transformers GPT2LMHeadModel directory",
                ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
                ("--out", None, {"required": True}, "a new (or empty) directory to write")],
-    "eval": ["HellaSwag, or CORE's tasks, of a checkpoint or of OpenAI's GPT-2", *SHARED,
-             CHECKPOINT,
+    "eval": ["HellaSwag, CORE's tasks, or a chat model's tasks, of a checkpoint or of OpenAI's "
+             "GPT-2", *SHARED, CHECKPOINT,
              ("--tasks", "hellaswag", str,
               "hellaswag (acc, acc_norm of its val split), core (CORE: every task of the eval "
               "bundle's core.yaml), or a comma list of the bundle's task labels (core:LABEL "
-              "for one that is also a word here, e.g. core:hellaswag, its 10-shot task)"),
+              "for one that is also a word here, e.g. core:hellaswag, its 10-shot task); chat "
+              "(a chat model asked ARC-Easy, ARC-Challenge and MMLU as nanochat's chat_eval "
+              "asks them), or a comma list of chat:arc_easy, chat:arc_challenge, chat:mmlu"),
              ("--limit", None, count(1, STEPS), "HellaSwag: only the first N examples"),
              ("--max_per_task", None, count(1, STEPS),
-              "CORE: the first N of each task's examples after nanochat's shuffle (seed 1337)"),
+              "CORE: the first N of each task's examples after nanochat's shuffle (seed 1337); "
+              "chat: the first N questions after nanochat's shuffle (seed 42)"),
              ("--batch_tokens", 8192, count(0, CONTEXT * 16), "tokens a pass (0: one example)"),
              ("--hellaswag_dir", None, str,
               "folder of hellaswag_val.jsonl, if not hellaswag.py's"),
@@ -231,8 +234,12 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
               "seconds the eval bundle's download may take in all"),
              ("--max_bundle_mb", core_eval.MAX_BUNDLE_MB, count(1, 1 << 20),
               "MiB the eval bundle's download may send, and its files unpack to"),
-             ("--results", None, str, "CORE: write the scores to this JSON file"),
-             ("--examples", None, str, "CORE: write every example's result to this JSONL file"),
+             ("--chat_eval_dir", None, str,
+              "the chat tasks' data folder, downloaded into once (default: $CHAT_EVAL_DIR, or "
+              "chat_eval_data/ beside the scripts)"),
+             ("--results", None, str, "CORE or chat: write the scores to this JSON file"),
+             ("--examples", None, str,
+              "CORE or chat: write every example's result to this JSONL file"),
              ("--overwrite", False, {"action": "store_true"},
               "replace an existing --results or --examples file (refused without it)")],
     "chat": ["talk to a chat model (a checkpoint of an sft run) in the terminal, or answer "

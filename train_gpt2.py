@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import chat
+import chat_eval
 import core_eval
 import fineweb
 import hellaswag
@@ -1640,15 +1641,18 @@ def export_main(args):
     return 0
 
 def eval_main(args):
-    """HellaSwag (--tasks hellaswag) or CORE's tasks; under torchrun the examples split over the
-    ranks and rank 0 reports."""
-    core = args.tasks != "hellaswag"
+    """HellaSwag (--tasks hellaswag), CORE's tasks, or the chat tasks (--tasks chat or chat:LABEL,
+    chat_eval.py); under torchrun the examples split over the ranks and rank 0 reports."""
+    core = args.tasks != "hellaswag"  # CORE's tasks or the chat tasks
+    chat_labels = chat_eval.select(args.tasks) if chat_eval.wanted(args.tasks) else None
     misplaced = ("limit",) if core else ("max_per_task", "results", "examples")
     for flag in misplaced:
         if getattr(args, flag) is not None:
-            goes_with = "--tasks hellaswag" if core else "CORE's tasks (--tasks core or labels)"
+            goes_with = "--tasks hellaswag" if core else ("CORE's tasks (--tasks core or labels) "
+                                                          "or the chat tasks (--tasks chat)")
             raise UsageError(f"--{flag} goes with {goes_with}")
-    for flag in ("eval_bundle", "eval_dir", "hellaswag_dir"):  # "" would quietly be the default
+    # "" would quietly be the default
+    for flag in ("eval_bundle", "eval_dir", "hellaswag_dir", "chat_eval_dir"):
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} is empty: give a path, or leave the flag out")
     # written at the end, after minutes of work: a bad path is refused now, not then
@@ -1656,6 +1660,8 @@ def eval_main(args):
                   inputs={"--checkpoint": args.checkpoint, "--eval_bundle": args.eval_bundle})
     proc = setup_distributed(argparse.Namespace(device=args.device, fsdp=False))
     model, device, precision = model_for_command(args)  # a bad checkpoint: before a download
+    if chat_labels is not None:
+        return chat_eval.run(args, chat_labels, model, device, precision, proc)
     if not core:
         hellaswag.download("val", args.hellaswag_dir)
         t0 = time.perf_counter()
