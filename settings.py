@@ -37,7 +37,8 @@ STEPS, TOKENS, SAMPLES = 1_000_000_000, 2**50, 1024
 # (2^19 tokens) in micro-steps of one sequence of 32 tokens; --max_micro_steps insists
 MICRO_STEPS = 16_384
 SHARED = [  # the flags that the sample and eval commands take too
-    ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"}, "OpenAI's GPT-2 weights"),
+    ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR|PATH.pt"},
+     "start from OpenAI's GPT-2 weights (or a transformers folder), or a model_*.pt of yours"),
     ("--device", "auto", str, "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"),
     ("--dtype", "auto", list(DTYPES), "auto: bf16, or fp16 on GPUs without it, fp32 on a CPU"),
 ]
@@ -118,6 +119,15 @@ RUN_SETTINGS = {
         ("--fineweb_name", "sample-10BT", list(fineweb.NAMES), "FineWeb-Edu sample to prepare"),
         ("--input", None, {"nargs": "+", "metavar": "PATH"}, "prepare it from these files"),
         ("--text_column", "text", str, "text field of --input .jsonl/.parquet files"),
+        ("--sft", False, bool,
+         "fine-tune on conversations (the sft command): chat.py's format, the assistant's "
+         "tokens trained"),
+        ("--chat_data", None, {"nargs": "+", "metavar": "PATH|DATASET"},
+         "sft: conversation .jsonl/.parquet files, or an HF dataset (default: "
+         "HuggingFaceTB/smol-smoltalk)"),
+        ("--chat_dir", None, str,
+         "sft: the folder the conversations are prepared in (default: chat_data/ beside the "
+         "scripts)"),
     ],
     THIS_INVOCATION: [
         ("--log_dir", "log", str, "where log.txt, run_config.json and model_*.pt go"),
@@ -192,9 +202,31 @@ ARCH_RUN_PRESETS = {
 }
 
 
-def preset_defaults(preset, arch):
-    """The flags' defaults under --preset and --arch (RUN_SETTINGS, then the two overlays)."""
-    return {**DEFAULTS, **RUN_PRESETS[preset], **ARCH_RUN_PRESETS.get(arch, {}).get(preset, {})}
+def preset_defaults(preset, arch, sft=False):
+    """The flags' defaults under --preset and --arch (RUN_SETTINGS, then the two overlays), and
+    under --sft the fine-tuning's (sft_defaults)."""
+    out = {**DEFAULTS, **RUN_PRESETS[preset], **ARCH_RUN_PRESETS.get(arch, {}).get(preset, {})}
+    if sft:
+        out.update(sft_defaults(out))
+    return out
+
+
+# Fine-tuning on conversations takes nanochat's SFT recipe (scripts/chat_sft.py): the pretraining
+# run's batch and peak LRs, each LR at 0.8 of it (its init_lr_frac), no warmup, constant for half
+# of the steps then linear to 0 (its warmdown_ratio 0.5, final_lr_frac 0), no weight decay, one
+# epoch of the data (the sft command counts its steps when --max_steps is not given). What it
+# evaluates is the val loss on the assistant's tokens; HellaSwag, CORE and text samples are off.
+SFT_LR_FRACTION = 0.8
+
+
+def sft_defaults(pretraining):
+    """The defaults an sft run changes, from the pretraining ones of its preset and arch."""
+    out = dict(warmup_steps=0, wsd_decay=0.5, min_lr_ratio=0.0, weight_decay=0.0,
+               hellaswag_every=0, core_every=0, sample_every=0, log_dir="log_sft")
+    for key in ("max_lr", "muon_lr", "embed_lr"):
+        if pretraining.get(key):
+            out[key] = pretraining[key] * SFT_LR_FRACTION
+    return out
 
 CHECKPOINT = ("--checkpoint", None, str, "a model_*.pt written by training")
 COMMAND_FLAGS = {  # the commands' meaning, then their flags
@@ -342,18 +374,26 @@ def read_flags(argv=None):
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset")
     pre.add_argument("--arch")
+    pre.add_argument("--sft", action="store_true")
     pre_args = pre.parse_known_args(argv)[0]
     shown_preset, shown_arch = pre_args.preset, pre_args.arch
     if shown_preset not in MODEL_PRESETS:
         shown_preset = "gpt2"  # the real parse names a bad --preset
     if shown_arch not in ARCHITECTURES:
         shown_arch = "gpt2"
-    shown = {**preset_defaults(shown_preset, shown_arch), **MODEL_PRESETS[shown_preset],
+    shown = {**preset_defaults(shown_preset, shown_arch, pre_args.sft),
+             **MODEL_PRESETS[shown_preset],
              **ARCHITECTURES[shown_arch], "preset": shown_preset, "arch": shown_arch}
     given = vars(build_parser(shown).parse_args(argv))
     given = {k: v for k, v in given.items() if v is not None}
 
-    settings = preset_defaults(given.get("preset", "gpt2"), given.get("arch", "gpt2"))
+    preset, arch = given.get("preset", "gpt2"), given.get("arch", "gpt2")
+    base = {}  # fine-tuning a model_*.pt: its preset's run settings and its arch's, as trained
+    if given.get("sft") and os.path.isfile(given.get("init_from") or "") and "resume" not in given:
+        base = rundir.read_checkpoint(given["init_from"], check_weights=False).get("args", {})
+        preset, arch = given.get("preset", base.get("preset", preset)), base.get("arch", arch)
+    settings = preset_defaults(preset, arch, given.get("sft", False))
+    settings.update({k: base[k] for k in ("preset", "arch", "optimizer") if k in base})
     if "input" in given:  # local text is not FineWeb-Edu: it gets a folder of its own
         settings["data_root"] = fineweb.LOCAL_DATA_ROOT
     check_pairs(given)
@@ -583,8 +623,14 @@ def check_flags(args, given, ckpt=None, asked_shape=None, lrs=None):
     step on the checkpoint's schedule and on the one asked now."""
     shape = sorted(f"--{k}" for k in (*SHAPE_FLAGS, "arch") if k in given)
     if args.init_from and shape:
-        raise UsageError(f"--init_from loads OpenAI's GPT-2, its shape and architecture: drop "
+        raise UsageError(f"--init_from loads a model with its shape and architecture: drop "
                          f"{', '.join(shape)}")
+    if args.sft and not args.init_from and ckpt is None:
+        raise UsageError("sft fine-tunes a model: give --init_from a model_*.pt of yours, gpt2 "
+                         "(.. gpt2-xl) or a transformers folder")
+    for flag in ("chat_data", "chat_dir"):
+        if flag in given and not args.sft:
+            raise UsageError(f"--{flag} goes with the sft command (python train_gpt2.py sft ...)")
     for key in ("log_dir", "data_root"):  # found now, not mid-run
         path = getattr(args, key)
         if not path:

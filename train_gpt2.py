@@ -20,6 +20,7 @@ import bisect
 import contextlib
 import copy
 import math
+import os
 import random
 import re
 import signal
@@ -104,12 +105,20 @@ class GPTConfig:
         return [f"{k}={getattr(self, k)}" for k, v in gpt2.items() if getattr(self, k) != v]
 
 def model_config(args, ckpt=None):
-    """The GPTConfig a run trains: a resumed checkpoint's, --init_from's (read from its
-    config.json), or the preset's shape with --arch's parts, changed by any shape flag given."""
+    """The GPTConfig a run trains: a resumed checkpoint's, --init_from's (a model_*.pt's, or
+    OpenAI's GPT-2's config.json; fine-tuning on conversations lets the chat tokens be predicted),
+    or the preset's shape with --arch's parts, changed by any shape flag given."""
     if ckpt is not None:
         return GPTConfig(**ckpt["config"])
     if args.init_from:
-        return GPTConfig(**openai_gpt2.pretrained_config(args.init_from), dropout=args.dropout)
+        if os.path.isfile(args.init_from):  # a checkpoint of ours
+            config = rundir.read_checkpoint(args.init_from, check_weights=False)["config"]
+        else:
+            config = openai_gpt2.pretrained_config(args.init_from)
+        config = GPTConfig(**{**config, "dropout": args.dropout})
+        if args.sft:
+            config = replace(config, real_vocab_size=chat.CHAT_VOCAB_SIZE)
+        return config
     shape = {**settings.MODEL_PRESETS[args.preset], **settings.ARCHITECTURES[args.arch],
              "dropout": args.dropout}
     for k in settings.SHAPE_FLAGS:
@@ -948,6 +957,8 @@ def check_data(run):
     for the run (data_needs), or takes a source whole (--input files, most of a FineWeb-Edu
     sample), whose size only tokenizing tells: make_loaders checks it right after the prep,
     before the model is built."""
+    if run.sft:  # conversations: checked as they are prepared (make_loaders)
+        return []
     sizes = fineweb.split_sizes(run.data_root)
     if sizes is None:
         if run.input is not None:
@@ -978,7 +989,9 @@ def check_data(run):
 def make_loaders(run, proc):
     """The run's train and val DataLoaderLites, their shards prepared on first use (rank 0
     prepares, the others wait); a prep's shards checked (check_data) as settle() checked shards
-    that were there."""
+    that were there. Fine-tuning: ChatLoaders of the conversations, prepared on first use."""
+    if run.sft:
+        return tuple(chat_loader(run, proc, split) for split in ("train", "val"))
     first_use = fineweb.split_sizes(run.data_root) is None
     train_tokens, val_tokens = data_needs(run)
     fineweb.ensure_prepared(
@@ -991,6 +1004,18 @@ def make_loaders(run, proc):
     return tuple(DataLoaderLite(run.micro_batch_size, run.sequence_length, proc.rank,
                                 proc.world_size, split, run.data_root, run.seed,
                                 run.model.real_vocab_size) for split in ("train", "val"))
+
+CHAT_DIR = os.path.join(fineweb.REPO_DIR, "chat_data")  # or --chat_dir
+
+def chat_loader(run, proc, split):
+    """A ChatLoader of the run's conversations (--chat_data, prepared into --chat_dir on first
+    use by rank 0), saying what cutting them to the context costs."""
+    folder = chat.ready(run.chat_data, run.chat_dir or CHAT_DIR, proc=proc, print0=print0)
+    loader = ChatLoader(run.micro_batch_size, run.sequence_length, chat.open_split(folder, split),
+                        proc.rank, proc.world_size, split, run.seed)
+    if loader.note:
+        print0(f"{split}: {loader.note}")
+    return loader
 
 # ===== Optimizers (AdamW, or Muon + AdamW) and schedules (the LR, the batch ramp) =====
 def make_muon(matrices, weight_decay, max_lr, lr=None, momentum=0.95, ns_steps=5,
@@ -1341,6 +1366,21 @@ def model_from_checkpoint(ckpt, path, device="cpu"):
         raise UsageError(f"{path}: its config and weights disagree ({one_line(e, 200)})") from None
     return model
 
+def initial_model(run):
+    """--init_from's weights in the run's model config: a model_*.pt of ours, or OpenAI's GPT-2 (a
+    name or a transformers folder). The config can differ only in the tokens it predicts (a
+    fine-tuning run's), which the weights do not hold."""
+    if os.path.isfile(run.init_from):
+        weights = rundir.read_checkpoint(run.init_from)["model"]
+    else:
+        pretrained = GPT.from_pretrained(run.init_from, dropout=run.dropout)
+        if pretrained.config == run.model:
+            return pretrained
+        weights = pretrained.state_dict()
+    model = GPT(run.model)
+    model.load_state_dict(weights)
+    return model
+
 def check_step(loss_accum, norm, scaler, stop, proc):
     """The step's one read-back, before its update is applied: (loss, gradient norm, whether every
     rank goes on, whether the fp16 scaler skips this update). The loss is the mean over ranks; a
@@ -1380,7 +1420,7 @@ def train(run, proc, ckpt=None):
         np.random.seed(run.seed)
         random.seed(run.seed)
         if run.init_from:
-            raw_model = GPT.from_pretrained(run.init_from, dropout=run.dropout)
+            raw_model = initial_model(run)
         else:
             raw_model = GPT(run.model)
         raw_model.to(run.device)
@@ -1530,6 +1570,8 @@ def settle(argv, planning=False):
                                    ": shorten them, or turn samples off with --sample_every 0")
 
     proc = setup_distributed(args)
+    if args.sft and "max_steps" not in given and ckpt is None:  # nanochat's SFT: one epoch
+        args.max_steps = sft_epoch_steps(args, proc, planning)
     precision = Precision(args.dtype, proc.device)
     if args.fsdp and precision.scaler:
         raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
@@ -1547,6 +1589,25 @@ def settle(argv, planning=False):
             print0(note)
         rundir.check_log_dir(run.log_dir, None if ckpt is None else ckpt["step"], run.overwrite)
     return replace(run, schedule=Schedule.of(run)), proc, ckpt
+
+def sft_epoch_steps(args, proc, planning):
+    """The steps of one epoch of the train conversations packed at -T (the length of nanochat's
+    SFT), prepared first on first use; plan, which writes nothing, needs them prepared."""
+    folder = args.chat_dir or CHAT_DIR
+    if planning:
+        try:
+            data = chat.open_split(folder, "train")
+        except UsageError as e:
+            raise UsageError(f"plan --sft: {e}; give --max_steps, or prepare them first") \
+                from None
+    else:
+        data = chat.open_split(chat.ready(args.chat_data, folder, proc=proc, print0=print0),
+                               "train")
+    rows = len(ChatLoader(1, args.sequence_length, data, seed=args.seed).epoch_rows(0))
+    steps = max(1, math.ceil(rows * args.sequence_length / args.total_batch_size))
+    print0(f"sft: one epoch of the train conversations is {rows:,} rows of -T "
+           f"{args.sequence_length}: --max_steps {steps}")
+    return steps
 
 # estimate_step's results by all they depend on: bench.py's rows and the tests run main() many
 # times in one process, and each count on fake tensors takes about a second even for a tiny model
@@ -1726,6 +1787,8 @@ def run(argv):
         return COMMANDS[argv[0]](settings.build_parser(command=argv[0]).parse_args(argv[1:]))
     if argv and argv[0] == "plan":  # the training flags
         return plan_main(argv[1:])
+    if argv and argv[0] == "sft":  # the training flags, fine-tuning on conversations
+        return train(*settle(["--sft", *argv[1:]]))
     return train(*settle(argv))
 
 def main(argv=None):

@@ -146,3 +146,72 @@ def test_the_steps_loss_is_the_mean_over_all_its_supervised_tokens(data):
         (model(x, y)[1] / K).backward()
     assert not all(torch.allclose(g, p.grad, rtol=1e-3, atol=1e-6)
                    for g, p in zip(got, model.parameters()))
+
+
+# ===== The sft command: the one training loop, fine-tuning on conversations ======================
+COLORS = {"river": "blue", "grass": "green", "sun": "yellow", "coal": "black"}
+
+
+def color_talk(path):
+    """The color of X? -> COLOR. A conversation a thing, one question each; the thing asked about
+    comes last, next to the answer."""
+    from helpers import write_jsonl
+
+    write_jsonl(path, [{"messages": [{"role": "user", "content": f"The color of {thing}"},
+                                     {"role": "assistant", "content": f"{color.capitalize()}."}]}
+                       for thing, color in COLORS.items()])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def base_ckpt(tmp_path_factory):
+    """A base (not chat) checkpoint of a small model, as the sft command starts from."""
+    from dataclasses import asdict
+
+    model = tiny_model(n_layer=2, n_head=2, n_embd=64, block_size=64)
+    path = tmp_path_factory.mktemp("sft_base") / "model.pt"
+    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, path)
+    return str(path)
+
+
+def sft_args(base_ckpt, tmp_path, *extra):
+    return ["sft", "--init_from", base_ckpt, "--chat_data", color_talk(tmp_path / "talk.jsonl"),
+            "--chat_dir", str(tmp_path / "chat"), "--log_dir", str(tmp_path / "log"),
+            "--device", "cpu", "--dtype", "fp32", "-B", "4", "-T", "32",
+            "--total_batch_size", "128", "--eval_every", "20", "--val_tokens", "64",
+            "--save_every", "0", *extra]
+
+
+def answer(model, enc, question, max_new=16):
+    """The model's greedy reply to a question, and whether it ended with <|assistant_end|>."""
+    ids = chat.render_prompt([{"role": "user", "content": question}], enc)
+    out = model.generate(torch.tensor([ids]), max_new, top_k=1)[0, len(ids):].tolist()
+    ended = chat.END["assistant"] in out
+    if ended:
+        out = out[: out.index(chat.END["assistant"])]
+    return enc.decode([t for t in out if t < chat.EOT]), ended
+
+
+@pytest.mark.slow
+def test_a_small_model_learns_to_answer(base_ckpt, enc, tmp_path):
+    """Format, mask and loss together: fine-tuned through the sft command, the model answers the
+    questions of its train split and ends its turn. An inverted mask (the user's tokens trained)
+    or an untrained end token fails this."""
+    from helpers import run_cli
+
+    r = run_cli(*sft_args(base_ckpt, tmp_path, "--max_steps", "80", "--max_lr", "1e-2"))
+    assert r.returncode == 0, r.stderr
+    ckpt = torch.load(tmp_path / "log" / "model_00079.pt", weights_only=True)
+    model = tg.GPT(tg.GPTConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    assert chat.is_chat_model(model.config)
+    train = chat.open_split(str(tmp_path / "chat"), "train")
+    asked = []
+    for i in range(len(train)):
+        ids = train.conversation(i)[0].tolist()
+        user = ids[ids.index(chat.START["user"]) + 1: ids.index(chat.END["user"])]
+        asked.append(enc.decode(user).split()[-1])
+    assert len(asked) >= 2
+    for thing in asked:
+        assert answer(model.eval(), enc, f"The color of {thing}") == \
+            (f"{COLORS[thing].capitalize()}.", True), thing
