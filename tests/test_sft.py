@@ -215,3 +215,37 @@ def test_a_small_model_learns_to_answer(base_ckpt, enc, tmp_path):
     for thing in asked:
         assert answer(model.eval(), enc, f"The color of {thing}") == \
             (f"{COLORS[thing].capitalize()}.", True), thing
+
+
+@pytest.mark.slow
+def test_a_resumed_sft_run_is_the_uninterrupted_one(base_ckpt, tmp_path):
+    """Stopped after step 2 and resumed (with nothing but the log dir, as a pretraining run is),
+    an sft run logs what it logs uninterrupted, to the bit."""
+    from helpers import assert_same_log, resume_args, run_cli
+
+    flags = ("--max_steps", "6", "--eval_every", "2", "--max_lr", "1e-2")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    r = run_cli(*sft_args(base_ckpt, whole, *flags))
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*sft_args(base_ckpt, parts, *flags, "--stop_step", "3"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*resume_args(str(parts / "log")))
+    assert r.returncode == 0, r.stderr
+    assert "sft=True" in r.stdout
+    assert_same_log(str(whole / "log"), str(parts / "log"), tol=0)
+
+
+@pytest.mark.slow
+def test_two_ranks_fine_tune_as_one(base_ckpt, tmp_path):
+    """torchrun, 2 processes (gloo) of -B 2 against 1 of -B 4: the same rows each micro-step, the
+    step's loss the mean over all their supervised tokens, so the same run (to float order)."""
+    from helpers import assert_same_log, run_cli, torchrun
+
+    flags = ("--max_steps", "4", "--eval_every", "2", "--max_lr", "1e-2")
+    one = sft_args(base_ckpt, tmp_path / "one", *flags)
+    r = run_cli(*one)
+    assert r.returncode == 0, r.stderr
+    two = sft_args(base_ckpt, tmp_path / "two", *flags, "-B", "2")
+    r = torchrun(*two)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_log(str(tmp_path / "one" / "log"), str(tmp_path / "two" / "log"), tol=1e-5)
