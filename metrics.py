@@ -68,7 +68,8 @@ class Metrics:
         # for the summary: this session's clock, steps and tokens; the whole run's evaluations and
         # skipped steps, a resumed run's earlier ones from its log.txt (already cut to its step)
         self.start, self.steps, self.tokens, self.last_step = time.time(), 0, 0, None
-        self.evals, self.skipped, self.skipped_now = {"val": [], "hella": [], "core": []}, 0, 0
+        self.evals = {"val": [], "hella": [], "core": [], "chat": []}
+        self.skipped, self.skipped_now = 0, 0
         if self.master and first_step > 0 and os.path.exists(self.log_file):
             earlier = rundir.read_log(self.log_file)
             for kind in self.evals:
@@ -162,6 +163,9 @@ class Metrics:
         if self.evals["core"]:
             step, value = self.evals["core"][-1]
             lines.append(f"  CORE: {value:.4f} at step {step}")
+        if self.evals["chat"]:
+            step, value = self.evals["chat"][-1]
+            lines.append(f"  chat tasks' centred mean: {value:.4f} at step {step}")
         lines.append(f"  last checkpoint: {last_checkpoint or 'none'}")
         if self.skipped_now:
             lines.append(f"  skipped steps (fp16 overflow): {self.skipped_now}")

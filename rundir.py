@@ -369,10 +369,11 @@ def save_run_config(log_dir, run_config):
 # ===== log.txt: one `step kind value` line per number ============================================
 # each step: its train loss, LR, gradient norm, time (ms) and tokens/s, and on a step the fp16
 # scaler skipped, the run's count of skipped steps so far; each evaluation: val loss, HellaSwag,
-# CORE and each of its tasks' centred accuracy (core/LABEL: a kind of the core family)
+# CORE and each of its tasks' centred accuracy (core/LABEL: a kind of the core family), the chat
+# tasks' centred mean and each one's (chat, chat/LABEL)
 LOG_FORMATS = {"train": "{:.6f}", "lr": "{:.4e}", "norm": "{:.4f}", "dt": "{:.2f}",
                "tok_s": "{:.0f}", "skipped": "{:d}", "val": "{:.4f}", "hella": "{:.4f}",
-               "core": "{:.4f}"}
+               "core": "{:.4f}", "chat": "{:.4f}"}
 # the kinds that measure the clock: two runs of the same steps differ in these alone
 TIMING_KINDS = ("dt", "tok_s")
 
@@ -380,7 +381,7 @@ TIMING_KINDS = ("dt", "tok_s")
 def log_format(kind):
     """The format of a log.txt kind (core/LABEL: core's), or None for no kind of log.txt."""
     family, _, label = kind.partition("/")
-    if label and family != "core":
+    if label and family not in ("core", "chat"):
         return None
     return LOG_FORMATS.get(family)
 

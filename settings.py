@@ -111,6 +111,10 @@ RUN_SETTINGS = {
         ("--core_every", 2000, count(0, STEPS), "CORE's 22 tasks every N steps and at the end"),
         ("--core_max_per_task", 500, count(1, STEPS),
          "CORE in training: N examples of each task (nanochat's subsample)"),
+        ("--chat_every", 0, count(0, STEPS),
+         "sft: ARC and MMLU in the chat format (eval --tasks chat) every N steps and at the end"),
+        ("--chat_max_per_task", 500, count(1, STEPS),
+         "the chat tasks in training: the first N questions of each after nanochat's shuffle"),
         ("--save_every", 5000, count(0, STEPS), "checkpoint every N steps; the last is saved"),
     ],
     "data": [
@@ -497,6 +501,7 @@ OFF_PARTS = [
     ("--sample_every 0", lambda c: c["sample_every"] <= 0,
      ("sample_prompt", "num_samples", "sample_tokens")),
     ("--hellaswag_every 0", lambda c: c["hellaswag_every"] <= 0, ("hellaswag_limit",)),
+    ("--chat_every 0", lambda c: c["chat_every"] <= 0, ("chat_max_per_task",)),
     ("no --batch_ramp_tokens", lambda c: c["batch_ramp_tokens"] <= 0, ("batch_ramp_start",)),
     ("no --profile", lambda c: not c["profile"], ("profile_schedule",)),
     ("no --wandb_project", lambda c: not c["wandb_project"], ("wandb_run_name",)),
@@ -628,7 +633,7 @@ def check_flags(args, given, ckpt=None, asked_shape=None, lrs=None):
     if args.sft and not args.init_from and ckpt is None:
         raise UsageError("sft fine-tunes a model: give --init_from a model_*.pt of yours, gpt2 "
                          "(.. gpt2-xl) or a transformers folder")
-    for flag in ("chat_data", "chat_dir"):
+    for flag in ("chat_data", "chat_dir", "chat_every"):
         if flag in given and not args.sft:
             raise UsageError(f"--{flag} goes with the sft command (python train_gpt2.py sft ...)")
     for key in ("log_dir", "data_root"):  # found now, not mid-run

@@ -1235,11 +1235,34 @@ def core_tasks(run, proc):
         return None
 
 def core_score(raw_model, tasks, run, proc):
-    """CORE of the model and each task's centred accuracy, the examples split over the ranks."""
+    """(log kind, value) of CORE and each task's centred accuracy, the examples split over the
+    ranks."""
     res = core_eval.evaluate(raw_model, run.device, tasks, proc=proc, device_type=run.device_type,
                              autocast_dtype=run.precision.dtype)
     print0(f"CORE: {res['core']:.4f} (se {res['core_se']:.4f}, {len(tasks)} tasks)")
-    return res
+    return [("core", res["core"])] + [(f"core/{label}", task["centered"])
+                                      for label, task in res["tasks"].items()]
+
+def chat_eval_tasks(run, proc):
+    """The chat tasks for a fine-tuning run's evaluations (--chat_max_per_task questions of each),
+    downloaded by the master on first use; None (with a warning) when they can't be had."""
+    if run.chat_every == 0:
+        return None
+    try:
+        folder = chat_eval.ready_on_every_rank(proc, list(chat_eval.TASKS))
+        return chat_eval.load_tasks(folder, list(chat_eval.TASKS), run.chat_max_per_task)
+    except chat_eval.ChatEvalError as e:
+        print0(f"warning: the chat evaluation turned off: {e}")
+        return None
+
+def chat_score(raw_model, tasks, run, proc):
+    """(log kind, value) of the chat tasks' centred mean and each task's centred accuracy."""
+    res = chat_eval.evaluate(raw_model, run.device, tasks, proc=proc, device_type=run.device_type,
+                             autocast_dtype=run.precision.dtype)
+    print0(f"chat tasks: centred mean {res['centered_mean']:.4f} (se "
+           f"{res['centered_mean_se']:.4f}, {len(tasks)} tasks)")
+    return [("chat", res["centered_mean"])] + [(f"chat/{label}", task["centered"])
+                                               for label, task in res["tasks"].items()]
 
 # ===== Keeping a run safe: checkpoints (rundir.py handles the files), the step's read-back =====
 @dataclass
@@ -1441,6 +1464,7 @@ def train(run, proc, ckpt=None):
         profiler = Profiler(run, proc)
         hellaswag_on = run.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc)
         core = core_tasks(run, proc)  # None: CORE off
+        chat_tasks = chat_eval_tasks(run, proc)  # None: off
         enc = fineweb.get_encoding()
 
         # ============================== training ==============================
@@ -1466,10 +1490,12 @@ def train(run, proc, ckpt=None):
 
             # once in a while: CORE (nanochat's subsample of its 22 tasks), like HellaSwag
             if core is not None and due(run.core_every, step, last_step):
-                res = core_score(raw_model, core, run, proc)
-                meter.log(step, "core", res["core"])
-                for label, task in res["tasks"].items():
-                    meter.log(step, f"core/{label}", task["centered"])
+                for kind, value in core_score(raw_model, core, run, proc):
+                    meter.log(step, kind, value)
+            # once in a while, fine-tuning: ARC and MMLU asked in the chat format, like CORE
+            if chat_tasks is not None and due(run.chat_every, step, last_step):
+                for kind, value in chat_score(raw_model, chat_tasks, run, proc):
+                    meter.log(step, kind, value)
 
             # once in a while: samples, each rank with its own seed
             if step > 0 and due(run.sample_every, step, last_step):

@@ -7,6 +7,7 @@ older-transformers HellaSwag check, the simulated-CUDA harness) can import it to
 """
 import contextlib
 import copy
+import hashlib
 import http.server
 import io
 import json
@@ -635,3 +636,55 @@ class Server:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+# ===== The chat tasks' data (chat_eval.py), in the HF datasets' own fields =====================
+CHAT_EVAL_SOURCES = {"arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
+                     "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
+                     "mmlu": ("cais/mmlu", "all", "test")}
+CHAT_EVAL_WORDS = ("the a river mountain city school teacher student water light plant animal red "
+                   "blue green small large old new runs grows shines falls learned built").split()
+
+
+def _words(rng, lo, hi):
+    return " ".join(rng.choice(CHAT_EVAL_WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def arc_rows(n, seed):
+    """ARC's rows: 3 to 5 choices, labelled A... or (as some of ARC's are) 1, 2, ..."""
+    rng, rows = random.Random(seed), []
+    for i in range(n):
+        k = 3 + i % 3
+        labels = list("ABCDE"[:k]) if i % 4 else [str(j + 1) for j in range(k)]
+        rows.append({"id": f"Fixture_{i}", "question": _words(rng, 5, 12).capitalize() + "?",
+                     "choices": {"text": [_words(rng, 1, 4) for _ in range(k)], "label": labels},
+                     "answerKey": rng.choice(labels)})
+    return rows
+
+
+def mmlu_rows(n, seed):
+    rng = random.Random(seed)
+    return [{"question": _words(rng, 5, 12).capitalize() + "?", "subject": "fixture",
+             "choices": [_words(rng, 1, 4) for _ in range(4)], "answer": rng.randrange(4)}
+            for _ in range(n)]
+
+
+def write_chat_eval_data(folder, rows_by_label=None):
+    """The chat tasks' data folder as chat_eval's download leaves it: LABEL.jsonl (one HF row a
+    line) and manifest.json with each file's SHA-256, row count and source."""
+    if rows_by_label is None:
+        rows_by_label = {"arc_easy": arc_rows(23, 1), "arc_challenge": arc_rows(17, 2),
+                         "mmlu": mmlu_rows(19, 3)}
+    os.makedirs(folder, exist_ok=True)
+    manifest = {}
+    for label, rows in rows_by_label.items():
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        with open(os.path.join(folder, f"{label}.jsonl"), "wb") as f:
+            f.write(data)
+        dataset, config, split = CHAT_EVAL_SOURCES[label]
+        manifest[label] = {"file": f"{label}.jsonl", "sha256": hashlib.sha256(data).hexdigest(),
+                           "rows": len(rows), "dataset": dataset, "config": config,
+                           "split": split}
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    return str(folder)

@@ -5,11 +5,9 @@ known and on tiny chat models of both architectures; the accuracies, standard er
 mean against their formulas; the data's download (datasets' load_dataset replaced by fixture rows),
 its manifest and checks, each refusal one line; a base model refused; CORE's labels untouched. No
 network: the data are fixture files in the on-disk format, written here."""
-import hashlib
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -23,61 +21,15 @@ import torch
 import chat
 import chat_eval
 import settings
-from helpers import (HANG_LIMIT_S, REPO, assert_one_line_error, run_cli, tiny_model, torchrun,
+from helpers import (CHAT_EVAL_SOURCES, HANG_LIMIT_S, REPO, arc_rows, assert_one_line_error,
+                     mmlu_rows, run_cli, tiny_model, torchrun, write_chat_eval_data,
                      write_core_bundle)
 
 EOT, USER_START, USER_END, ASSISTANT_START = 50256, 50259, 50260, 50261  # docs/chat.md's ids
-SOURCES = {"arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
-           "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
-           "mmlu": ("cais/mmlu", "all", "test")}
-WORDS = ("the a river mountain city school teacher student water light plant animal red blue "
-         "green small large old new runs grows shines falls learned built").split()
-
-
-# ===== Fixture rows, in the HF datasets' own fields ==============================================
-def _words(rng, lo, hi):
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-
-def arc_rows(n, seed):
-    """ARC's rows: 3 to 5 choices, labelled A... or (as some of ARC's are) 1, 2, ..."""
-    rng, rows = random.Random(seed), []
-    for i in range(n):
-        k = 3 + i % 3
-        labels = list("ABCDE"[:k]) if i % 4 else [str(j + 1) for j in range(k)]
-        rows.append({"id": f"Fixture_{i}", "question": _words(rng, 5, 12).capitalize() + "?",
-                     "choices": {"text": [_words(rng, 1, 4) for _ in range(k)], "label": labels},
-                     "answerKey": rng.choice(labels)})
-    return rows
-
-
-def mmlu_rows(n, seed):
-    rng = random.Random(seed)
-    return [{"question": _words(rng, 5, 12).capitalize() + "?", "subject": "fixture",
-             "choices": [_words(rng, 1, 4) for _ in range(4)], "answer": rng.randrange(4)}
-            for _ in range(n)]
-
-
+# ===== Fixture rows, in the HF datasets' own fields (helpers) ===================================
+SOURCES = CHAT_EVAL_SOURCES
 ROWS = {"arc_easy": arc_rows(23, 1), "arc_challenge": arc_rows(17, 2), "mmlu": mmlu_rows(19, 3)}
-
-
-def write_data(folder, rows_by_label=None):
-    """The data folder as the download leaves it: LABEL.jsonl (one HF row a line) and
-    manifest.json with each file's SHA-256, row count and source."""
-    rows_by_label = ROWS if rows_by_label is None else rows_by_label
-    os.makedirs(folder, exist_ok=True)
-    manifest = {}
-    for label, rows in rows_by_label.items():
-        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-        with open(os.path.join(folder, f"{label}.jsonl"), "wb") as f:
-            f.write(data)
-        dataset, config, split = SOURCES[label]
-        manifest[label] = {"file": f"{label}.jsonl", "sha256": hashlib.sha256(data).hexdigest(),
-                           "rows": len(rows), "dataset": dataset, "config": config,
-                           "split": split}
-    with open(os.path.join(folder, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
-    return str(folder)
+write_data = write_chat_eval_data
 
 
 @pytest.fixture(scope="module")

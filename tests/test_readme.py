@@ -28,8 +28,9 @@ GUIDES = ("README.md", "docs/operations.md", "docs/performance.md", "docs/evalua
 
 SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
 # train_gpt2.py's commands: settings.build_parser(command=...) builds each one's parser
-TRAIN_COMMANDS = ("sample", "export", "eval")
+TRAIN_COMMANDS = ("sample", "export", "eval", "chat")
 TRAIN_PLAN = "plan"  # takes the training flags
+TRAIN_SFT = "sft"  # the training flags, with --sft
 SHELL_INFOS = {"", "bash", "sh", "shell", "zsh", "console", "shell-session"}
 SHELL_STARTERS = {"python", "python3", "torchrun", "pip", "pip3", "uv", "conda", "cp", "mv", "rm",
                   "mkdir", "cd", "ls", "cat", "export", "git", "bash", "sh", "env", "nohup", "srun",
@@ -304,10 +305,12 @@ def check_call(script, args):
     command = None
     if script == "train_gpt2.py" and args and args[0] == TRAIN_PLAN:
         args = args[1:]
+    elif script == "train_gpt2.py" and args and args[0] == TRAIN_SFT:
+        args = ["--sft", *args[1:]]
     elif script == "train_gpt2.py" and args and not args[0].startswith("-"):
         if args[0] not in TRAIN_COMMANDS:
             return (f"train_gpt2.py has no subcommand {args[0]!r} (it has "
-                    f"{', '.join(TRAIN_COMMANDS + (TRAIN_PLAN,))})")
+                    f"{', '.join(TRAIN_COMMANDS + (TRAIN_PLAN, TRAIN_SFT))})")
         command, args = args[0], args[1:]
     try:
         parser = script_parser(script, command)

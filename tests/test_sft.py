@@ -2,6 +2,7 @@
 never trained, one stream for any number of ranks, an exact resume), the conversations cut to the
 context, and the step's loss as the mean over all its supervised tokens: K micro-steps of very
 different supervised counts give the gradient of one forward over all their rows."""
+import json
 import random
 
 import numpy as np
@@ -249,3 +250,26 @@ def test_two_ranks_fine_tune_as_one(base_ckpt, tmp_path):
     r = torchrun(*two)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_log(str(tmp_path / "one" / "log"), str(tmp_path / "two" / "log"), tol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_chat_tasks_every_n_steps(base_ckpt, tmp_path, monkeypatch):
+    """--chat_every: the chat tasks' centred mean and each task's in log.txt at step 0, every N
+    and at the end; the last the same as the eval command gives of the final checkpoint."""
+    from helpers import run_cli, series, write_chat_eval_data
+
+    monkeypatch.setenv("CHAT_EVAL_DIR", write_chat_eval_data(str(tmp_path / "chat_eval")))
+    r = run_cli(*sft_args(base_ckpt, tmp_path, "--max_steps", "4", "--chat_every", "2",
+                          "--chat_max_per_task", "6", "--save_every", "4"))
+    assert r.returncode == 0, r.stderr
+    log = series(str(tmp_path / "log"))
+    assert log["chat"][0] == [0, 2, 4]
+    assert {k for k in log if k.startswith("chat/")} == {"chat/arc_easy", "chat/arc_challenge",
+                                                         "chat/mmlu"}
+    results = tmp_path / "results.json"
+    r = run_cli("eval", "--tasks", "chat", "--checkpoint", str(tmp_path / "log" / "model_00003.pt"),
+                "--device", "cpu", "--dtype", "fp32", "--max_per_task", "6", "--results",
+                str(results))
+    assert r.returncode == 0, r.stderr
+    with open(results) as f:
+        assert json.load(f)["centered_mean"] == pytest.approx(log["chat"][1][-1], abs=1e-4)
