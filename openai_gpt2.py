@@ -11,7 +11,8 @@ import math
 import os
 
 from common import UsageError, hub_unreachable, one_line
-from fineweb import EOT
+import chat
+from fineweb import BPE_DIR, EOT
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # the matmuls transformers' GPT-2 keeps as Conv1D, (in, out): transposed on import and export
@@ -99,17 +100,24 @@ def pretrained_state_dict(name):
 
 def export_hf(model, out_dir):
     """Write a GPT (train_gpt2.py's) as a transformers GPT2LMHeadModel directory, the vocab
-    unpadded: what `train_gpt2.py export` makes of a checkpoint."""
+    unpadded, with its tokenizer (export_tokenizer): what `train_gpt2.py export` makes of a
+    checkpoint. A chat model's turn ends at <|assistant_end|>: its eos token, where generate()
+    stops."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = model.config
     if c.gpt2_differences():
         raise UsageError(f"only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
                          f"{', '.join(c.gpt2_differences())}")
+    talks = chat.is_chat_model(c)
+    eos = EOT
+    if talks:
+        eos = chat.END["assistant"]
     hf = GPT2LMHeadModel(GPT2Config(
         vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
         layer_norm_epsilon=1e-5, resid_pdrop=c.dropout, embd_pdrop=c.dropout,
-        attn_pdrop=c.dropout, bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True))
+        attn_pdrop=c.dropout, bos_token_id=EOT, eos_token_id=eos, tie_word_embeddings=True))
+    hf.generation_config.eos_token_id = eos
     sd = {}
     for k, v in model.state_dict().items():
         v = v.detach().float().cpu()
@@ -120,4 +128,26 @@ def export_hf(model, out_dir):
         sd[k] = v.contiguous()
     hf.load_state_dict(sd, strict=True)
     hf.save_pretrained(out_dir)
+    export_tokenizer(out_dir, talks)
     return hf
+
+
+def export_tokenizer(out_dir, talks=False):
+    """GPT-2's tokenizer (gpt2_bpe/'s two files, under transformers' names) into out_dir, so that
+    AutoTokenizer and pipeline() load an exported model's folder as it is. A chat model's (talks)
+    also has the six chat tokens at their ids and chat.CHAT_TEMPLATE, so that
+    apply_chat_template renders a conversation as chat.render does."""
+    import shutil
+    import tempfile
+
+    from transformers import GPT2TokenizerFast
+
+    with tempfile.TemporaryDirectory() as files:  # the names from_pretrained reads
+        shutil.copy(os.path.join(BPE_DIR, "encoder.json"), os.path.join(files, "vocab.json"))
+        shutil.copy(os.path.join(BPE_DIR, "vocab.bpe"), os.path.join(files, "merges.txt"))
+        tok = GPT2TokenizerFast.from_pretrained(files)
+    if talks:
+        tok.add_special_tokens({"additional_special_tokens": list(chat.SPECIAL_TOKENS)})
+        tok.chat_template = chat.CHAT_TEMPLATE
+    tok.save_pretrained(out_dir)
+    return tok

@@ -156,3 +156,66 @@ def test_transformers_chat_template_gives_our_ids_and_mask(enc, tmp_path):
         prompt = tok.apply_chat_template(msgs[:-1], tokenize=True, add_generation_prompt=True,
                                          return_dict=True)
         assert prompt["input_ids"] == chat.render_prompt(msgs[:-1], enc)
+
+
+# ===== Export: a chat model as a transformers folder, its tokenizer and chat template ============
+@pytest.mark.slow
+def test_an_exported_chat_model_talks_as_the_chat_command_does(enc, tmp_path):
+    """export of a chat model: transformers loads the folder as it is (AutoTokenizer,
+    AutoModelForCausalLM); apply_chat_template gives our ids and trained-token mask; greedy
+    generate() from the exported model gives `chat --prompt`'s greedy answer, token for token,
+    and stops at <|assistant_end|>."""
+    from dataclasses import asdict
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers import run_cli, tiny_model
+
+    model = tiny_model(seed=4, real_vocab_size=chat.CHAT_VOCAB_SIZE)
+    ckpt = str(tmp_path / "model.pt")
+    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, ckpt)
+    out = str(tmp_path / "hf")
+    r = run_cli("export", "--checkpoint", ckpt, "--out", out)
+    assert r.returncode == 0, r.stderr
+    tok = AutoTokenizer.from_pretrained(out)
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    for msgs in CONVERSATIONS[:2]:
+        ids, mask = chat.render(msgs, enc)
+        got = tok.apply_chat_template(msgs, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        assert got["input_ids"] == ids and got["assistant_masks"] == mask
+    question = "Name a river."
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
+                                     add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert prompt == chat.render_prompt([{"role": "user", "content": question}], enc)
+    new = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    new = new.tolist()
+    if chat.END["assistant"] in new:  # generate() stops there: the eos token of a chat model
+        assert new[-1] == chat.END["assistant"]
+        new = new[:-1]
+    r = run_cli("chat", "--checkpoint", ckpt, "--prompt", question, "--top_k", "1",
+                "--max_new_tokens", "12", "--device", "cpu", "--dtype", "fp32")
+    assert r.returncode == 0, r.stderr
+    text = enc.decode([t for t in new if t < chat.EOT])
+    assert text and r.stdout.rstrip("\n") == text
+
+
+def test_an_exported_base_model_loads_in_a_pipeline(tmp_path):
+    """export of a base model writes GPT-2's tokenizer beside it: transformers' pipeline loads the
+    folder as it is, with no chat template."""
+    from dataclasses import asdict
+
+    import torch
+    from transformers import pipeline
+
+    from helpers import run_cli, tiny_model
+
+    model = tiny_model(seed=2)
+    ckpt = str(tmp_path / "model.pt")
+    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, ckpt)
+    out = str(tmp_path / "hf")
+    assert run_cli("export", "--checkpoint", ckpt, "--out", out).returncode == 0
+    generate = pipeline("text-generation", model=out)
+    text = generate("Hello", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert text.startswith("Hello") and generate.tokenizer.chat_template is None
