@@ -306,8 +306,10 @@ def build_parser(shown=DEFAULTS, command=None):
         return p
     commands = "\n".join(f"  {c:8} {flags[0]}" for c, flags in COMMAND_FLAGS.items())
     commands += "\n  plan     the run these flags make (memory, compute, time); nothing written"
+    commands += ("\n  sft      fine-tune on conversations: these flags with --sft (docs/chat.md)")
+    usage = f"%(prog)s [plan|sft] [flags]  |  %(prog)s {{{','.join(COMMAND_FLAGS)}}} [flags]"
     p = OneLineParser(prog="train_gpt2.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-                      usage="%(prog)s [plan] [flags]  |  %(prog)s {sample,export,eval} [flags]",
+                      usage=usage,
                       description="Pretrain GPT-2 on FineWeb-Edu shards, on one GPU or under "
                                   f"torchrun.\n\ncommands (COMMAND --help):\n{commands}")
     for title, entries in RUN_SETTINGS.items():
