@@ -3,6 +3,7 @@ never trained, one stream for any number of ranks, an exact resume), the convers
 context, and the step's loss as the mean over all its supervised tokens: K micro-steps of very
 different supervised counts give the gradient of one forward over all their rows."""
 import json
+import os
 import random
 
 import numpy as np
@@ -273,3 +274,39 @@ def test_the_chat_tasks_every_n_steps(base_ckpt, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr
     with open(results) as f:
         assert json.load(f)["centered_mean"] == pytest.approx(log["chat"][1][-1], abs=1e-4)
+
+
+def test_every_row_trains_something(data):
+    """Each row holds whole conversations, each with a trained token (its replies' ends at least):
+    no micro-step is without supervised tokens, so none divides by zero."""
+    ld = loader(data, B=1)
+    for row in ld.epoch_rows(0):
+        assert row and all(ld.spans[i, 2] > 0 for i in row)
+
+
+@pytest.mark.slow
+def test_a_modern_model_with_muon_fine_tunes_and_plan_answers(tmp_path, enc):
+    """sft from a modern checkpoint (soft-capped head, the loss's own kernel) with Muon: the
+    loss falls; plan --sft, once the data is prepared, counts the epoch's steps and writes
+    nothing."""
+    from dataclasses import asdict
+
+    import settings
+    from helpers import run_cli, series
+
+    modern = {**settings.ARCHITECTURES["modern"], "zero_init": False}
+    model = tiny_model(n_layer=2, n_head=2, n_embd=64, block_size=64, **modern)
+    base = tmp_path / "modern.pt"
+    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, base)
+    args = sft_args(str(base), tmp_path, "--optimizer", "muon", "--max_steps", "6",
+                    "--eval_every", "0")
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    losses = series(str(tmp_path / "log"))["train"][1]
+    assert losses[-1] < losses[0] - 0.3, losses
+    listed = sorted(os.listdir(tmp_path))
+    plan = [a for a in args if a not in ("--max_steps", "6")][1:]  # no --max_steps: one epoch
+    r = run_cli("plan", "--sft", *plan)
+    assert r.returncode == 0, r.stderr
+    assert "sft: one epoch of the train conversations is" in r.stdout
+    assert sorted(os.listdir(tmp_path)) == listed
