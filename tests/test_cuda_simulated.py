@@ -69,7 +69,7 @@ def children(lib, tmp_path_factory):
     runs.start_checks(lib, ["train", "inference", "fp16", *seeded, f"train{modern}",
                             f"fp16{modern}"])
     runs.start_checks(lib, ["compile", "distributed:fsdp", "distributed:ddp", "auto_batch",
-                            f"compile{modern}", f"inference{modern}"])
+                            f"compile{modern}", f"inference{modern}", "sft:h100", "sft:t4"])
     for arch in ("gpt2", "modern"):  # bench.py's estimate of each architecture
         runs.start([sys.executable, os.path.join(REPO, "bench.py"), "--suite", "gpu-estimate",
                     "--arch", arch, "--estimate_batch_sizes", "64", "--sim_lib", lib, "--json"],
@@ -185,6 +185,24 @@ def test_a_gpu_without_bf16_trains_in_fp16_with_the_loss_scaler(children, arch):
                                                               "step"], r["events"]
     assert all("scaler" in c["keys"] for c in r["saved"]) and r["saved"], r["saved"]
     assert r["fsdp"] is not None and "--fsdp does not train in fp16" in r["fsdp"], r["fsdp"]
+
+
+@pytest.mark.parametrize("gpu, dtype", [("h100", "torch.bfloat16"), ("t4", "torch.float16")])
+def test_sft_fine_tunes_on_cuda_in_bf16_and_in_fp16(children, gpu, dtype):
+    """The sft command on a simulated H100 (bf16) and T4 (fp16, with the loss scaler): every
+    training forward on cuda:0 in autocast with its logits in the GPU's half type and the loss in
+    fp32; two micro-steps a step; the val loss of the conversations; fp32 gradients."""
+    r = passed(children, f"sft:{gpu}")
+    precision = {"h100": "bf16", "t4": "fp16"}[gpu]
+    assert configured(r["stdout"], f"precision={precision}"), r["stdout"]
+    training = [f for f in r["forwards"] if f["training"] and f["grad"]]
+    assert len(training) == 4, r["forwards"]
+    for f in training:
+        assert (f["idx"], f["logits"], f["loss"], f["autocast"]) == \
+            ("cuda:0", dtype, "torch.float32", True), f
+    assert [s["forwards"] for s in r["steps"]] == [2, 2], r["steps"]
+    assert all(s["grads"] == ["torch.float32"] for s in r["steps"]), r["steps"]
+    assert r["stdout"].count("validation loss:") == 3, r["stdout"]
 
 
 def test_auto_micro_batch_grows_with_the_gpu_and_each_choice_fits(children):

@@ -378,6 +378,35 @@ def check_fp16(*flags):
             "steps": watch.steps, "saved": saved, "fsdp": fsdp}
 
 
+def check_sft(gpu="h100", *flags):
+    """main()'s sft command on --device cuda (eager, --dtype auto): a base checkpoint fine-tuned
+    two steps of two micro-steps on conversations, with its val loss; on an H100 in bf16, on a
+    simulated T4 in fp16 with the loss scaler. flags: more of main()'s."""
+    from dataclasses import asdict
+
+    from helpers import write_jsonl
+
+    root = scratch_dir()
+    torch.manual_seed(0)
+    model = tg.GPT(tg.GPTConfig(**TINY))
+    base = os.path.join(root, "base.pt")
+    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, base)
+    talk = os.path.join(root, "talk.jsonl")
+    write_jsonl(talk, [{"messages": [{"role": "user", "content": f"Say {i}."},
+                                     {"role": "assistant", "content": f"{i}."}]}
+                       for i in range(40)])
+    args = ["sft", "--init_from", base, "--chat_data", talk, "--chat_dir",
+            os.path.join(root, "chat"), "--log_dir", os.path.join(root, "log"), "--device",
+            "cuda", "-B", "2", "-T", "32", "--total_batch_size", "128", "--max_steps", "2",
+            "--eval_every", "1", "--val_tokens", "32", "--no-compile", *flags]
+    gpus = {"h100": {}, "t4": dict(device_name="Tesla T4", total_memory=15 * 2**30, bf16=False)}
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA(**gpus[gpu]), \
+            CheckpointsInMemory():
+        with Watch() as watch:
+            out, err = run_main(args)
+    return {"stdout": out, "stderr": err, "forwards": watch.forwards, "steps": watch.steps}
+
+
 def check_auto_batch(n_layer="1"):
     """-B auto for GPT-2 124M's width at T=1024 with the 524,288-token batch, bf16 (n_layer of
     its 12 layers: fewer to be quick), on simulated GPUs of 16, 24, 40 and 80 GiB (the estimate of
