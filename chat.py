@@ -18,7 +18,7 @@ Importing this downloads, spawns and opens nothing, and imports neither torch no
 
 import json
 
-from common import UsageError, one_line
+from common import UsageError, make_dirs, one_line
 
 EOT = 50256  # <|endoftext|>: starts every conversation, as it starts every pretraining document
 ROLES = ("system", "user", "assistant")
@@ -985,24 +985,6 @@ def _prepare_locked(folder, kind, what, args, print0, progress):
     return manifest
 
 
-def _make_dirs(folder):
-    """Create folder and its missing parents; those created, deepest first."""
-    import os
-
-    made, path = [], folder
-    while not os.path.isdir(path):
-        made.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise ChatDataError(f"cannot create {folder}: {one_line(e, 120)}") from None
-    return made
-
-
 def prepare(sources, out_dir, *, val_fraction=VAL_FRACTION, hf_split=HF_SPLITS,
             revision=None, print0=print, progress=True):
     """Prepare conversations once into out_dir's token and mask arrays (docs/chat.md, "The
@@ -1050,7 +1032,7 @@ def prepare(sources, out_dir, *, val_fraction=VAL_FRACTION, hf_split=HF_SPLITS,
     busy = ("is being prepared by another process ({holder}); wait for it to end, or stop it, "
             "then run again")
     with stops_raise():  # SIGTERM, as Ctrl-C, undoes the prep
-        made = _make_dirs(folder)
+        made = make_dirs(folder, "--chat_dir", ChatDataError)
         try:
             with dir_lock(folder, DATA_LOCK, busy, error=ChatDataError):
                 try:

@@ -33,8 +33,8 @@ import chat
 import core_eval
 import fineweb
 import scorer
-from common import (OneLineParser, UsageError, atomic_write, dir_lock, hub_unreachable, one_line,
-                    run_cli)
+from common import (OneLineParser, UsageError, atomic_write, dir_lock, hub_unreachable, make_dirs,
+                    one_line, run_cli)
 
 
 class Spec(NamedTuple):
@@ -285,7 +285,7 @@ def download(label, chat_eval_dir=None, enc=None):
     if hub_unreachable():  # datasets' client would retry for half a minute before saying so
         raise _unavailable(spec, folder, "the hub is unreachable; HF_HUB_OFFLINE=1 reads a copy "
                                          "in the datasets cache")
-    made = _make_dirs(folder)
+    made = make_dirs(folder, "--chat_eval_dir", ChatEvalError)
     try:
         _download_waiting(spec, folder, enc or fineweb.get_encoding())
     except BaseException:
@@ -297,23 +297,6 @@ def download(label, chat_eval_dir=None, enc=None):
                 os.rmdir(path)  # only if empty: what another process put there stays
         raise
     return os.path.join(folder, file_name(label))
-
-
-def _make_dirs(folder):
-    """folder and its missing parents made; the ones made, deepest first."""
-    made, path = [], folder
-    while not os.path.isdir(path):
-        made.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise ChatEvalError(f"--chat_eval_dir {folder}: cannot create it ({one_line(e, 100)})") \
-            from None
-    return made
 
 
 def _download_waiting(spec, folder, enc):

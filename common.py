@@ -243,6 +243,24 @@ def check_new_dir(path, flag):
     check_writable_folder(path, flag)
 
 
+def make_dirs(folder, flag, error=UsageError):
+    """Create folder and its missing parents; returns the ones created, deepest first, so that an
+    undo can remove them (rmdir: only while empty). One that cannot be made is error(one line
+    naming flag and folder)."""
+    made, path = [], folder
+    while not os.path.isdir(path):
+        made.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise error(f"{flag} {folder}: cannot create it ({one_line(e, 100)})") from None
+    return made
+
+
 @contextlib.contextmanager
 def new_dir(path, flag):
     """A folder to fill in the body, renamed to path (a new or empty directory) when the body ends

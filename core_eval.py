@@ -34,7 +34,7 @@ import zlib
 
 import fineweb
 import scorer
-from common import UsageError, atomic_write, dir_lock, one_line, stops_raise
+from common import UsageError, atomic_write, dir_lock, make_dirs, one_line, stops_raise
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DEFAULT_DIR = os.path.join(fineweb.REPO_DIR, "eval_bundle")  # or $EVAL_BUNDLE_DIR, --eval_dir
@@ -590,23 +590,6 @@ class _Busy(Exception):
     """Another process holds the install lock."""
 
 
-def _make_dirs(folder):
-    """Create folder and its missing parents; the ones created, deepest first."""
-    made, path = [], folder
-    while not os.path.isdir(path):
-        made.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise BundleError(f"--eval_dir {folder}: cannot create it ({one_line(e, 100)})") \
-            from None
-    return made
-
-
 def install(source=None, eval_dir=None, timeout=DOWNLOAD_TIMEOUT, max_mb=MAX_BUNDLE_MB):
     """The folder holding the installed bundle, installing it first if it is not there: from
     source (a URL, a .zip or an unpacked folder; None: nanochat's URL), a download within timeout
@@ -624,7 +607,7 @@ def install(source=None, eval_dir=None, timeout=DOWNLOAD_TIMEOUT, max_mb=MAX_BUN
             raise BundleError(f"--eval_dir {folder} is {_kind(os.lstat(folder).st_mode)}, not "
                               f"a folder")
         with stops_raise():  # SIGTERM, as Ctrl-C, undoes what the install did
-            made = _make_dirs(folder)
+            made = make_dirs(folder, "--eval_dir", BundleError)
             try:
                 _install_waiting(source or BUNDLE_URL, folder, timeout, max_mb)
             except BaseException:
