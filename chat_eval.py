@@ -462,18 +462,6 @@ def score_task(model, task, device, positions, enc, *, batch_tokens=8192, autoca
     return out
 
 
-def _gather(examples, proc):
-    """Every rank's results on every rank (all_gather_object), as core_eval gathers CORE's."""
-    if proc is not None and proc.world_size > 1:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            parts = [None] * proc.world_size
-            dist.all_gather_object(parts, examples)
-            examples = [e for part in parts for e in part]
-    return examples
-
-
 def summarize(tasks, examples):
     """{"centered_mean", "centered_mean_se", "tasks": {label: {"accuracy", "accuracy_se",
     "centered", "centered_se", "n", "cropped"}}}: a task's accuracy p of n with sqrt(p (1 - p) /
@@ -510,7 +498,7 @@ def evaluate(model, device, tasks, *, batch_tokens=8192, autocast_dtype=None, de
                                batch_tokens=batch_tokens, autocast_dtype=autocast_dtype,
                                device_type=device_type, desc=desc, proc=proc)
     order = {t.label: k for k, t in enumerate(tasks)}
-    examples = sorted(_gather(examples, proc), key=lambda e: (order[e["task"]], e["index"]))
+    examples = sorted(scorer.gather(examples, proc), key=lambda e: (order[e["task"]], e["index"]))
     return {**summarize(tasks, examples), "examples": examples}
 
 

@@ -471,3 +471,16 @@ def score_groups(model, groups, device, *, batch_tokens=8192, autocast_dtype=Non
     for (g, j), (s, m, ok) in zip(order, values):
         out[g][j] = Scored(s, m, bool(ok))
     return out
+
+
+def gather(examples, proc):
+    """Every rank's example results (a list each) on every rank, rank 0's first
+    (all_gather_object): an evaluation that split its examples over the ranks sorts them back."""
+    if proc is not None and proc.world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            parts = [None] * proc.world_size
+            dist.all_gather_object(parts, examples)
+            examples = [e for part in parts for e in part]
+    return examples
