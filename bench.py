@@ -6,7 +6,8 @@ Measure the hot paths of this repository for one setting, and print one table (o
     python bench.py --preset gpt2 -B 64 -T 1024 --device cuda   # GPT-2 124M, a GPU (bf16, compiled)
     python bench.py --suite gpu-estimate        # no GPU: GPT-2's memory, FLOPs, roofline on an H100
 
-All inputs are synthetic, so nothing needs to be downloaded (--fineweb_input takes a real corpus).
+All inputs are synthetic, so nothing needs to be downloaded (--fineweb_input takes a real corpus,
+--packing_input real conversations).
 What each row measures, how, and the figures measured so far: docs/performance.md.
 """
 import argparse
@@ -23,6 +24,7 @@ import types
 import numpy as np
 import torch
 
+import chat
 import common
 import fineweb
 import metrics
@@ -666,6 +668,341 @@ def bench_fineweb(args, t):
     return {"tokens_per_sec": tokens / dt, "tokens": tokens, "num_proc": num_proc}
 
 
+# ===== Fine-tuning and chat: the sft, packing and chat_ttft rows =================================
+# A SmolTalk-like mix of conversation lengths, in tokens. smol-smoltalk (460,341 train
+# conversations) cannot be read here; what is published of its lengths was counted with
+# nanochat's tokenizer (65,536 tokens, not GPT-2's), each conversation rendered to at most 2,048
+# tokens: a median of 858 tokens, 60.0% longer than 513 (karpathy/nanochat issue #590); and at
+# rows of 513 tokens, 8.2% of the supervised tokens in conversations that fit and 39.9% in the
+# first 513 tokens of those that do not (nanochat PR #486). Two kinds of conversation, every
+# message's length log-normal with one sigma: the medians below were fitted to those four figures
+# (200,000 conversations of it: 854 tokens, 60.2%, 8.2% and 39.9%; tests/test_bench.py checks
+# them).
+SMOLTALK_LIKE = {
+    "single_share": 0.4,  # one exchange: a user's message, then the reply
+    "single": (103, 109),  # median tokens of its (user, assistant) messages
+    "multi_exchanges": 3,  # the others: three exchanges
+    "multi": (56, 268),
+    "sigma": 0.46,  # of each message's log-length
+}
+
+
+def smoltalk_like(n, seed=0, mix=SMOLTALK_LIKE):
+    """n conversations of the SmolTalk-like mix as (ids, mask, starts), the arrays
+    ChatLoader takes, laid out as chat.render lays them out (<|endoftext|>, then per exchange
+    <|user_start|> U <|user_end|> <|assistant_start|> A <|assistant_end|>, A and its end token
+    trained); each content random GPT-2 token ids."""
+    rng = np.random.default_rng(seed)
+    single = rng.random(n) < mix["single_share"]
+    k_max = max(1, mix["multi_exchanges"])
+    exchanges = np.where(single, 1, mix["multi_exchanges"])
+    present = np.arange(k_max) < exchanges[:, None]  # (n, k_max)
+
+    def lengths(role):  # (n, k_max): each message's tokens (role 0: user, 1: reply), 0: none
+        median = np.where(single, mix["single"][role], mix["multi"][role])[:, None]
+        z = rng.standard_normal((n, k_max))
+        return np.maximum(1, np.rint(median * np.exp(mix["sigma"] * z))).astype(np.int64) * present
+
+    user, reply = lengths(0), lengths(1)
+    # each conversation: <|endoftext|>, then six segments per exchange (a token, or a content)
+    start, end = chat.START, chat.END
+    tokens = [start["user"], -1, end["user"], start["assistant"], -1, end["assistant"]]
+    trained = [0, 0, 0, 0, 1, 1]
+    one = present.astype(np.int64)
+    seg_len = np.stack([one, user, one, one, reply, one], axis=-1).reshape(n, -1)
+    seg_len = np.concatenate([np.ones((n, 1), dtype=np.int64), seg_len], axis=1).reshape(-1)
+    seg_tok = np.tile(np.array([chat.EOT] + tokens * k_max, dtype=np.int32), n)
+    seg_mask = np.tile([0] + trained * k_max, n)
+    ids = np.repeat(seg_tok, seg_len)
+    content = ids < 0
+    ids[content] = rng.integers(0, chat.EOT, int(content.sum()))
+    conv_len = seg_len.reshape(n, -1).sum(1)
+    starts = np.concatenate([[0], np.cumsum(conv_len)]).astype(np.int64)
+    return ids.astype(np.uint16), np.repeat(seg_mask, seg_len).astype(np.uint8), starts
+
+
+def render_files(paths):
+    """The conversations of .jsonl/.parquet files (HF's messages layout) as (ids, mask, starts),
+    rendered with GPT-2's tokenizer as the sft command prepares them; bad rows skipped, as there
+    (a note on stderr)."""
+    enc = fineweb.get_encoding()
+    ids, mask, lengths = [], [], []
+    for path in paths:
+        good, note = chat.read_conversations(path)
+        if note:
+            print(note, file=sys.stderr)
+        # chat's own batches: render()'s ids, the contents encoded in tiktoken's threads; each
+        # batch an array at once (a list of a dataset's ids would take GBs)
+        for k in range(0, len(good), chat.DATA_BATCH):
+            batch = chat._render_batch(good[k: k + chat.DATA_BATCH], enc)
+            ids.append(np.array([t for i, _ in batch for t in i], dtype=np.uint16))
+            mask.append(np.array([t for _, m in batch for t in m], dtype=np.uint8))
+            lengths += [len(i) for i, _ in batch]
+    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    return np.concatenate(ids), np.concatenate(mask), starts
+
+
+def packing_stats(data, T, B=1, window=100, batches=0):
+    """ChatLoader's packing of the conversations data (ids, mask, starts) into rows of T + 1 tokens
+    (its train order, best fit over `window` waiting): the share of the rows' input positions
+    (T a row) that are padding, the share of the supervised tokens lost to cropping (each
+    conversation cut after its last whole reply that fits, or dropped), and the counts. With
+    batches, also the median µs of that many next_batch calls of B rows (None when the epoch
+    holds fewer rows: a new epoch's packing would be timed)."""
+    ids, mask, starts = data
+    loader = tg.ChatLoader(B, T, (ids, mask, starts), window=window)
+    rows = loader.epoch_rows(0)
+    next_batch_us = None
+    if batches and len(rows) >= (batches + 1) * B:  # one untimed, then the timed ones
+        next_batch_us = timed(loader.next_batch, "cpu", 1, batches) * 1e6
+    spans = loader.spans
+    used = np.array([int(spans[row, 1].sum()) for row in rows])  # each row's ids: at most T + 1
+    padding = int((T - np.minimum(used, T)).sum())
+    supervised = int(np.asarray(mask, dtype=np.int64).sum())
+    kept = int(spans[:, 2].sum())
+    original = np.diff(starts)[np.searchsorted(starts, spans[:, 0])]
+    return {"T": T, "window": window, "conversations": len(starts) - 1, "rows": len(rows),
+            "padding_share": padding / (len(rows) * T),
+            "trained_share": kept / (len(rows) * T),  # of the input positions: targets trained
+            "supervised": supervised, "lost_supervised_share": (supervised - kept) / supervised,
+            "cut": int((spans[:, 1] < original).sum()), "dropped": len(starts) - 1 - len(spans),
+            "conversations_per_row": len(spans) / len(rows), "B": B,
+            "next_batch_us": next_batch_us}
+
+
+DEMO_CHAT = os.path.join(fineweb.REPO_DIR, "docs", "demo_chat.jsonl")
+
+
+def length_summary(starts):
+    lengths = np.diff(starts)
+    return {"median_tokens": float(np.median(lengths)), "mean_tokens": float(lengths.mean()),
+            "share_over_513": float((lengths > 513).mean())}
+
+
+def bench_packing(args, t):
+    """The padding share and the supervised tokens cropped away when ChatLoader packs the
+    SmolTalk-like mix (--packing_conversations of it), docs/demo_chat.jsonl and --packing_input
+    into rows of each of --packing_lengths; each mix's lengths; and, on the SmolTalk-like mix, the
+    µs of a next_batch of -B rows (the loader's Python, without a model)."""
+    mixes = {"smoltalk_like": smoltalk_like(args.packing_conversations),
+             "demo_chat": render_files([DEMO_CHAT])}
+    if args.packing_input:
+        mixes["input"] = render_files(args.packing_input)
+    row = {"lengths": {}, "mixes": {}}
+    for name, data in mixes.items():
+        row["lengths"][name] = length_summary(data[2])
+        row["mixes"][name] = {}
+        for T in args.packing_lengths:
+            try:
+                row["mixes"][name][str(T)] = packing_stats(
+                    data, T, args.micro_batch_size, batches=20 if name == "smoltalk_like" else 0)
+            except common.UsageError as e:  # not one conversation's first reply fits
+                row["mixes"][name][str(T)] = {"T": T, "error": str(e)}
+    if args.packing_input:
+        row["input"] = args.packing_input
+    return row
+
+
+def sft_data(args, rows):
+    """The SmolTalk-like mix, at least --packing_conversations conversations and enough to fill
+    `rows` rows of -T in one epoch (so no step of the sft row packs a new one), its ChatLoader
+    and the seconds that loader took to crop and pack them."""
+    n = args.packing_conversations
+    for _ in range(12):
+        data = smoltalk_like(n)
+        t0 = time.perf_counter()
+        try:
+            loader = tg.ChatLoader(args.micro_batch_size, args.sequence_length, data)
+        except common.UsageError:  # not one fits: more conversations, some short enough
+            loader = None
+        seconds = time.perf_counter() - t0
+        if loader is not None and len(loader.epoch_rows(0)) >= rows:
+            return data, loader, seconds
+        n *= 2
+    raise common.UsageError(f"-T {args.sequence_length}: too few conversations of the "
+                            f"SmolTalk-like mix fit rows of it: a larger -T")
+
+
+def loop_step(args, t, config, loader):
+    """A fresh model (the same seed each time) and one optimizer step's function as train() runs
+    it: per micro-step the loader's next_batch and divisor, the batch moved to the device, the
+    loss divided, backward; then clipping and AdamW. Also the list the step appends its loader
+    seconds to (next_batch and divisor, every micro-step) and the supervised tokens of each step
+    (a ChatLoader's; DataLoaderLite's: every target)."""
+    torch.manual_seed(1337)
+    model = tg.GPT(config).to(t.device)
+    optimizer = model.configure_optimizers(0.1, 6e-4, t.device_type, verbose=False)
+    train_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
+    loader_s, supervised = [], []
+    micro_steps = args.grad_accum
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        spent = 0.0
+        for micro_step in range(micro_steps):
+            t0 = time.perf_counter()
+            x, y = loader.next_batch()
+            divisor = loader.divisor(micro_step, micro_steps)
+            spent += time.perf_counter() - t0
+            x, y = x.to(t.device), y.to(t.device)
+            with t.autocast:
+                _, loss = train_model(x, y)
+            (loss / divisor).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loader_s.append(spent)
+        supervised.append(getattr(loader, "step_supervised", None) or x.numel() * micro_steps)
+
+    return step, loader_s, supervised
+
+
+def bench_sft(args, t):
+    """A fine-tuning step (a chat model's, ChatLoader's rows of the SmolTalk-like mix, y -100
+    where not trained) against a pretraining step (DataLoaderLite over random-token shards) of the
+    same shape, alternated over --rounds (the first of a round swaps each round): each one's
+    median ms, tokens (positions) a second, the loaders' ms a step, and SFT / pretraining
+    throughput (the median of the rounds' ratios)."""
+    B, T, accum = args.micro_batch_size, args.sequence_length, args.grad_accum
+    per_round = args.warmup + args.steps
+    data, chat_loader, pack_s = sft_data(args, B * accum * per_round * args.rounds)
+    chat_config = tg.GPTConfig(**{**vars(t.config), "real_vocab_size": chat.CHAT_VOCAB_SIZE})
+    with tempfile.TemporaryDirectory() as tmp:
+        write_token_shards(tmp, B * T * accum * per_round * args.rounds + 1)
+        text_loader = tg.DataLoaderLite(B, T, split="train", data_root=tmp)
+        arms = {"sft": loop_step(args, t, chat_config, chat_loader),
+                "pretrain": loop_step(args, t, t.config, text_loader)}
+        times = {arm: [] for arm in arms}
+        loader_ms = {arm: [] for arm in arms}
+        for r in range(args.rounds):
+            for arm in (("sft", "pretrain") if r % 2 == 0 else ("pretrain", "sft")):
+                step, loader_s, _ = arms[arm]
+                times[arm].append(timed(step, t.device_type, args.warmup, args.steps) * 1000)
+                loader_ms[arm] += [s * 1000 for s in loader_s[-args.steps:]]
+                release(t.device_type)
+    tokens = B * T * accum
+    ms = {arm: statistics.median(v) for arm, v in times.items()}
+    supervised = arms["sft"][2]
+    return {"sft_ms": ms["sft"], "pretrain_ms": ms["pretrain"],
+            "sft_tokens_per_sec": tokens / ms["sft"] * 1000,
+            "pretrain_tokens_per_sec": tokens / ms["pretrain"] * 1000,
+            # the two arms of a round are next to each other in time: their ratio is the least
+            # disturbed by a load that changes between rounds
+            "ratio": statistics.median(p / s for s, p in zip(times["sft"], times["pretrain"])),
+            "rounds_ms": times, "tokens_per_step": tokens,
+            "sft_loader_ms": statistics.median(loader_ms["sft"]),
+            "pretrain_loader_ms": statistics.median(loader_ms["pretrain"]),
+            "supervised_per_step": statistics.mean(supervised),
+            "conversations": len(data[2]) - 1, "rows_per_epoch": len(chat_loader.epoch_rows(0)),
+            "pack_s": pack_s}
+
+
+def chat_turn_sizes(args, block_size):
+    """(tokens of each user message, of each reply) for --chat_turns turns in block_size: the
+    context shared evenly (each turn's four chat tokens besides), or --chat_turn_tokens."""
+    turns = args.chat_turns
+    if args.chat_turn_tokens:
+        user, reply = args.chat_turn_tokens
+    else:
+        each = (block_size - 1) // turns - 4
+        user, reply = each // 2, each - each // 2
+    if min(user, reply) < 1 or 1 + turns * (user + reply + 4) > block_size:
+        raise common.UsageError(f"{turns} turns of {max(user, 1)}-token messages and "
+                                f"{max(reply, 1)}-token replies do not fit the context of "
+                                f"{block_size} tokens: fewer --chat_turns")
+    return user, reply
+
+
+def user_message(enc, n, turn):
+    """A message of exactly n tokens (WORDS, one token each), different at each turn."""
+    text = "".join(" " + WORDS[(turn + i) % len(WORDS)] for i in range(n))
+    if len(enc.encode_ordinary(text)) != n:
+        raise RuntimeError(f"{text!r} is not {n} tokens")
+    return text
+
+
+def chat_conversation(model, enc, texts, reply_tokens, t, dtype, turn_order):
+    """One conversation of len(texts) turns through chat.Talk, each reply reply_tokens long
+    (greedy over text tokens: <|assistant_end|> never comes first). Per turn: the seconds to the
+    first token with the conversation's KV cache (ask() and the first forward) and by one forward
+    over every id so far, no cache (the recomputed turn); whether the two first tokens agree; the
+    ids the first token follows. turn_order(turn): True when the cached arm goes first."""
+    stamps = []
+
+    def sample(logits):  # the time a token is known: the first one's is the cached arm's end
+        token = logits[:, :chat.EOT].argmax(-1, keepdim=True)
+        sync(t.device_type)
+        stamps.append(time.perf_counter())
+        return token
+
+    talk = chat.Talk(model, enc, sample, max_new_tokens=reply_tokens, device=t.device,
+                     dtype=dtype, autocast=t.autocast)
+    out = {"cached": [], "recompute": [], "same": [], "context": []}
+    for turn, text in enumerate(texts):
+        ids = talk.ids + [chat.START["user"], *enc.encode_ordinary(text), chat.END["user"],
+                          chat.START["assistant"]]
+
+        def recompute():
+            t0 = time.perf_counter()
+            x = torch.tensor([ids], dtype=torch.long, device=t.device)
+            with torch.no_grad(), t.autocast:
+                logits, _ = model(x, logits_to_keep=1)
+            token = int(logits[0, -1, :chat.EOT].argmax())  # .item(): synchronized
+            return time.perf_counter() - t0, token
+
+        def with_cache():
+            stamps.clear()
+            t0 = time.perf_counter()
+            talk.ask(text)
+            for _ in talk.answer():  # the whole reply: the next turn continues after it
+                pass
+            return stamps[0] - t0, talk.last_reply()[0]
+
+        arms = (with_cache, recompute) if turn_order(turn) else (recompute, with_cache)
+        results = {arm: arm() for arm in arms}
+        (cached_s, cached), (full_s, full) = results[with_cache], results[recompute]
+        out["cached"].append(cached_s)
+        out["recompute"].append(full_s)
+        out["same"].append(cached == full)
+        out["context"].append(len(ids))
+    return out
+
+
+def bench_chat_ttft(args, t):
+    """The chat command's time to first token at each of --chat_turns turns of one conversation
+    (a chat model of the preset's shape, random weights; every user message and reply of a fixed
+    length, chat_turn_sizes): chat.Talk with its KV cache against one forward over the whole
+    conversation so far, alternated turn by turn, over --rounds conversations (after one untimed
+    of two turns). Medians per turn; the speed-up at the last turn."""
+    user, reply = chat_turn_sizes(args, t.config.block_size)  # refused before any work
+    config = tg.GPTConfig(**{**vars(t.config), "real_vocab_size": chat.CHAT_VOCAB_SIZE})
+    torch.manual_seed(0)
+    model = tg.GPT(config).to(t.device).eval()
+    enc = fineweb.get_encoding()
+    texts = [user_message(enc, user, turn) for turn in range(args.chat_turns)]
+    dtype = common.torch_dtype(args.dtype_name) or model.lm_head.weight.dtype
+    chat_conversation(model, enc, texts[:2], reply, t, dtype, lambda turn: True)  # warm-up
+    rounds = [chat_conversation(model, enc, texts, reply, t, dtype,
+                                lambda turn, r=r: (turn + r) % 2 == 0)
+              for r in range(args.rounds)]
+    ms = {arm: [statistics.median(c[arm][turn] for c in rounds) * 1000
+                for turn in range(args.chat_turns)] for arm in ("cached", "recompute")}
+    # what every first token pays however short its forward: the final norm and the vocabulary's
+    # projection of one position (the whole lm_head read)
+    h = torch.zeros(1, 1, config.n_embd, device=t.device)
+    with torch.no_grad(), t.autocast:
+        head_ms = timed(lambda: model.head(model.transformer.ln_f(h)), t.device_type, 3, 20) * 1000
+    return {"turns": args.chat_turns, "user_tokens": user, "reply_tokens": reply,
+            "new_tokens": user + 5,  # a later turn's, cached: the last reply's end, the message
+            "head_ms": head_ms,
+            "rounds": args.rounds, "context_tokens": rounds[0]["context"],
+            "cached_ms": ms["cached"], "recompute_ms": ms["recompute"],
+            "last_rounds_ms": {arm: [c[arm][-1] * 1000 for c in rounds]
+                               for arm in ("cached", "recompute")},
+            "speedup_first": ms["recompute"][0] / ms["cached"][0],
+            "speedup": ms["recompute"][-1] / ms["cached"][-1],
+            "same_first_tokens": all(all(c["same"]) for c in rounds)}
+
+
 # ===== The arch row: --arch modern against GPT-2, in tokens to the GPT-2 recipe's val loss =======
 # Each arm: train_gpt2.py's flags beyond `--preset tiny` (the learning rates tuned for each arm on
 # this row's corpus: docs/performance.md, "The modern architecture"). The GPT-2 recipe (AdamW) at
@@ -906,12 +1243,14 @@ ROWS = {"train": bench_training, "train_arch": bench_train_arch, "train_loop": b
         "optimizers": bench_optimizers, "hellaswag": bench_hellaswag, "core": bench_core,
         "core_gpt2": bench_core_gpt2,
         "generate": bench_generation, "loader": bench_loader, "save": bench_save,
-        "startup": bench_startup, "fineweb": bench_fineweb, "arch": bench_arch}
+        "startup": bench_startup, "fineweb": bench_fineweb, "sft": bench_sft,
+        "packing": bench_packing, "chat_ttft": bench_chat_ttft, "arch": bench_arch}
 LONG_ROWS = {"train_arch": "the training step of gpt2 and modern, alternated",
              "parity": "train_gpt2.train() vs a build-nanogpt-style loop, alternated",
              "train_loop": "train_gpt2.main's own dt",
              "arch": "--arch modern vs gpt2 in tokens to a val loss (CPU: hours)",
-             "core_gpt2": "CORE's scorers at GPT-2 124M's size (CPU: minutes)"}
+             "core_gpt2": "CORE's scorers at GPT-2 124M's size (CPU: minutes)",
+             "sft": "a fine-tuning step vs a pretraining step, alternated"}
 DEFAULT_ROWS = tuple(name for name in ROWS if name not in LONG_ROWS)
 
 
@@ -932,6 +1271,14 @@ def learning_rates(text):
         raise argparse.ArgumentTypeError(f"{text!r}: give MAX_LR,MUON_LR or MAX_LR,MUON_LR,"
                                           f"EMBED_LR, e.g. 8e-3,4e-3")
     return tuple(common.LEARNING_RATE(v) for v in values)
+
+
+def positive_ints(text):
+    """--packing_lengths: one or more comma-separated positive integers."""
+    parts = text.split(",")
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text}: give positive integers, e.g. 1024,256")
+    return [int(p) for p in parts]
 
 
 def integer_pair(low, what):
@@ -1023,6 +1370,20 @@ FLAGS = [
      "the arch row's val loss to reach (default: the GPT-2 recipe arms' final val here)"),
     ("--arch_input", None, {"nargs": "+", "metavar": "PATH"},
      "the arch row's corpus (default: this Python's standard-library docstrings)"),
+    ("--packing_conversations", 20_000, common.POSITIVE_INT,
+     "conversations of the SmolTalk-like mix the packing row packs (the sft row's: at least "
+     "these)"),
+    ("--packing_lengths", "1024,256", {"type": positive_ints, "metavar": "T,T,..."},
+     "the packing row's row lengths (-T)"),
+    ("--packing_input", None, {"nargs": "+", "metavar": "PATH"},
+     "conversation files (.jsonl/.parquet, HF's messages layout, e.g. smol-smoltalk's parquet "
+     "files) the packing row packs too"),
+    ("--chat_turns", 20, common.POSITIVE_INT,
+     "the chat_ttft row's turns, its time to first token at the first and the last"),
+    ("--chat_turn_tokens", None, {"type": integer_pair(1, "U,R (two positive integers)"),
+                                  "metavar": "U,R"},
+     "the chat_ttft row's tokens of each user message and each reply (default: the context "
+     "shared evenly by the turns; tiny: 4,4)"),
     ("--json", False, STORE_TRUE, "print the results as JSON instead of a table"),
     ("--suite", None, ["gpu-estimate"],
      "gpu-estimate: no GPU needed: GPT-2 124M's training step (T=1024, bf16, eager, flash "
@@ -1202,6 +1563,32 @@ def table_rows(r):
     if "fineweb" in r:
         w = r["fineweb"]
         rows += [(f"fineweb tokens/s ({w['num_proc']} processes)", fmt(w["tokens_per_sec"]))]
+    if "sft" in r:
+        f = r["sft"]
+        rows += [("SFT step tokens/s (ChatLoader)", fmt(f["sft_tokens_per_sec"])),
+                 ("pretraining step tokens/s", fmt(f["pretrain_tokens_per_sec"])),
+                 ("SFT / pretraining throughput", fmt(f["ratio"], "x")),
+                 ("SFT loader ms/step", fmt(f["sft_loader_ms"])),
+                 ("pretraining loader ms/step", fmt(f["pretrain_loader_ms"])),
+                 ("SFT supervised tokens/step", fmt(f["supervised_per_step"]))]
+    if "packing" in r:
+        for mix, by_T in r["packing"]["mixes"].items():
+            for T, p in by_T.items():
+                if "error" in p:
+                    rows += [(f"packing {mix}, T {T}", "none fits")]
+                    continue
+                rows += [(f"padding share, {mix}, T {T}", fmt(p["padding_share"] * 100, "%")),
+                         (f"supervised cropped, {mix}, T {T}",
+                          fmt(p["lost_supervised_share"] * 100, "%"))]
+    if "chat_ttft" in r:
+        c = r["chat_ttft"]
+        last = c["turns"]
+        rows += [("chat TTFT ms, turn 1, KV cache", fmt(c["cached_ms"][0])),
+                 ("chat TTFT ms, turn 1, recompute", fmt(c["recompute_ms"][0])),
+                 (f"chat TTFT ms, turn {last}, KV cache", fmt(c["cached_ms"][-1])),
+                 (f"chat TTFT ms, turn {last}, recompute", fmt(c["recompute_ms"][-1])),
+                 (f"chat TTFT speedup, turn {last}", fmt(c["speedup"], "x")),
+                 ("chat: the head's ms, one position", fmt(c["head_ms"]))]
     if "arch" in r:
         a = r["arch"]
         rows += [("arch: GPT-2 recipe's val loss", f"{a['target_val']:.4f}"),

@@ -33,6 +33,7 @@ def test_bench_json_has_every_row():
               "--arch_shape", "2,64", "--arch_val_tokens", "128", "--arch_input", *docs,
               "--fineweb_input", *docs,
               "--core_examples", "1", "--core_long_examples", "1", "--core_long_preset", "tiny",
+              "--packing_conversations", "300", "--packing_lengths", "64", "--chat_turns", "3",
               "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -74,6 +75,11 @@ def test_bench_json_has_every_row():
     counts = arch["count_models"]
     assert len(counts["bigram"]) == len(counts["bigram_cache"]) == 2
     assert counts["bigram"][0] == pytest.approx(math.log(50257))
+    # fine-tuning and chat: the SFT step against pretraining's, packing, time to first token
+    assert out["sft"]["tokens_per_step"] == 128 and out["sft"]["ratio"] > 0
+    assert set(out["packing"]["mixes"]) == {"smoltalk_like", "demo_chat"}
+    assert 0 <= out["packing"]["mixes"]["demo_chat"]["64"]["padding_share"] < 1
+    assert out["chat_ttft"]["turns"] == 3 and out["chat_ttft"]["same_first_tokens"]
 
 
 def test_bench_names_the_rows_it_left_out(capsys):
@@ -84,7 +90,7 @@ def test_bench_names_the_rows_it_left_out(capsys):
     assert "data start-up s, 2 / 3 shards" in out
     left = out.splitlines()[-1]
     assert left.startswith("not measured")
-    assert "--long adds train_arch and parity and train_loop and arch and core_gpt2" in left
+    assert "--long adds train_arch and parity and train_loop and arch and core_gpt2 and sft" in left
     assert "; ".join(f"{k} ({v})" for k, v in bench.LONG_ROWS.items()) in left
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cpu", "--only", "train,nosuchrow"])
@@ -320,3 +326,183 @@ def test_integer_pairs_other_than_two_in_range_are_one_line(flag, value, capsys)
     err = capsys.readouterr().err
     assert err.startswith(f"error: argument {flag}: {value}: give") and \
         len(err.strip().splitlines()) == 1
+
+
+# ----- the sft, packing and chat_ttft rows ------------------------------------------------------
+def as_messages(ids):
+    """A conversation's ids in render()'s layout back as messages, each content its token ids."""
+    import chat
+
+    role_of = {chat.START[role]: role for role in chat.ROLES}
+    messages, content, role = [], [], None
+    for token in ids[1:]:
+        if token in role_of:
+            role, content = role_of[token], []
+        elif token == chat.END[role]:
+            messages.append({"role": role, "content": content})
+        else:
+            content.append(int(token))
+    return messages
+
+
+class IdsEncoder:
+    """An encoder for render() whose contents are token ids already."""
+
+    @staticmethod
+    def encode_ordinary(ids):
+        return list(ids)
+
+
+def test_smoltalk_like_conversations_are_rendered_as_chat_renders_them():
+    import bench
+    import chat
+
+    ids, mask, starts = bench.smoltalk_like(60, seed=3)
+    assert starts[0] == 0 and starts[-1] == len(ids) == len(mask)
+    exchanges = set()
+    for a, b in zip(starts[:-1], starts[1:]):
+        messages = as_messages(ids[a:b].tolist())
+        exchanges.add(len(messages) // 2)
+        assert chat.problem([{**m, "content": "x"} for m in messages]) is None
+        want_ids, want_mask = chat.render(messages, IdsEncoder)
+        assert ids[a:b].tolist() == want_ids and mask[a:b].tolist() == want_mask
+    assert exchanges == {1, 3}  # both kinds of conversation
+
+
+def test_smoltalk_like_mix_has_the_published_lengths():
+    """The four figures the mix was fitted to (nanochat's counts of smol-smoltalk), counted here
+    from the arrays: the median length, the share longer than 513 tokens, and at rows of 513 the
+    supervised tokens of the conversations that fit and of the first 513 tokens of the others,
+    as shares of those in each conversation's first 2,048 tokens."""
+    import bench
+
+    ids, mask, starts = bench.smoltalk_like(20_000)
+    lengths = np.diff(starts)
+    cum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+
+    def within(n):  # each conversation's supervised tokens among its first n
+        return cum[np.minimum(starts[:-1] + n, starts[1:])] - cum[starts[:-1]]
+
+    total = within(2048).sum()
+    fit = lengths <= 513
+    assert np.median(lengths) == pytest.approx(858, rel=0.03)
+    assert (~fit).mean() == pytest.approx(0.600, abs=0.015)
+    assert within(513)[fit].sum() / total == pytest.approx(0.082, abs=0.005)
+    assert within(513)[~fit].sum() / total == pytest.approx(0.399, abs=0.01)
+
+
+def test_packing_stats_count_what_the_loader_gives():
+    """The padding share is the share of the input positions that hold padding in the batches of
+    one epoch (the conversations here start with another token than <|endoftext|>, so padding is
+    the only one); the supervised share lost is what chat.crop cuts and drops, and what the
+    batches' targets miss."""
+    import bench
+    import chat
+    import train_gpt2 as tg
+
+    ids, mask, starts = bench.smoltalk_like(300, seed=1)
+    ids = ids.copy()
+    ids[starts[:-1]] = 1  # no <|endoftext|> left
+    T = 300
+    stats = bench.packing_stats((ids, mask, starts), T)
+    loader = tg.ChatLoader(1, T, (ids, mask, starts))
+    rows = len(loader.epoch_rows(0))
+    padding = targets = 0
+    for _ in range(rows):
+        x, y = loader.next_batch()
+        padding += int((x == chat.EOT).sum())
+        targets += int((y != -100).sum())
+    assert loader.epoch == 1 and loader.row == 0  # one epoch exactly
+    assert stats["rows"] == rows and stats["padding_share"] == padding / (rows * T)
+    lost, dropped = 0, 0
+    for a, b in zip(starts[:-1], starts[1:]):
+        cropped = chat.crop(ids[a:b].tolist(), mask[a:b].tolist(), T + 1)
+        dropped += cropped is None
+        lost += int(mask[a:b].sum()) if cropped is None else cropped[2]
+    assert 0 < dropped < 300 and 0 < lost  # cut and dropped conversations both counted
+    assert stats["dropped"] == dropped and stats["cut"] > 0
+    assert stats["lost_supervised_share"] == pytest.approx(lost / int(mask.sum()), abs=1e-12)
+    assert stats["lost_supervised_share"] == pytest.approx(1 - targets / int(mask.sum()),
+                                                           abs=1e-12)
+    assert stats["trained_share"] == pytest.approx(targets / (rows * T), abs=1e-12)
+
+
+def test_packing_row_packs_the_files_given(tmp_path, capsys):
+    """--packing_input's conversations rendered as chat renders them: two that fill one row of
+    T 64 together, the one bad row skipped with its note; the demo file and the synthetic mix
+    beside them."""
+    import bench
+    import chat
+    import fineweb
+
+    talks = [[{"role": "user", "content": "Hi there, how are you?"},
+              {"role": "assistant", "content": "Fine, thanks."}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
+              {"role": "assistant", "content": "Because."}]]
+    path = tmp_path / "talks.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in talks) + "not json\n")
+    enc = fineweb.get_encoding()
+    rendered = [chat.render(m, enc) for m in talks]
+    ids, mask, starts = bench.render_files([str(path)])
+    assert ids.tolist() == rendered[0][0] + rendered[1][0]
+    assert mask.tolist() == rendered[0][1] + rendered[1][1]
+    assert starts.tolist() == [0, len(rendered[0][0]), len(ids)]
+    assert "1 bad row skipped, the first at line 3" in capsys.readouterr().err
+    assert bench.main(["--device", "cpu", "--only", "packing", "--packing_conversations", "200",
+                       "--packing_lengths", "64,8", "--packing_input", str(path), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["packing"]
+    assert set(row["mixes"]) == {"smoltalk_like", "demo_chat", "input"}
+    mine = row["mixes"]["input"]["64"]
+    assert mine["rows"] == 1 and mine["padding_share"] == (64 - len(ids)) / 64
+    assert mine["lost_supervised_share"] == 0 and mine["cut"] == mine["dropped"] == 0
+    assert "error" in row["mixes"]["input"]["8"]  # not one first reply fits 9 tokens
+    assert row["lengths"]["input"]["median_tokens"] == np.median(np.diff(starts))
+
+
+def test_chat_ttft_row_turns_and_first_tokens():
+    """Each turn's context grows by a turn of fixed size; the first token with the KV cache is
+    the one a forward over the whole conversation gives, at every turn."""
+    import bench
+
+    args = bench.parse_args(["--device", "cpu", "--chat_turns", "6", "--rounds", "1"])
+    target = bench.resolve(args)
+    row = bench.bench_chat_ttft(args, target)
+    user, reply = row["user_tokens"], row["reply_tokens"]
+    assert (user, reply) == (19, 19)  # tiny: (255 // 6 - 4) tokens a turn, shared
+    assert row["context_tokens"] == [1 + k * (user + reply + 4) + user + 3 for k in range(6)]
+    assert row["same_first_tokens"]
+    assert len(row["cached_ms"]) == len(row["recompute_ms"]) == 6
+    assert row["speedup"] == row["recompute_ms"][-1] / row["cached_ms"][-1]
+    assert row["last_rounds_ms"]["cached"] == [row["cached_ms"][-1]]
+    assert row["new_tokens"] == user + 5 and row["head_ms"] > 0
+
+
+def test_chat_turns_that_do_not_fit_are_one_line(capsys):
+    import bench
+
+    assert bench.main(["--device", "cpu", "--only", "chat_ttft", "--chat_turns", "100"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: 100 turns of") and len(err.strip().splitlines()) == 1
+    assert bench.main(["--device", "cpu", "--only", "chat_ttft", "--chat_turns", "2",
+                       "--chat_turn_tokens", "100,30"]) == 1  # 1 + 2 x 134 > 256
+    assert "fewer --chat_turns" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sft_row_steps_both_loaders():
+    """Both arms time the same steps of the same shape; the SFT arm's rows are ChatLoader's (its
+    supervised tokens fewer than the positions), with two micro-steps (divisor's path)."""
+    import bench
+
+    args = bench.parse_args(["--device", "cpu", "-B", "2", "-T", "128", "--grad_accum", "2",
+                             "--steps", "1", "--warmup", "0", "--rounds", "2",
+                             "--packing_conversations", "2000"])
+    row = bench.bench_sft(args, bench.resolve(args))
+    assert row["tokens_per_step"] == 2 * 128 * 2
+    assert len(row["rounds_ms"]["sft"]) == len(row["rounds_ms"]["pretrain"]) == 2
+    ratios = [p / s for s, p in zip(row["rounds_ms"]["sft"], row["rounds_ms"]["pretrain"])]
+    assert row["ratio"] == pytest.approx(float(np.median(ratios)))
+    assert row["sft_tokens_per_sec"] == pytest.approx(512 / row["sft_ms"] * 1000)
+    assert 0 < row["supervised_per_step"] < 512
+    assert row["sft_loader_ms"] > 0 and row["pretrain_loader_ms"] > 0
+    assert row["rows_per_epoch"] >= 2 * 2 * 2  # no step packed a new epoch
