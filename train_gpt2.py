@@ -809,6 +809,8 @@ def chat_spans(ids, mask, starts, capacity):
         note = (f"{len(long) - dropped} of {len(begin)} conversations cut to the context of "
                 f"{capacity - 1} tokens, {dropped} dropped: {lost:,} of {total:,} supervised "
                 f"tokens ({100 * lost / max(total, 1):.1f}%) not trained")
+        if lost > 0.05 * total:  # more than a few percent of what the data teaches
+            note = f"warning: {note}; a larger -T keeps more"
     return spans, note
 
 
@@ -1014,7 +1016,7 @@ def chat_loader(run, proc, split):
     loader = ChatLoader(run.micro_batch_size, run.sequence_length, chat.open_split(folder, split),
                         proc.rank, proc.world_size, split, run.seed)
     if loader.note:
-        print0(f"{split}: {loader.note}")
+        print0(f"{split} conversations: {loader.note}")
     return loader
 
 # ===== Optimizers (AdamW, or Muon + AdamW) and schedules (the LR, the batch ramp) =====
