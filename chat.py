@@ -16,9 +16,14 @@ content and its <|assistant_end|>: not the user's or the system's turns, and not
 Importing this downloads, spawns and opens nothing, and imports neither torch nor datasets.
 """
 
+import hashlib
 import json
+import os
+import shutil
+import sys
+import tempfile
 
-from common import UsageError, make_dirs, one_line
+from common import UsageError, make_dirs, one_line, sha256_file
 
 EOT = 50256  # <|endoftext|>: starts every conversation, as it starts every pretraining document
 ROLES = ("system", "user", "assistant")
@@ -59,7 +64,6 @@ def is_chat_model(config):
 
 class ChatDataError(UsageError):
     """A conversation file that cannot be used: one line naming it."""
-
 
 # ===== One conversation ==========================================================================
 def problem(messages):
@@ -202,14 +206,12 @@ def read_conversations(path):
 class ContextFull(UsageError):
     """A message that does not fit the model's context, even with every earlier turn dropped."""
 
-
 class TextStream:
     """The text of a reply's tokens as they come. GPT-2's byte-level BPE can split one UTF-8
     character over several tokens, so a token's bytes are held until they complete a character:
     no piece ends in half of one. Bytes that never make a character come out as U+FFFD, as
     enc.decode gives them, so the pieces join to enc.decode of the text tokens. Special tokens
     (<|endoftext|> and the chat tokens) are never text."""
-
     def __init__(self, enc):
         import codecs
 
@@ -238,7 +240,6 @@ class Talk:
     is run again at its new positions; a message that does not fit even alone is ContextFull.
     recompute=True runs the whole conversation again at each turn: the baseline the cache is
     measured against."""
-
     def __init__(self, model, enc, sample, system=None, max_new_tokens=None, device="cpu",
                  dtype=None, autocast=None, recompute=False):
         import contextlib
@@ -345,8 +346,6 @@ class Talk:
 
 def say(text="", end="\n", err=False):
     """text printed at once (streamed pieces appear as they come), on stderr for notes."""
-    import sys
-
     print(text, end=end, file=sys.stderr if err else sys.stdout, flush=True)
 
 
@@ -428,7 +427,6 @@ class ChatSplit:
     """One split of prepared conversations: ids (uint16) and mask (uint8, 1 = trained) of all of
     them concatenated, memory-mapped, and starts (int64, n + 1 offsets): conversation i is
     ids[starts[i]:starts[i + 1]]. It unpacks as (ids, mask, starts), the data ChatLoader takes."""
-
     def __init__(self, ids, mask, starts):
         self.ids, self.mask, self.starts = ids, mask, starts
 
@@ -447,16 +445,12 @@ class ChatSplit:
 def _is_dataset_name(source):
     """A HF dataset: an existing folder (a local copy of one), or a name with no file suffix that
     names nothing here (HuggingFaceTB/smol-smoltalk)."""
-    import os
-
     return os.path.isdir(source) or (not os.path.exists(source)
                                      and not os.path.splitext(source)[1])
 
 
 def _resolve_sources(sources):
     """("dataset", name) or ("files", [paths as given, each file once by its real path])."""
-    import os
-
     if sources is None:
         return "dataset", DEFAULT_DATASET
     if isinstance(sources, (str, os.PathLike)):
@@ -487,8 +481,6 @@ def _resolve_sources(sources):
 def _recorded_args(kind, what, val_fraction, hf_split, revision):
     """What determines a prep's arrays (manifest.json's "args"): a prep with other args is refused
     rather than mixed or silently replaced."""
-    import os
-
     try:
         val_fraction = float(val_fraction)
     except (TypeError, ValueError):
@@ -524,9 +516,6 @@ def _args_diff(old, new):
 def _read_data_manifest(folder, missing_ok=False):
     """The manifest of prepared conversations in folder (None if missing_ok and there is none);
     a ChatDataError in one line when it is missing, damaged or another tool's."""
-    import json
-    import os
-
     path = os.path.join(folder, DATA_MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
@@ -554,26 +543,12 @@ def _read_data_manifest(folder, missing_ok=False):
 
 def data_manifest(folder):
     """The manifest.json of prepared conversations (the counts, sources and files it records)."""
-    import os
-
     return _read_data_manifest(os.path.abspath(os.path.expanduser(os.fspath(folder))))
-
-
-def _sha256_file(path):
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_data_file(folder, name, record, hash_it=True):
     """A ChatDataError naming the file unless it is there with the recorded size and (hash_it)
     SHA-256; a file whose size and mtime this process has hashed already is not hashed again."""
-    import os
-
     path = os.path.join(folder, name)
     fix = f"delete {folder} and prepare it again"
     try:
@@ -588,7 +563,7 @@ def _check_data_file(folder, name, record, hash_it=True):
     seen = _DATA_VERIFIED.get(path)
     if seen == (st.st_size, st.st_mtime_ns, record["sha256"]):
         return
-    got = _sha256_file(path)
+    got = sha256_file(path)
     if got != record["sha256"]:
         raise ChatDataError(f"{path} changed since the prep (its SHA-256 is not the one its "
                             f"manifest records): {fix}")
@@ -600,8 +575,6 @@ def open_split(folder, split):
     checked against the manifest first: their sizes every time, their SHA-256 once per process
     (again when a file's size or mtime changes). A missing or changed file is a ChatDataError in
     one line naming it."""
-    import os
-
     import numpy as np
 
     if split not in DATA_SPLITS:
@@ -634,8 +607,6 @@ def _val_key(ids):
     """A conversation's place in the held-out val rule: the first 8 bytes of the SHA-256 of its
     rendered ids (uint16, little-endian) as a little-endian number below 2^64. The same
     conversation always gets the same key, wherever and however often it appears."""
-    import hashlib
-
     return int.from_bytes(hashlib.sha256(ids.tobytes()).digest()[:8], "little")
 
 
@@ -657,9 +628,7 @@ class _SplitWriter:
     """The ids and mask .npy files of one split, appended to conversation by conversation; the
     header's length is given when the file opens (numpy leaves room for the length to grow), so
     finish() writes the real length in place."""
-
     def __init__(self, folder, split):
-        import os
 
         self.folder, self.split = folder, split
         self.files = {name: open(os.path.join(folder, data_file(split, name)), "w+b")
@@ -709,8 +678,6 @@ class _SplitWriter:
 
     def finish(self):
         """The arrays' real lengths into their headers, the files closed, starts saved."""
-        import os
-
         import numpy as np
 
         n = self.starts[-1]
@@ -740,8 +707,6 @@ class _SplitWriter:
 
 def _cut(f, start, end, chunk=1 << 24):
     """Remove bytes [start, end) of the open file f, moving what follows down."""
-    import os
-
     size = f.seek(0, os.SEEK_END)
     src, dst = end, start
     while src < size:
@@ -767,7 +732,6 @@ def _balance(writers):
 class _BadRows:
     """The bad-row rule of read_conversations for rows of a HF dataset split: how many, and the
     first one's row number and reason."""
-
     def __init__(self, where):
         self.where, self.count, self.first = where, 0, None
 
@@ -810,8 +774,6 @@ def _load_hub(dataset, revision, hf_split, print0):
     downloaded and prepared once into datasets' cache (it reuses what it has), and the version's
     hash (the hub's commit). No val split in it (hf_split[1] None or absent): {"train": ...} only,
     and val is held out of it by the hash rule."""
-    import os
-
     import datasets  # heavy: only when a dataset is read
 
     from common import hub_unreachable
@@ -927,9 +889,6 @@ def _leftovers(folder, clear=True):
     """Refuse a folder that holds anything but a prep's files, then (clear) remove what a killed
     prep left there: its staging folders, and its arrays, moved in but with no manifest to make
     them a prep."""
-    import os
-    import shutil
-
     ours = set(DATA_FILES) | {DATA_LOCK, DATA_LOCK + ".holder"}
     leftovers = []
     for name in sorted(os.listdir(folder)):
@@ -953,10 +912,6 @@ def _prepare_locked(folder, kind, what, args, print0, progress):
     """Write the arrays into a staging folder inside folder, move them into place and write the
     manifest last: until it is there, the folder holds no prep; a failure removes what moved."""
     import contextlib
-    import json
-    import os
-    import shutil
-    import tempfile
 
     from common import atomic_write
 
@@ -965,7 +920,7 @@ def _prepare_locked(folder, kind, what, args, print0, progress):
     moved = []
     try:
         record = _write_conversations(staging, kind, what, args, print0, progress)
-        files = {name: {"sha256": _sha256_file(os.path.join(staging, name)),
+        files = {name: {"sha256": sha256_file(os.path.join(staging, name)),
                         "bytes": os.path.getsize(os.path.join(staging, name))}
                  for name in DATA_FILES}
         manifest = {"format": DATA_FORMAT, "args": args, **record, "files": files}
@@ -1002,7 +957,6 @@ def prepare(sources, out_dir, *, val_fraction=VAL_FRACTION, hf_split=HF_SPLITS,
     prep (an error, Ctrl-C, SIGTERM) leaves nothing, no folder it made, and runs again from the
     start."""
     import contextlib
-    import os
 
     from common import dir_lock, stops_raise
 

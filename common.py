@@ -243,6 +243,17 @@ def check_new_dir(path, flag):
     check_writable_folder(path, flag)
 
 
+def sha256_file(path):
+    """The SHA-256 (hex) of a file's bytes, read a MiB at a time."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def make_dirs(folder, flag, error=UsageError):
     """Create folder and its missing parents; returns the ones created, deepest first, so that an
     undo can remove them (rmdir: only while empty). One that cannot be made is error(one line

@@ -18,7 +18,6 @@ Importing this downloads, spawns and opens nothing, and imports neither torch no
 
 import contextlib
 import csv
-import hashlib
 import io
 import itertools
 import json
@@ -34,7 +33,8 @@ import zlib
 
 import fineweb
 import scorer
-from common import UsageError, atomic_write, dir_lock, make_dirs, one_line, stops_raise
+from common import (UsageError, atomic_write, dir_lock, make_dirs, one_line, sha256_file,
+                    stops_raise)
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DEFAULT_DIR = os.path.join(fineweb.REPO_DIR, "eval_bundle")  # or $EVAL_BUNDLE_DIR, --eval_dir
@@ -273,14 +273,6 @@ BUNDLE_ENTRIES = (CONFIG, META, DATA)  # what an install puts in its folder, bes
 OURS = (MANIFEST, LOCK, LOCK + ".holder", JOURNAL)
 KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a device",
          stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
-
-
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class _Budget:
@@ -561,7 +553,7 @@ def _install_locked(source, folder, timeout, max_mb):
         for top, _, names in os.walk(staged):
             for name in names:
                 full = os.path.join(top, name)
-                files[os.path.relpath(full, staged).replace(os.sep, "/")] = _sha256(full)
+                files[os.path.relpath(full, staged).replace(os.sep, "/")] = sha256_file(full)
         entries = sorted(os.listdir(staged))
         data = json.dumps(entries).encode()
         atomic_write(os.path.join(folder, JOURNAL), lambda f: f.write(data))
@@ -703,7 +695,7 @@ def verify(folder):
         seen = _VERIFIED.get(path)
         if seen is not None and seen[:2] == (st.st_size, st.st_mtime_ns) and seen[2] == want:
             continue
-        got = _sha256(path)
+        got = sha256_file(path)
         if got != want:
             raise BundleError(f"{path} changed since the eval bundle was installed (SHA-256 {got}"
                               f", not {want}); delete {folder} to install it again")

@@ -235,8 +235,8 @@ def test_a_second_prep_does_nothing_and_other_sources_are_refused(tmp_path, talk
 def test_open_split_checks_the_manifest(tmp_path, talk, monkeypatch):
     out = chat.prepare(list(talk), tmp_path / "out", print0=str, progress=False)
     hashed = []
-    real = chat._sha256_file
-    monkeypatch.setattr(chat, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    real = chat.sha256_file
+    monkeypatch.setattr(chat, "sha256_file", lambda p: hashed.append(p) or real(p))
     chat.open_split(out, "train")
     chat.open_split(out, "train")  # hashed once in a process
     assert sorted(hashed) == sorted(os.path.join(out, f"train_{n}.npy")
