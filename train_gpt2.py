@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import chat
 import chat_eval
@@ -1430,7 +1431,6 @@ def check_step(loss_accum, norm, scaler, stop, proc):
 # ===== train(): the whole run =====
 def train(run, proc, ckpt=None):
     """One run, start to end; returns the exit status (0, or 128 + the signal that stopped it)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
     # one run per log dir (a lock, released however the run ends); stop signals caught
     claim = rundir.claim_log_dir(run, ckpt, proc)
     stop = rundir.StopSignals(proc)  # SIGTERM, SIGINT, SIGUSR1: save the last step, exit
@@ -1444,10 +1444,7 @@ def train(run, proc, ckpt=None):
         torch.manual_seed(run.seed)
         np.random.seed(run.seed)
         random.seed(run.seed)
-        if run.init_from:
-            raw_model = initial_model(run)
-        else:
-            raw_model = GPT(run.model)
+        raw_model = initial_model(run) if run.init_from else GPT(run.model)
         raw_model.to(run.device)
         print0(f"model: {raw_model.get_num_params():,} parameters")
         if run.fsdp:
