@@ -25,7 +25,7 @@ from helpers import REPO
 README = os.path.join(REPO, "README.md")
 # README.md and the pages it sends readers to for what it leaves out
 GUIDES = ("README.md", "docs/operations.md", "docs/performance.md", "docs/evaluation.md",
-          "docs/chat.md")
+          "docs/chat.md", "docs/lab_record.md")
 
 SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
 # train_gpt2.py's commands: settings.build_parser(command=...) builds each one's parser
