@@ -1005,7 +1005,7 @@ def bench_chat_ttft(args, t):
 
 # ===== The arch row: --arch modern against GPT-2, in tokens to the GPT-2 recipe's val loss =======
 # Each arm: train_gpt2.py's flags beyond `--preset tiny` (the learning rates tuned for each arm on
-# this row's corpus: docs/performance.md, "The modern architecture"). The GPT-2 recipe (AdamW) at
+# this row's corpus: docs/lab_record.md, "The modern architecture"). The GPT-2 recipe (AdamW) at
 # the two best LRs found: the target is the lower of their mean final val losses.
 ARCH_ARMS = {
     "gpt2_adamw_2e-3": ["--arch", "gpt2", "--optimizer", "adamw", "--max_lr", "2e-3"],

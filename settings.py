@@ -194,7 +194,7 @@ RUN_PRESETS = {
                  data_root=os.path.join(fineweb.REPO_DIR, "edu_fineweb_tiny")),
 }
 # Run settings an architecture changes, per preset: its LRs and schedule where they differ from
-# GPT-2's. The modern model's on the tiny preset are measured (docs/performance.md, "The modern
+# GPT-2's. The modern model's on the tiny preset are measured (docs/lab_record.md, "The modern
 # architecture": its embedding and untied zero head want twice the AdamW LR of GPT-2 with Muon;
 # on the warmup-stable-decay schedule, which reaches the GPT-2 recipe's loss in fewer tokens than
 # the cosine, Muon's best is 6e-3, and the token embedding's own AdamW LR 3e-2); GPT-2 124M's

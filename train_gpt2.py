@@ -393,7 +393,7 @@ class Skips(nn.Module):
         return x
 
 # the head's bias enters the logits times this: the unigram log-frequencies it learns are ~10 from
-# the start at 0, and AdamW moves each parameter by about its LR a step (docs/performance.md)
+# the start at 0, and AdamW moves each parameter by about its LR a step (docs/lab_record.md)
 HEAD_BIAS_SCALE = 30.0
 
 # elements of one chunk's (rows, vocab) logits in the soft-capped head: enough rows for fast
