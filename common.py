@@ -582,6 +582,24 @@ class PeerLost(RuntimeError):
     says why: a refusal, a crash, a signal)."""
 
 
+# What a collective raises when another process is gone: gloo's plain RuntimeError names the closed
+# or reset connection or the wait that timed out; NCCL's DistBackendError, the remote failure or
+# the aborted communicator; the store's and the network's have their own classes (peer_gone)
+PEER_GONE = re.compile(r"connection (was )?(closed|reset|refused)|closed by (remote )?peer|"
+                       r"broken pipe|timed out|timeout|remote (process|peer|error)|"
+                       r"communicator was aborted|network error", re.IGNORECASE)
+
+
+def peer_gone(error):
+    """Whether a collective's RuntimeError means another process of the run left or stopped
+    answering (PeerLost), rather than a bug in the call (which keeps its traceback)."""
+    import torch.distributed as dist
+
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return PEER_GONE.search(str(error)) is not None
+
+
 def under_torchrun():
     """True in a worker that torchrun started (it stops every worker once one has exited)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1
@@ -823,7 +841,9 @@ class Proc:
             elif on_cpu:
                 group = self.cpu_group
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        except RuntimeError as e:  # gloo, NCCL: a peer's connection closed, or a timeout
+        except RuntimeError as e:
+            if not peer_gone(e):  # a bug in the vote itself keeps its traceback
+                raise
             raise PeerLost(f"rank {self.rank} stopped: another process of the run left or stopped "
                            f"answering ({one_line(e, 200)})") from e
         return flag.item() == 1.0

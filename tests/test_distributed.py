@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import common
 import hellaswag
 import settings
 import train_gpt2 as tg
@@ -172,3 +173,37 @@ def test_torchrun_refusal_and_one_process_exit(data, tmp_path):
     one = subprocess.run([sys.executable, driver, *run_args(data, str(tmp_path / "one"), *flags)],
                          capture_output=True, text=True, cwd=REPO, timeout=HANG_LIMIT_S)
     assert one.returncode == 0 and "interpreter shutdown" in one.stdout, one.stderr
+
+
+# gloo's own words (torch 2.13) when the other process of a two-process run exits, and when it stops
+# answering for longer than the group's timeout
+GLOO_CLOSED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+               "peer [127.0.0.1]:27050. This is typically caused by a remote worker crashing.")
+GLOO_TIMEOUT = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                "waiting 5000ms for recv operation to complete")
+
+
+@pytest.mark.parametrize("error", [RuntimeError(GLOO_CLOSED), RuntimeError(GLOO_TIMEOUT),
+                                   torch.distributed.DistNetworkError("recv failed"),
+                                   torch.distributed.DistStoreError("wait timeout")],
+                         ids=["closed", "timeout", "network", "store"])
+def test_agree_names_a_lost_peer_and_keeps_a_bugs_traceback(monkeypatch, error):
+    """A vote's collective that fails because the other process is gone is PeerLost (one line,
+    saying so); any other RuntimeError of the call (a bug: here a tensor on a device the group
+    has no backend for) is raised as it came, with its traceback."""
+    proc = common.Proc("cpu", environ={"RANK": "0", "WORLD_SIZE": "2"})
+
+    def raises(exc):
+        def all_reduce(*args, **kwargs):
+            raise exc
+        return all_reduce
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", raises(error))
+    with pytest.raises(common.PeerLost, match="another process of the run left") as lost:
+        proc.agree(True)
+    assert lost.value.__cause__ is error
+    bug = RuntimeError("No backend type associated with device type cuda")
+    monkeypatch.setattr(torch.distributed, "all_reduce", raises(bug))
+    with pytest.raises(RuntimeError) as raised:
+        proc.agree(True)
+    assert raised.value is bug
