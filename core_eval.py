@@ -889,7 +889,8 @@ def score_task(model, task, device, positions, enc, *, batch_tokens=8192, autoca
     nonempty = [g for g in groups if g]
     results = iter(scorer.score_groups(model, nonempty, device, batch_tokens=batch_tokens,
                                        autocast_dtype=autocast_dtype, device_type=device_type,
-                                       desc=desc, proc=proc))
+                                       desc=desc, proc=proc,
+                                       greedy=task.kind == "language_modeling"))
     out = []
     for i, group, (n_rows, keep) in zip(positions, groups, kept):
         scored = [None] * n_rows

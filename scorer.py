@@ -2,8 +2,8 @@
 
 A task renders each question as a group of rows (:class:`Row`): token ids, and the span of them
 that is scored, token ``t`` by the logits at position ``t - 1``. :func:`score_groups` returns, for
-each row, the summed and mean cross-entropy of its scored tokens and whether greedy decoding
-reproduces every one of them (:class:`Scored`). How it runs the model changes no result:
+each row, the summed and mean cross-entropy of its scored tokens and, where asked, whether greedy
+decoding reproduces every one of them (:class:`Scored`). How it runs the model changes no result:
 
 - rows share forward passes (right-padded) up to a token budget, and only the scored positions are
   projected onto the vocabulary: the vocab matmul and its fp32 log-softmax are most of a small
@@ -35,7 +35,7 @@ class Row(NamedTuple):
 
 class Scored(NamedTuple):
     """A row's summed and mean cross-entropy (fp32) over its scored tokens, and whether the argmax
-    of the logits at every scored position is the scored token."""
+    of the logits at every scored position is the scored token (None where not asked for)."""
     sum_loss: float
     mean_loss: float
     greedy: bool
@@ -80,14 +80,15 @@ def _greedy_hits(logits, targets, index=None):
     return hit
 
 
-def completion_losses(logits, tokens, mask, positions=None, check_positions=True):
+def completion_losses(logits, tokens, mask, positions=None, check_positions=True, greedy=True):
     """Per-row summed and mean cross-entropy of the masked (scored) tokens of ``tokens`` ``(R, N)``
-    and whether greedy decoding picks every one of them; position ``t`` predicts token ``t + 1``
+    and whether greedy decoding picks every one of them (``greedy=False``: None, not computed: an
+    argmax over the vocabulary at every scored position); position ``t`` predicts token ``t + 1``
     (the shift is done here). ``logits``: ``(R, N, V)``, or what ``model(idx,
     logits_to_keep=positions)`` returns: ``(R, len(positions), V)`` for 1-D positions, every scored
     one among them; ``(K, V)`` for an ``(R, N)`` bool mask of exactly the K scored positions, row by
     row. Checked unless ``check_positions=False``. Losses in fp32 (the logits may be bf16).
-    Returns ``(sum_loss, avg_loss, greedy)``: ``(R,)`` fp32, fp32 and bool."""
+    Returns ``(sum_loss, avg_loss, greedy)``: ``(R,)`` fp32, fp32 and bool (or None)."""
     import torch
 
     dev = logits.device
@@ -116,20 +117,24 @@ def completion_losses(logits, tokens, mask, positions=None, check_positions=True
     if positions is None or exact:
         picked = logits if exact else logits[tgt_mask]
         token_loss = _token_losses(picked, targets)  # (K,)
-        hit = _greedy_hits(picked, targets)
+        hit = _greedy_hits(picked, targets) if greedy else None
     else:
         # nearly every kept position is scored: cross-entropy over all of them in place (-100: not
         # scored) beats copying the scored rows out of the logits first
         flat = logits.reshape(-1, logits.shape[-1])
         ignored = torch.where(tgt_mask, tgt, torch.full_like(tgt, -100))
         token_loss = _token_losses(flat, ignored.reshape(-1))[tgt_mask.reshape(-1)]
-        hit = _greedy_hits(flat, targets, tgt_mask.reshape(-1).nonzero()[:, 0])
+        hit = None
+        if greedy:
+            hit = _greedy_hits(flat, targets, tgt_mask.reshape(-1).nonzero()[:, 0])
     rows = tgt_mask.nonzero()[:, 0]
     sum_loss = torch.zeros(tokens.shape[0], dtype=torch.float32, device=dev)
     sum_loss.index_add_(0, rows, token_loss)
+    count = tgt_mask.sum(dim=1).clamp(min=1).to(torch.float32)
+    if hit is None:
+        return sum_loss, sum_loss / count, None
     misses = torch.zeros(tokens.shape[0], dtype=torch.long, device=dev)
     misses.index_add_(0, rows, (~hit).long())
-    count = tgt_mask.sum(dim=1).clamp(min=1).to(torch.float32)
     return sum_loss, sum_loss / count, misses == 0
 
 
@@ -266,8 +271,9 @@ def _padded(seqs, spans, device):
     return torch.from_numpy(tok).to(device), torch.from_numpy(msk).to(device)
 
 
-def _whole_rows_pass(model, groups, batch, device, full_logits, use_kwarg):
-    """One forward pass over whole rows: the (sum, mean, greedy) tensors of its rows."""
+def _whole_rows_pass(model, groups, batch, device, full_logits, use_kwarg, greedy):
+    """One forward pass over whole rows: the (sum, mean, greedy) tensors of its rows (greedy None
+    where not asked for)."""
     import numpy as np
     import torch
 
@@ -278,7 +284,8 @@ def _whole_rows_pass(model, groups, batch, device, full_logits, use_kwarg):
         pos = np.unique(np.concatenate([np.arange(lo, hi) for _, _, lo, hi, _ in batch]))
         positions = torch.from_numpy(pos).to(device)
     logits = model_logits(model, tokens, positions, use_kwarg)
-    return completion_losses(logits, tokens, mask, positions, check_positions=False)
+    return completion_losses(logits, tokens, mask, positions, check_positions=False,
+                             greedy=greedy)
 
 
 # ---------------------------------------------------------------------------
@@ -348,7 +355,7 @@ def _prefix_pass(model, groups, chunk, shared, device, dtype):
     return cache, {g: k for k, g in enumerate(with_prefix)}
 
 
-def _suffix_pass(model, groups, chunk, shared, cache, cache_row, device):
+def _suffix_pass(model, groups, chunk, shared, cache, cache_row, device, greedy):
     """Every row of the chunk past its group's shared prefix, continuing the prefix's cache at its
     own positions; logits only at the scored positions. The (sum, mean, greedy) tensors."""
     rows, seqs, spans, starts, lengths = [], [], [], [], []
@@ -366,7 +373,7 @@ def _suffix_pass(model, groups, chunk, shared, cache, cache_row, device):
     if cache is not None:
         kv = cache.continue_rows(starts, lengths, tokens.shape[1])
     logits = _model_logits(model(tokens, kv_cache=kv, logits_to_keep=keep))
-    return completion_losses(logits, tokens, mask, keep, check_positions=False)
+    return completion_losses(logits, tokens, mask, keep, check_positions=False, greedy=greedy)
 
 
 # ---------------------------------------------------------------------------
@@ -407,13 +414,15 @@ def _agreed_passes(n_local, device, proc):
 
 
 def score_groups(model, groups, device, *, batch_tokens=8192, autocast_dtype=None,
-                 device_type=None, desc=None, proc=None):
+                 device_type=None, desc=None, proc=None, greedy=False):
     """A list of :class:`Scored` per group of :class:`Row` (a question's options), in input
     order. Rows share forward passes up to ``batch_tokens`` tokens; ``batch_tokens=0``: one group
     per pass with every position's logits (the plain way). Sets ``eval()`` and ``no_grad`` and
     restores the mode. ``desc``: a tqdm label (None: no bar). ``proc`` (common.Proc): under an
     initialized process group, the caller gives each rank its own groups, and every rank runs as
-    many forward passes (dummy ones), as FSDP needs."""
+    many forward passes (dummy ones), as FSDP needs. ``greedy``: whether each row's ``greedy`` is
+    worked out (an argmax over the vocabulary at every scored position, which only a
+    language-modeling task reads); else it is None."""
     import torch
 
     _check_rows(groups, max_positions(model))
@@ -439,14 +448,14 @@ def score_groups(model, groups, device, *, batch_tokens=8192, autocast_dtype=Non
             for kind, batch in passes:
                 if kind == "rows":
                     results.append(_whole_rows_pass(model, groups, batch, device,
-                                                    batch_tokens <= 0, use_kwarg))
+                                                    batch_tokens <= 0, use_kwarg, greedy))
                     order += [(g, j) for g, j, *_ in batch]
                     n_forward += 1
                 else:
                     cache, cache_row = _prefix_pass(model, groups, batch, shared, device,
                                                     autocast_dtype)
                     results.append(_suffix_pass(model, groups, batch, shared, cache, cache_row,
-                                                device))
+                                                device, greedy))
                     order += [(g, j) for g in batch for j in range(len(groups[g]))]
                     n_forward += 1 + int(cache is not None)
                 if bar is not None:
@@ -459,17 +468,19 @@ def score_groups(model, groups, device, *, batch_tokens=8192, autocast_dtype=Non
         # read back once for all the passes
         values = []
         if results:
-            sums, means, greedy = (torch.cat(parts) for parts in zip(*results))
-            # one read-back (a GPU syncs once): the three as rows of one fp32 tensor
-            values = zip(*torch.stack([sums, means, greedy.float()]).tolist())
+            columns = [torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])]
+            if greedy:
+                columns.append(torch.cat([r[2] for r in results]).float())
+            # one read-back (a GPU syncs once): the columns as rows of one fp32 tensor
+            values = zip(*torch.stack(columns).tolist())
     finally:
         for m, training in modes:
             m.training = training
         if bar is not None:
             bar.close()
     out = [[None] * len(rows) for rows in groups]
-    for (g, j), (s, m, ok) in zip(order, values):
-        out[g][j] = Scored(s, m, bool(ok))
+    for (g, j), (s, m, *ok) in zip(order, values):
+        out[g][j] = Scored(s, m, bool(ok[0]) if ok else None)
     return out
 
 

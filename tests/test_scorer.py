@@ -205,7 +205,7 @@ def test_score_groups_equals_one_row_per_forward(arch, n_kv_head):
     runs = [(model, bt) for bt in (0, 1, 60, 200, 8192)] + [(Packed(model), 60),
                                                             (Packed(model), 8192)]
     for scored, batch_tokens in runs:
-        got = scorer.score_groups(scored, groups, "cpu", batch_tokens=batch_tokens)
+        got = scorer.score_groups(scored, groups, "cpu", batch_tokens=batch_tokens, greedy=True)
         compared = assert_matches(got, ref)
         assert True in compared and False in compared, batch_tokens
 
@@ -219,9 +219,44 @@ def test_greedy_ties_go_to_the_lowest_id():
               [Row([3, 4, 0, 0], 2, 4)], [Row([9, 0], 1, 2), Row([9, 1], 1, 2)]]
     for scored in (model, Packed(model)):
         for batch_tokens in (0, 8192):
-            got = scorer.score_groups(scored, groups, "cpu", batch_tokens=batch_tokens)
+            got = scorer.score_groups(scored, groups, "cpu", batch_tokens=batch_tokens,
+                                      greedy=True)
             assert [[r.greedy for r in rows] for rows in got] == [[True, False, False], [True],
                                                                   [True, False]]
+
+
+def test_greedy_is_worked_out_only_for_a_language_modeling_task(monkeypatch, enc):
+    """score_groups works out greedy only when asked (else None, the losses the same to the bit);
+    CORE asks for its language-modeling tasks alone, HellaSwag never: no argmax over the
+    vocabulary at their scored positions."""
+    import core_eval
+    import hellaswag
+
+    model = make_model(vocab=enc.n_vocab)
+    calls, real = [], scorer._greedy_hits
+    monkeypatch.setattr(scorer, "_greedy_hits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    groups = random_groups(model, 6, seed=8)
+    for batch_tokens in (0, 8192):
+        asked = scorer.score_groups(model, groups, "cpu", batch_tokens=batch_tokens, greedy=True)
+        assert calls
+        calls.clear()
+        plain = scorer.score_groups(model, groups, "cpu", batch_tokens=batch_tokens)
+        assert calls == [] and {r.greedy for rows in plain for r in rows} == {None}
+        assert [[r[:2] for r in rows] for rows in plain] == [[r[:2] for r in rows]
+                                                            for rows in asked]
+    ex = {"ctx": "A man sits down.", "endings": [" He reads.", " It rains.", " A dog.", " No."],
+          "label": 1}
+    hellaswag.score_examples(model, [ex], "cpu", enc=enc)
+    assert calls == []
+    for kind, rec, greedy in [("multiple_choice", {"query": "Two and two", "gold": 0,
+                                                   "choices": ["four", "five"]}, False),
+                              ("language_modeling", {"context": "Two and two are",
+                                                     "continuation": "four"}, True)]:
+        task = core_eval.Task(kind, kind, 0, " ", "x.jsonl", 0.0)
+        task.examples = [(0, rec)]
+        [res] = core_eval.score_task(model, task, "cpu", [0], enc)
+        assert bool(calls) is greedy and isinstance(res["correct"], bool), kind
+        calls.clear()
 
 
 class Counting(torch.nn.Module):
@@ -255,10 +290,10 @@ def test_shared_prefix_is_computed_once():
         ctx = [rng.randrange(VOCAB) for _ in range(P)]
         groups.append([Row(ctx + [rng.randrange(VOCAB) for _ in range(S)], P, P + S)
                        for _ in range(k)])
-    shared = scorer.score_groups(model, groups, "cpu", batch_tokens=8192)
+    shared = scorer.score_groups(model, groups, "cpu", batch_tokens=8192, greedy=True)
     assert sum(model.fed) == 3 * ((P - 1) + k * (S + 1)) and len(model.fed) == 2
     model.fed.clear()
-    plain = scorer.score_groups(model, groups, "cpu", batch_tokens=0)
+    plain = scorer.score_groups(model, groups, "cpu", batch_tokens=0, greedy=True)
     assert sum(model.fed) == 3 * k * (P + S)
     assert_matches(shared, reference(model.inner, groups))
     assert_matches(plain, reference(model.inner, groups))
@@ -276,7 +311,8 @@ def test_transformers_model_packed_rows(tmp_path):
     ref = reference(hf, groups)
     for model in (hf, ours):
         for batch_tokens in (0, 100, 8192):
-            got = scorer.score_groups(model, groups, "cpu", batch_tokens=batch_tokens)
+            got = scorer.score_groups(model, groups, "cpu", batch_tokens=batch_tokens,
+                                      greedy=True)
             assert True in assert_matches(got, ref)
 
 
