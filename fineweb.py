@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
+import tokenizer
 from common import (DiskFullError, HelpFormatter, OneLineParser, Proc, UsageError, atomic_write,
                     count, dir_lock, hub_unreachable, one_line)
 
@@ -122,10 +123,35 @@ def get_encoding():
     return _enc
 
 
-def _init_worker():
+_gpt2_tok = None
+
+
+def gpt2_tokenizer():
+    """GPT-2's BPE as a tokenizer.Tokenizer (built once): get_encoding()'s ids, its fingerprint
+    taken as a trained tokenizer's is, the chat tokens at the ids chat.py reserves (50257..)."""
+    global _gpt2_tok
+    if _gpt2_tok is None:
+        specials = {name: EOT + i for i, name in enumerate(tokenizer.SPECIAL_NAMES)}
+        _gpt2_tok = tokenizer.Tokenizer(_gpt2_ranks(), GPT2_PAT, specials,
+                                        encoding=get_encoding(), gpt2=True)
+    return _gpt2_tok
+
+
+def run_tokenizer(path):
+    """The tokenizer a --tokenizer flag names: GPT-2's for None, else the folder's."""
+    return gpt2_tokenizer() if path is None else tokenizer.load(path)
+
+
+_worker_tok = None  # the tokenizer of a pool's worker (None: GPT-2's)
+
+
+def _init_worker(record=None):
     # Ctrl-C goes to the whole process group; let only the parent handle it (it terminates
     # the pool), so an interrupted run prints one message instead of one per worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    global _worker_tok
+    if record is not None:
+        _worker_tok = tokenizer.from_record(record, None)
 
 
 def _encode(enc, text):
@@ -139,11 +165,16 @@ def _encode(enc, text):
     return np.array(enc.encode_ordinary(text), dtype=np.uint32)
 
 
-def tokenize_batch(texts):
-    """Tokenize a list of documents. Returns (tokens, lengths): all documents concatenated, each
-    after an EOT, as uint16; and each document's token count (0: an empty text, skipped)."""
-    enc = get_encoding()
-    eot = np.array([EOT], dtype=np.uint32)
+def tokenize_batch(texts, tok=None):
+    """Tokenize a list of documents with tok (None: this worker's, GPT-2's by default). Returns
+    (tokens, lengths): all documents concatenated, each after an EOT, as uint16 (uint32 for a
+    tokenizer of more than 65,536 tokens); and each document's token count (0: an empty text)."""
+    tok = tok or _worker_tok
+    if tok is None:
+        enc, eot_id, dtype = get_encoding(), EOT, np.uint16
+    else:
+        enc, eot_id, dtype = tok.encoding(), tok.eot, tok.dtype
+    eot = np.array([eot_id], dtype=np.uint32)
     pieces = []
     lengths = np.zeros(len(texts), dtype=np.int64)
     for i, text in enumerate(texts):
@@ -153,12 +184,13 @@ def tokenize_batch(texts):
         pieces += [eot, ids]
         lengths[i] = len(ids) + 1
     if not pieces:
-        return np.empty(0, dtype=np.uint16), lengths
+        return np.empty(0, dtype=dtype), lengths
     tokens = np.concatenate(pieces)
-    # a real check, not an assert (python -O would drop it): uint16 must hold every id
-    if int(tokens.max()) >= 2**16:
-        raise DataPrepError(f"token id {int(tokens.max())} does not fit in uint16")
-    return tokens.astype(np.uint16), lengths
+    # a real check, not an assert (python -O would drop it): the dtype must hold every id
+    if int(tokens.max()) > np.iinfo(dtype).max:
+        raise DataPrepError(f"token id {int(tokens.max())} does not fit in "
+                            f"{np.dtype(dtype).name}")
+    return tokens.astype(dtype), lengths
 
 
 def _batched(texts):
@@ -173,15 +205,24 @@ def _batched(texts):
         yield batch
 
 
-def _tokenized(batches, num_proc):
-    """tokenize_batch(batch) for each batch, in order, in num_proc processes. At most 2 * num_proc
-    batches in flight: a fast reader cannot fill the memory (Pool.imap would read it all ahead)."""
+def _tokenized(batches, num_proc, tok=None):
+    """tokenize_batch(batch, tok) for each batch, in order, in num_proc processes. At most
+    2 * num_proc batches in flight: a fast reader cannot fill the memory (Pool.imap would read it
+    all ahead). tok None or GPT-2's: get_encoding()."""
+    if tok is not None and tok.gpt2:
+        tok = None
     if num_proc <= 1:
         for batch in batches:
-            yield tokenize_batch(batch)
+            if tok is None:
+                yield tokenize_batch(batch)
+            else:
+                yield tokenize_batch(batch, tok)
         return
-    # the pool is made here, never at import, so spawn (macOS/Windows) works
-    with mp.get_context(START_METHOD).Pool(num_proc, initializer=_init_worker) as pool:
+    # the pool is made here, never at import, so spawn (macOS/Windows) works; a worker rebuilds
+    # the tokenizer from its record (its files' text)
+    record = None if tok is None else tok.record()
+    with mp.get_context(START_METHOD).Pool(num_proc, initializer=_init_worker,
+                                           initargs=(record,)) as pool:
         pending = collections.deque()
         for batch in batches:
             pending.append(pool.apply_async(tokenize_batch, (batch,)))
@@ -422,13 +463,13 @@ class _ShardWriter:
     """The shard being filled, and the manifest that records each finished one with the stream
     position just after it (document index, token offset in it): a later run restarts there."""
 
-    def __init__(self, local_dir, manifest, shard_size, val_tokens):
+    def __init__(self, local_dir, manifest, shard_size, val_tokens, dtype=np.uint16):
         self.local_dir, self.manifest, self.shards = local_dir, manifest, manifest["shards"]
         self.index = len(self.shards)  # of the shard being filled
         self.prefix = manifest.get("prefix", SHARD_PREFIX)  # a manifest with none is FineWeb's
         self.shard_size = shard_size
         self.cap = val_tokens if self.index == 0 else shard_size  # its capacity
-        self.buf = np.empty(shard_size, dtype=np.uint16)  # the only shard-sized allocation
+        self.buf = np.empty(shard_size, dtype=dtype)  # the only shard-sized allocation
         self.fill = 0
         self.cut = None  # stream position where the buffer content ends, once it is full
 
@@ -442,7 +483,7 @@ class _ShardWriter:
         path = os.path.join(self.local_dir, shard_name(index, prefix=self.prefix))
         try:
             atomic_write(path, lambda f: np.save(f, tokens))
-        except DiskFullError as e:  # np.save's header of a 1-D uint16 array is 128 bytes
+        except DiskFullError as e:  # np.save's header of a 1-D token array is 128 bytes
             raise DiskFullError(e.errno, e.path, e.free, e.written,
                                 tokens.nbytes + 128) from e.__cause__
 
@@ -504,19 +545,21 @@ class _ShardWriter:
 
 
 def write_shards(local_dir, texts, manifest=None, *, shard_size, val_tokens, max_tokens=None,
-                 num_proc=1, progress=False):
-    """Tokenize `texts` into shards in local_dir after those manifest["shards"] lists (no manifest:
-    a new prep); returns every shard path, val first. prepare() adds checks, the lock, resuming."""
+                 num_proc=1, progress=False, tok=None):
+    """Tokenize `texts` with tok (None: GPT-2's BPE) into shards in local_dir after those
+    manifest["shards"] lists (no manifest: a new prep); returns every shard path, val first.
+    prepare() adds checks, the lock, resuming."""
     if manifest is None:
-        manifest = _new_manifest({})
-    writer = _ShardWriter(local_dir, manifest, shard_size, val_tokens)
+        manifest = _new_manifest({}, tok)
+    dtype = np.uint16 if tok is None else tok.dtype
+    writer = _ShardWriter(local_dir, manifest, shard_size, val_tokens, dtype)
     shards = manifest["shards"]
     done = sum(s["tokens"] for s in shards)
     doc, skip = (shards[-1]["next_doc"], shards[-1]["next_offset"]) if shards else (0, 0)
     remaining = None if max_tokens is None else max_tokens - done
     pbar = None  # made at the first batch, so an input error is not preceded by an empty bar
     # (remaining == 0: a resumed run that had written everything but the "complete" flag)
-    batches = _tokenized(_batched(texts), num_proc) if remaining != 0 else (b for b in ())
+    batches = _tokenized(_batched(texts), num_proc, tok) if remaining != 0 else (b for b in ())
 
     try:
         for tokens, lengths in batches:
@@ -553,8 +596,16 @@ _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
                    (2, 0): np.lib.format.read_array_header_2_0}
 
 
+TOKEN_DTYPES = (np.uint16, np.uint32)  # uint32: a tokenizer of more than 65,536 tokens
+
+
 def _read_shard_header(path, f):
     """Check the .npy header of the open file f; returns the token count, f at the first token."""
+    return _read_shard_layout(path, f)[0]
+
+
+def _read_shard_layout(path, f):
+    """_read_shard_header's check; returns (token count, the ids' dtype: uint16 or uint32)."""
     try:
         version = np.lib.format.read_magic(f)
     except ValueError:
@@ -566,30 +617,30 @@ def _read_shard_header(path, f):
         shape, _, dtype = _HEADER_READERS[version](f)
     except ValueError as e:
         raise ShardError(f"{path}: damaged .npy header ({one_line(e, 100)})") from None
-    if dtype != np.uint16:
-        raise ShardError(f"{path}: holds {dtype} values, expected uint16 token ids")
+    if dtype not in TOKEN_DTYPES:
+        raise ShardError(f"{path}: holds {dtype} values, expected uint16 (or uint32) token ids")
     if len(shape) != 1:
         raise ShardError(f"{path}: holds an array of shape {shape}, expected a 1-D token stream")
 
-    n, header_bytes = shape[0], f.tell()
+    n, header_bytes, width = shape[0], f.tell(), dtype.itemsize
     size = os.fstat(f.fileno()).st_size
     # np.load(mmap_mode="r") would only say "mmap length is greater than file size"
-    if size != header_bytes + 2 * n:
-        what = "truncated" if size < header_bytes + 2 * n else "longer than its header says"
+    if size != header_bytes + width * n:
+        what = "truncated" if size < header_bytes + width * n else "longer than its header says"
         raise ShardError(f"{path}: {what}: {size:,} bytes, but its header promises {n:,} tokens "
-                         f"({header_bytes + 2 * n:,} bytes)")
+                         f"({header_bytes + width * n:,} bytes)")
     if n == 0:
         raise ShardError(f"{path}: holds no tokens")
-    return n
+    return n, dtype
 
 
-def _check_token_ids(path, f, n, vocab_size):
+def _check_token_ids(path, f, n, vocab_size, dtype=np.uint16):
     """Check the n token ids after f's position, CHECK_CHUNK at a time into one reused buffer."""
-    buf = np.empty(min(CHECK_CHUNK, n), dtype=np.uint16)
-    raw = memoryview(buf).cast("B")
+    buf = np.empty(min(CHECK_CHUNK, n), dtype=dtype)
+    raw, width = memoryview(buf).cast("B"), buf.itemsize
     for start in range(0, n, len(buf)):
         count = min(len(buf), n - start)
-        if f.readinto(raw[:2 * count]) != 2 * count:
+        if f.readinto(raw[:width * count]) != width * count:
             raise ShardError(f"{path}: changed while it was being read")
         check_window(buf[:count], vocab_size, path, start, ShardError)
 
@@ -612,18 +663,19 @@ def _open_checked(path, check):
 
 
 def open_shard(path, vocab_size):
-    """A token shard as a read-only memory-mapped 1-D uint16 array, after checking it: a .npy file
-    of uint16, 1-D, as long as its header says, ids < vocab_size (None: unread); else ShardError."""
+    """A token shard as a read-only memory-mapped 1-D uint16 (or uint32) array, after checking it:
+    a .npy file of such ids, 1-D, as long as its header says, ids < vocab_size (None: unread);
+    else ShardError."""
     path = os.fspath(path)
 
     def check(f):
-        n, offset = _read_shard_header(path, f), f.tell()
+        (n, dtype), offset = _read_shard_layout(path, f), f.tell()
         if vocab_size is not None:
-            _check_token_ids(path, f, n, vocab_size)
-        return n, offset
+            _check_token_ids(path, f, n, vocab_size, dtype)
+        return n, dtype, offset
 
-    n, offset = _open_checked(path, check)
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(n,))
+    n, dtype, offset = _open_checked(path, check)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(n,))
 
 
 def open_split(data_root, split, vocab_size):
@@ -639,13 +691,17 @@ def open_split(data_root, split, vocab_size):
         raise UsageError(str(e), rank_specific=True) from None
 
 # ===== the public entry point =====================================================================
-def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset):
-    """Check prepare's arguments; returns what determines the shards (manifest.json's "args")."""
+def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset,
+                   tok=None):
+    """Check prepare's arguments; returns what determines the shards (manifest.json's "args"):
+    GPT-2's BPE as "gpt2", another tokenizer by its fingerprint."""
     if int(shard_size) < 1:
         raise DataPrepError(f"--shard_size must be positive, got {shard_size}")
     if max_tokens is not None and int(max_tokens) < 2:
         raise DataPrepError(f"--max_tokens must be at least 2 (one val and one train token), got "
                             f"{max_tokens}")
+    if val_tokens is None:
+        val_tokens = _held_out_tokens(tok, name, inputs, text_column, dataset, shard_size)
     if val_tokens is None:
         # a full shard of val data, as build-nanogpt; but only 10% of a small --max_tokens
         val_tokens = shard_size if max_tokens is None else max(1, min(shard_size, max_tokens // 10))
@@ -654,7 +710,8 @@ def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens
                             f"({shard_size}), got {val_tokens}")
     if inputs is None and dataset == HF_DATASET and name not in NAMES:
         raise DataPrepError(f"unknown --fineweb_name {name!r}; choose one of {', '.join(NAMES)}")
-    args = {"tokenizer": TOKENIZER, "shard_size": int(shard_size), "val_tokens": int(val_tokens),
+    name_of_tok = TOKENIZER if tok is None or tok.gpt2 else tok.fingerprint
+    args = {"tokenizer": name_of_tok, "shard_size": int(shard_size), "val_tokens": int(val_tokens),
             "max_tokens": None if max_tokens is None else int(max_tokens),
             "text_column": text_column}
     if inputs is None:
@@ -664,16 +721,37 @@ def _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens
     return args
 
 
+def _source(name, inputs, text_column, dataset):
+    """What a prep or a tokenizer's training read: the input files (each one's path, size and
+    modification time), or the dataset; and the text column."""
+    if inputs is None:
+        return {"dataset": dataset, "name": name, "text_column": text_column}
+    return {"inputs": _input_records(inputs), "text_column": text_column}
+
+
+def _held_out_tokens(tok, name, inputs, text_column, dataset, shard_size):
+    """The val shard's size for data tokenized by a tokenizer trained on the same source: the
+    tokens of the text its training held out, so that its val split holds no text it was trained
+    on. None for GPT-2's BPE, or a tokenizer trained on other text."""
+    held = (tok.info.get("held_out") if tok is not None else None) or {}
+    if not held or held.get("source") != _source(name, inputs, text_column, dataset):
+        return None
+    return max(1, min(int(held["val_tokens"]), int(shard_size)))
+
+
 def _input_records(inputs):
     """What a manifest records of its input files: each one's path, size and modification time."""
     return [{"path": p, "size": os.path.getsize(p), "mtime": int(os.path.getmtime(p))}
             for p in _expand_inputs(inputs)]
 
 
-def _new_manifest(args):
+def _new_manifest(args, tok=None):
     prefix = LOCAL_SHARD_PREFIX if "inputs" in args else SHARD_PREFIX
+    tok = tok or gpt2_tokenizer()
     return {"version": 1, "args": args, "prefix": prefix, "shards": [], "complete": False,
-            "total_tokens": 0}
+            "total_tokens": 0, "tokenizer": {"name": tok.name, "fingerprint": tok.fingerprint,
+                                             "n_vocab": tok.n_vocab,
+                                             "dtype": np.dtype(tok.dtype).name}}
 
 
 def _remove_stale_temps(local_dir):
@@ -683,7 +761,7 @@ def _remove_stale_temps(local_dir):
             os.remove(stale)
 
 
-def _manifest_for(local_dir, args):
+def _manifest_for(local_dir, args, tok=None):
     """The manifest a prep with `args` continues in local_dir (new if none), or DataPrepError."""
     manifest = _load_manifest(local_dir)
     if manifest is None:
@@ -691,7 +769,7 @@ def _manifest_for(local_dir, args):
             raise DataPrepError(f"{local_dir} already holds .npy shards but no {MANIFEST} (made by "
                                 f"another tool?); refusing to mix or overwrite them: use another "
                                 f"--data_root or delete them")
-        return _new_manifest(args)
+        return _new_manifest(args, tok)
     if manifest["args"] != args:
         raise DataPrepError(f"{local_dir} was prepared with different arguments "
                             f"({_args_diff(manifest['args'], args)}); refusing to mix: use "
@@ -724,21 +802,23 @@ def _prep_lock(local_dir, made_dir=False):
 
 def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text",
             shard_size=SHARD_SIZE, max_tokens=None, val_tokens=None, num_proc=None, progress=True,
-            dataset=HF_DATASET):
-    """Download (inputs=None) or read local files, tokenize, write the shards to local_dir; returns
+            dataset=HF_DATASET, tok=None):
+    """Download (inputs=None) or read local files, tokenize with tok (a tokenizer.Tokenizer; None:
+    GPT-2's BPE), write the shards to local_dir; returns
     their paths, val first. Called again, a complete directory with the same arguments is returned
     as is, an incomplete one resumed; one of other arguments, or one another prep writes (LOCK),
     raises DataPrepError. Out of disk: DiskFullError, and the same call resumes."""
     local_dir = os.path.abspath(os.path.expanduser(str(local_dir)))
     num_proc = num_proc or os.cpu_count() or 1
-    args = _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset)
-    manifest = _manifest_for(local_dir, args)  # refused before anything is locked or made
+    args = _recorded_args(name, inputs, text_column, shard_size, max_tokens, val_tokens, dataset,
+                          tok)
+    manifest = _manifest_for(local_dir, args, tok)  # refused before anything is locked or made
     if manifest.get("complete"):  # a finished prep is only read: no lock
         return _check_shards(local_dir, manifest)
     made_dir = not os.path.isdir(local_dir)
     os.makedirs(local_dir, exist_ok=True)
     with _prep_lock(local_dir, made_dir):
-        manifest = _manifest_for(local_dir, args)  # again: another prep may have written it since
+        manifest = _manifest_for(local_dir, args, tok)  # again: another prep may have written it
         paths = _check_shards(local_dir, manifest)
         if manifest.get("complete"):
             return paths
@@ -754,7 +834,7 @@ def prepare(local_dir, *, name="sample-10BT", inputs=None, text_column="text",
         _remove_stale_temps(local_dir)
         return write_shards(local_dir, texts, manifest, shard_size=int(shard_size),
                             val_tokens=args["val_tokens"], max_tokens=args["max_tokens"],
-                            num_proc=num_proc, progress=progress)
+                            num_proc=num_proc, progress=progress, tok=tok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -810,15 +890,33 @@ FINEWEB_SAMPLE_TOKENS = {"sample-10BT": 10e9, "sample-100BT": 100e9, "sample-350
 MIN_PREP_TOKENS = 10_000_000
 
 
-def _check_against_manifest(data_root, manifest, val, train, vocab_size):
+def check_tokenizer(data_root, manifest, tok):
+    """A DataPrepError unless the prep in data_root was tokenized by tok (GPT-2's: None)."""
+    tok = tok or gpt2_tokenizer()
+    made_by = manifest["args"].get("tokenizer", TOKENIZER)
+    wanted = TOKENIZER if tok.gpt2 else tok.fingerprint
+    if made_by == wanted:
+        return
+    if made_by == TOKENIZER:
+        had = "GPT-2's BPE"
+    else:
+        had = f"the tokenizer bpe-{made_by[:12]}" if len(made_by) == 64 else repr(made_by)
+    fix = ("give --tokenizer the folder it was prepared with" if tok.gpt2 else
+           "prepare it again with fineweb.py --tokenizer, or use another --data_root")
+    raise DataPrepError(f"{data_root} was tokenized with {had}, not the run's {tok.describe()}: "
+                        f"{fix}")
+
+
+def _check_against_manifest(data_root, manifest, val, train, vocab_size, tok=None):
     """The shards the loader opens (val, train) are those the manifest records, as long as recorded,
-    tokenized with ids below vocab_size. Reads .npy headers and file sizes, never the tokens."""
+    tokenized by tok (None: GPT-2's BPE) with ids below vocab_size. Reads .npy headers and file
+    sizes, never the tokens."""
     args = manifest["args"]
-    if args.get("tokenizer", TOKENIZER) != TOKENIZER:
-        raise DataPrepError(f"{data_root} was tokenized with {args['tokenizer']!r}, not "
-                            f"{TOKENIZER!r}: prepare the data again with this fineweb.py")
-    if vocab_size <= EOT:
-        raise DataPrepError(f"{data_root} holds {TOKENIZER} token ids up to {EOT}, which a model "
+    check_tokenizer(data_root, manifest, tok)
+    eot = EOT if tok is None else tok.eot
+    if vocab_size <= eot:
+        name = TOKENIZER if tok is None else tok.name
+        raise DataPrepError(f"{data_root} holds {name} token ids up to {eot}, which a model "
                             f"with vocab_size {vocab_size} cannot embed")
 
     mismatch = f"{data_root} does not match its {MANIFEST}"
@@ -858,7 +956,7 @@ def _check_against_manifest(data_root, manifest, val, train, vocab_size):
                                 f"is {shard_size:,}{val_size}): {fix}")
 
 
-def _usable_shards(data_root, status, vocab_size):
+def _usable_shards(data_root, status, vocab_size, tok=None):
     """True when data_root holds val and train shards (checked against a manifest if any), False
     when it holds none; DataPrepError when only one split is there or they mismatch the manifest."""
     val, train = list_shards(data_root, "val"), list_shards(data_root, "train")
@@ -873,7 +971,8 @@ def _usable_shards(data_root, status, vocab_size):
                             f"matching {shard_glob('train')}): restore them, or prepare the "
                             f"directory again")
     if status.has_manifest:
-        _check_against_manifest(data_root, _load_manifest(data_root), val, train, vocab_size)
+        _check_against_manifest(data_root, _load_manifest(data_root), val, train, vocab_size,
+                                tok)
     return True
 
 
@@ -918,13 +1017,13 @@ def prepared_from(data_root, inputs):
 
 
 def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs, text_column,
-                       print0):
+                       print0, tok=None):
     """prepare() the tokens a run needs (at least MIN_PREP_TOKENS) or the whole source, or finish
     an unfinished prep with the arguments it recorded. Returns None, or the one-line error."""
     if status.has_manifest and not status.complete:
         print0(f"{data_root}: an earlier prep stopped after {status.shards} shards; finishing it")
         try:
-            prepare(data_root, **status.prepare_kwargs)
+            prepare(data_root, **status.prepare_kwargs, tok=tok)
         except (DataPrepError, OSError) as e:
             return (f"{data_root} is an unfinished prep and finishing it failed ({one_line(e)}); "
                     f"finish it with: {status.resume_command}")
@@ -940,7 +1039,7 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
     print0(f"no shards in {data_root}: preparing them from {what}{size}")
     try:
         prepare(data_root, name=name, inputs=inputs, text_column=text_column,
-                max_tokens=max_tokens, val_tokens=val_shard)
+                max_tokens=max_tokens, val_tokens=val_shard, tok=tok)
     except (DataPrepError, OSError) as e:
         return f"preparing {data_root} failed: {one_line(e)}"
     return None
@@ -948,13 +1047,14 @@ def _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs
 
 def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", inputs=None,
                     text_column="text", inputs_given=False, proc=None, print0=print,
-                    vocab_size=GPT2_VOCAB_SIZE):
+                    vocab_size=GPT2_VOCAB_SIZE, tok=None):
     """Make sure data_root holds train and val shards a run can open, prepared on first use from
     `inputs` or FineWeb-Edu `name` (the train_tokens + val_tokens a run needs unless that is most of
     the sample; an unfinished prep is finished), checked against their manifest. inputs_given:
     inputs passed for a folder with shards (a warning). Every rank calls it with its proc
     (common.Proc; None: one process), whose agree(ok, long_wait) is the AND of ok over the ranks
     (long_wait: the wait for the master's prep, maybe hours); only the master prepares and prints.
+    tok: the run's tokenizer (None: GPT-2's BPE), which a prep uses and shards must be made by.
     Raises DataPrepError; returns prep_status(data_root)."""
     proc = proc or Proc()
     master, agree = proc.master, proc.agree
@@ -962,7 +1062,9 @@ def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", 
     try:
         status = prep_status(data_root)
         unfinished = status.has_manifest and not status.complete
-        usable = not unfinished and _usable_shards(data_root, status, vocab_size)
+        if unfinished:  # finished with the run's tokenizer only if it was begun with it
+            check_tokenizer(data_root, _load_manifest(data_root), tok)
+        usable = not unfinished and _usable_shards(data_root, status, vocab_size, tok)
         problem = None
     except DataPrepError as e:
         problem, usable = str(e), False
@@ -976,10 +1078,101 @@ def ensure_prepared(data_root, *, train_tokens, val_tokens, name="sample-10BT", 
     message = None
     if master:
         message = _prepare_first_use(data_root, status, train_tokens, val_tokens, name, inputs,
-                                     text_column, print0)
+                                     text_column, print0, tok)
     if not agree(message is None, long_wait=True):
         raise DataPrepError(message or "data preparation failed on rank 0 (see its message)")
     return prep_status(data_root)
+
+
+# ===== a tokenizer trained on the same inputs ====================================================
+TOKENIZER_VAL_CHARS = 10_000_000  # the most text held out as val; 10% of a smaller input
+TOKENIZER_TRAIN_CHARS = 2_000_000_000  # nanochat's: the characters a tokenizer trains on at most
+PATTERNS = {"gpt4": tokenizer.GPT4_PATTERN, "gpt2": GPT2_PAT}
+
+
+def _split_held_out(docs, val_chars, train_chars, held):
+    """The training text of docs: what follows their first val_chars characters (which go into
+    held, a list, cut inside a document where they end), up to train_chars characters."""
+    got, used = 0, 0
+    for doc in docs:
+        if not doc:
+            continue
+        if got < val_chars:
+            part = doc[:val_chars - got]
+            held.append(part)
+            got += len(part)
+            doc = doc[len(part):]
+            if not doc:
+                continue
+        doc = doc[:train_chars - used]
+        used += len(doc)
+        yield doc
+        if used >= train_chars:
+            return
+
+
+def _held_out_token_count(tok, held):
+    """The tokens the held-out texts take in a prep's val shard: each document's <|endoftext|>
+    and ids (the last one cut where the held-out text ends)."""
+    return sum(len(ids) + 1 for ids in tok.encoding().encode_ordinary_batch(held))
+
+
+def train_tokenizer(out, *, name="sample-10BT", inputs=None, text_column="text",
+                    dataset=HF_DATASET, vocab_size=tokenizer.DEFAULT_VOCAB_SIZE, pattern="gpt4",
+                    train_chars=TOKENIZER_TRAIN_CHARS, overwrite=False, num_proc=None,
+                    print_fn=print):
+    """Train a BPE tokenizer on the documents prepare() would read (the first TOKENIZER_VAL_CHARS,
+    or 10% of smaller local files, held out: the val text a prep of the same source with it keeps
+    as its val shard) and save it into folder out; returns it. Prints bytes per token on the
+    held-out text, against GPT-2's BPE."""
+    tokenizer.check_new_folder(out, overwrite)
+    if int(vocab_size) > 1 << 32:
+        raise DataPrepError(f"--vocab_size {vocab_size} does not fit in uint32 shards")
+    source = _source(name, inputs, text_column, dataset)
+    if inputs is None:
+        if dataset == HF_DATASET and name not in NAMES:
+            raise DataPrepError(f"unknown --fineweb_name {name!r}; choose one of "
+                                f"{', '.join(NAMES)}")
+        total = train_chars
+        docs = _iter_hub(dataset, name, text_column, True, 0, num_proc or 1)
+    else:
+        files = [i["path"] for i in source["inputs"]]
+        _check_inputs(files, text_column)
+        total = sum(i["size"] for i in source["inputs"])  # bytes: about the characters
+        docs = _iter_files(files, text_column)
+    val_chars = max(1, min(TOKENIZER_VAL_CHARS, total // 10))
+    held = []
+    t0 = time.time()
+    trained_on = collections.Counter()
+
+    def counted(texts):
+        for text in texts:
+            trained_on["chars"] += len(text)
+            yield text
+
+    tok = tokenizer.train_bpe(counted(_split_held_out(docs, val_chars, train_chars, held)),
+                              vocab_size, PATTERNS[pattern])
+    seconds = time.time() - t0
+    if not trained_on["chars"]:
+        raise DataPrepError(f"the input holds only {sum(map(len, held)):,} characters, all held "
+                            f"out as val text: give more text")
+    import rustbpe  # noqa: F401 (its version is recorded)
+    from importlib.metadata import version
+    tok.info = {"pattern_name": pattern,
+                "trained_on": {"source": source, "chars": trained_on["chars"],
+                               "trainer": f"rustbpe {version('rustbpe')}",
+                               "seconds": round(seconds, 1)},
+                "held_out": {"source": source, "chars": sum(map(len, held)),
+                             "val_tokens": _held_out_token_count(tok, held)}}
+    tokenizer.save(tok, out, overwrite)
+    print_fn(f"trained {tok.describe()} on {trained_on['chars']:,} characters in "
+             f"{seconds:.1f}s ({pattern} split pattern); wrote {tok.path}")
+    own_bytes, own = tokenizer.bytes_per_token(tok, held)
+    _, gpt2 = tokenizer.bytes_per_token(gpt2_tokenizer(), held)
+    if own and gpt2:
+        print_fn(f"held-out val text ({own_bytes:,} bytes): {own_bytes / own:.2f} bytes a token, "
+                 f"GPT-2's BPE {own_bytes / gpt2:.2f} ({gpt2 / own:.2f}x its tokens)")
+    return tok
 
 
 # ===== command line ===============================================================================
@@ -1020,7 +1213,41 @@ def build_parser():
                         "downloading (a .txt or .md file is one document)")
     p.add_argument("--text_column", default="text",
                    help="field holding the text in .jsonl/.parquet inputs")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenize with the tokenizer in this folder (made by --train_tokenizer); "
+                        "default: GPT-2's BPE")
+    t = p.add_argument_group("training a tokenizer on the input instead (docs/tokenizer.md)")
+    t.add_argument("--train_tokenizer", default=None, metavar="DIR",
+                   help="train a byte-level BPE on the input (its first text held out as val) "
+                        "into this folder; writes no shards")
+    t.add_argument("--vocab_size", type=count(256 + len(tokenizer.SPECIAL_NAMES), 2**32),
+                   default=None, help=f"tokens in all, the special tokens included (default "
+                                      f"{tokenizer.DEFAULT_VOCAB_SIZE:,})")
+    t.add_argument("--pattern", choices=list(PATTERNS), default=None,
+                   help="the split pattern: GPT-4's (default) or GPT-2's")
+    t.add_argument("--train_chars", type=count(1, 2**50), default=None,
+                   help=f"train on at most this many characters (default "
+                        f"{TOKENIZER_TRAIN_CHARS:,})")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the tokenizer already in --train_tokenizer's folder")
     return p
+
+
+TRAINING_FLAGS = ("vocab_size", "pattern", "train_chars", "overwrite")
+
+
+def tokenizer_main(args):
+    """fineweb.py --train_tokenizer DIR: the flags checked, the tokenizer trained and reported."""
+    if args.tokenizer is not None:
+        raise DataPrepError("--tokenizer and --train_tokenizer do not go together: train first, "
+                            "then prepare the shards with --tokenizer")
+    train_tokenizer(args.train_tokenizer, name=args.fineweb_name, inputs=args.inputs,
+                    text_column=args.text_column, dataset=args.dataset,
+                    vocab_size=args.vocab_size or tokenizer.DEFAULT_VOCAB_SIZE,
+                    pattern=args.pattern or "gpt4",
+                    train_chars=args.train_chars or TOKENIZER_TRAIN_CHARS,
+                    overwrite=args.overwrite, num_proc=args.num_proc)
+    return 0
 
 
 def main(argv=None):
@@ -1029,10 +1256,16 @@ def main(argv=None):
         args.data_root = LOCAL_DATA_ROOT if args.inputs is not None else DEFAULT_DATA_ROOT
     t0 = time.time()
     try:
+        if args.train_tokenizer is not None:
+            return tokenizer_main(args)
+        unused = [f"--{k}" for k in TRAINING_FLAGS if getattr(args, k) not in (None, False)]
+        if unused:
+            raise DataPrepError(f"{', '.join(unused)} goes with --train_tokenizer DIR")
+        tok = None if args.tokenizer is None else tokenizer.load(args.tokenizer)
         paths = prepare(args.data_root, name=args.fineweb_name, inputs=args.inputs,
                         text_column=args.text_column, shard_size=args.shard_size,
                         max_tokens=args.max_tokens, val_tokens=args.val_shard_tokens,
-                        num_proc=args.num_proc, dataset=args.dataset)
+                        num_proc=args.num_proc, dataset=args.dataset, tok=tok)
     except UsageError as e:  # a DataPrepError: bad input, a mismatched directory, no network
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -1040,6 +1273,9 @@ def main(argv=None):
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.train_tokenizer is not None:
+            print("interrupted: no tokenizer written", file=sys.stderr)
+            return 130
         print("interrupted: run the same command again to continue where it stopped",
               file=sys.stderr)
         return 130

@@ -906,7 +906,7 @@ def test_ensure_prepared_sizes_a_hub_prep_to_the_run(tmp_path, monkeypatch, trai
     root, printed = str(tmp_path / "data"), []
     ensure(root, printed, train_tokens=train_tokens, val_tokens=val_tokens)
     assert calls == [(root, dict(name="sample-10BT", inputs=None, text_column="text",
-                                 max_tokens=max_tokens, val_tokens=prep_val_tokens))]
+                                 max_tokens=max_tokens, val_tokens=prep_val_tokens, tok=None))]
     assert printed == [f"no shards in {root}: preparing them from FineWeb-Edu sample-10BT"
                        + (f" ({max_tokens:,} tokens)" if max_tokens else "")]
 
@@ -1059,7 +1059,8 @@ def test_ensure_prepared_refuses_another_tokenizer_and_a_small_vocabulary(prepar
         ensure(root, [], vocab_size=1000)
     edit_manifest(root, lambda m: m["args"].update(tokenizer="cl100k_base"))
     with pytest.raises(DataPrepError,
-                       match=f"{re.escape(root)} was tokenized with 'cl100k_base', not 'gpt2'"):
+                       match=f"{re.escape(root)} was tokenized with 'cl100k_base', not the "
+                             f"run's gpt2, 50,263 tokens: give --tokenizer"):
         ensure(root, [])
 
 
