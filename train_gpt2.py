@@ -142,6 +142,7 @@ class KVCache:
         self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
         self.pos = 0
         self.lengths, self.longest = None, 0  # ragged rows: (B,) long, and its largest value
+        self.mask = None  # ((pos, T), attention_mask(T)): the forward's layers share one
 
     def update(self, layer, k, v):
         """Store k, v (B, nkv, T, hs) after the filled positions; returns all keys and values."""
@@ -153,13 +154,20 @@ class KVCache:
     def continue_rows(self, rows, lengths, max_new):
         """A ragged cache for one more forward: its row i continues the first lengths[i] tokens
         of this cache's row rows[i], with room for max_new tokens (the prefix that the options of
-        a question share, computed once for all of them)."""
+        a question share, computed once for all of them). The rows are copied once, straight into
+        the new cache (the cache a chunk of CORE's rows reads is its largest tensor)."""
         out = copy.copy(self)
         index = torch.tensor(rows, device=self.k.device)
-        out.k, out.v = (F.pad(t[:, index, :, : self.pos], (0, 0, 0, max_new))
-                        for t in (self.k, self.v))  # (n_layer, len(rows), nkv, pos + max_new, hs)
+        L, _, nkv, _, hs = self.k.shape
+        shape = (L, len(rows), nkv, self.pos + max_new, hs)
+        out.k, out.v = (torch.empty(shape, device=self.k.device, dtype=self.k.dtype)
+                        for _ in range(2))
+        for old, new in ((self.k, out.k), (self.v, out.v)):
+            torch.index_select(old[:, :, :, : self.pos], 1, index, out=new[:, :, :, : self.pos])
+            new[:, :, :, self.pos:].zero_()  # the new tokens' room
         out.lengths = torch.tensor(lengths, device=self.k.device)
         out.longest = max(lengths)
+        out.mask = None
         return out
 
     def positions(self, T):
@@ -177,7 +185,10 @@ class KVCache:
 
     def attention_mask(self, T):
         """What T new tokens see of the cache and of each other, as SDPA's (attn_mask,
-        is_causal): the cached keys (a ragged row: its own only) and the new ones up to each."""
+        is_causal): the cached keys (a ragged row: its own only) and the new ones up to each.
+        Made once for a forward's T tokens: every layer asks before pos moves on."""
+        if self.mask is not None and self.mask[0] == (self.pos, T):
+            return self.mask[1]
         device = self.k.device
         if self.pos == 0:
             return None, True
@@ -189,7 +200,8 @@ class KVCache:
             cached = torch.arange(self.pos, device=device) < self.lengths[:, None]
         B = cached.size(0)
         mask = torch.cat((cached[:, None].expand(B, T, -1), own.expand(B, T, T)), dim=2)
-        return mask[:, None], False  # (1 or B, 1, T, pos + T)
+        self.mask = ((self.pos, T), (mask[:, None], False))  # (1 or B, 1, T, pos + T)
+        return self.mask[1]
 
 VE_GATE_CHANNELS = 32  # the input channels a value embedding's gate reads
 

@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import scorer
 import settings
@@ -173,6 +175,51 @@ def test_ragged_rows_equal_whole_rows(arch, n_kv_head):
     other = ragged_logits(model, changed, rows[:5], VOCAB - 1, 7)
     for i, (_, _, own) in enumerate(rows[:5]):
         assert torch.allclose(other[i, : len(own)], got[i, : len(own)], atol=1e-6), i
+
+
+class Storages(TorchDispatchMode):
+    """The bytes of each new storage that the ops run inside it allocate."""
+
+    def __init__(self):
+        super().__init__()
+        self.new = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in given:
+                self.new[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return out
+
+
+def test_a_ragged_forward_builds_one_mask_and_continue_rows_copies_once(monkeypatch):
+    """continue_rows allocates its keys and values once (no indexed copy padded into a second
+    one); every layer of a forward through the ragged cache is given the one attention mask, and
+    the next forward a new one. The logits are the ones test_ragged_rows_equal_whole_rows checks."""
+    model = tiny_model(n_layer=3, n_head=4, vocab_size=VOCAB, real_vocab_size=VOCAB).eval()
+    masks, real_sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return real_sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    with torch.no_grad():
+        cache = model.make_kv_cache(2, 20, "cpu", torch.float32)
+        model(torch.randint(VOCAB, (2, 20)), kv_cache=cache)
+        with Storages() as storages:
+            kv = cache.continue_rows([1, 0, 1, 1], [20, 7, 3, 12], 6)
+        big = sorted(n for n in storages.new.values() if n > 1000)
+        assert big == [kv.k.untyped_storage().nbytes()] * 2 and kv.k.shape[-2] == 26
+        masks.clear()
+        model(torch.randint(VOCAB, (4, 5)), kv_cache=kv)
+        assert len(masks) == 3 and all(m is masks[0] for m in masks)
+        assert masks[0].shape == (4, 1, 5, 25)
+        model(torch.randint(VOCAB, (4, 1)), kv_cache=kv)
+        assert len(masks) == 6 and masks[3] is not masks[0] and masks[4] is masks[3]
+        assert masks[3].shape == (4, 1, 1, 26)
 
 
 # ---------------------------------------------------------------------------
