@@ -12,6 +12,7 @@ pip. Output belongs in a ```text block."""
 import argparse
 import ast
 import contextlib
+import glob
 import importlib
 import io
 import os
@@ -382,6 +383,110 @@ def check_readme(markdown, name="README.md"):
 
 
 # -----------------------------------------------------------------------------
+# the README's figures and docs/performance.md
+
+PERFORMANCE = os.path.join(REPO, "docs", "performance.md")
+# a number as a figure is written (3,582; 1.045; 44), not a part of a word (7M), of a version
+# (2.13.0) or of a longer number
+NUMBER = re.compile(r"(?<![\w.,])\d+(?:,\d{3})*(?:\.\d+)?(?!\w|[.,]\d)")
+UNIT = re.compile(r"\s?(?:×|%|s\b|ms\b|µs\b|GiB\b|GB\b|MB\b)")
+FENCED = re.compile(r"(?ms)^ {0,3}(`{3,}|~{3,}).*?^ {0,3}\1\s*$")
+
+
+def figures(text, every=True):
+    """The numbers in `text`; with every=False only those that read as measured figures: with a
+    decimal point or a thousands comma, or followed by a unit (×, %, s, ms, GiB, ...)."""
+    return {m.group(0) for m in NUMBER.finditer(text)
+            if every or "." in m.group(0) or "," in m.group(0) or UNIT.match(text, m.end())}
+
+
+def shown_commands(markdown):
+    """Every command a page shows, blanks squeezed: its inline code, wherever a line breaks it,
+    and the lines of its code blocks without their comments."""
+    prose = " ".join(FENCED.sub("", markdown).split())
+    spans = {" ".join(m.group(1).split()) for m in re.finditer(r"`([^`]+)`", prose)}
+    return spans | {" ".join(strip_comment(text).split()) for _, text in command_lines(markdown)}
+
+
+def performance_table(markdown):
+    """(line number, value, date, [commands]) of each row of the README's Performance table: the
+    inline code of its command cell that starts like a command."""
+    lines = markdown.splitlines()
+    start = lines.index("## Performance")
+    rows = []
+    for lineno, line in enumerate(lines[start + 1:], start + 2):
+        if line.startswith("## "):
+            break
+        if line.startswith("|"):
+            rows.append((lineno, [c.strip() for c in line.strip().strip("|").split("|")]))
+    assert rows and rows[0][1] == ["what", "value", "date", "command"], rows[:1]
+    table = []
+    for lineno, (_, value, date, command) in rows[2:]:
+        spans = [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", command)]
+        commands = [s for s in spans
+                    if s.split(" ")[0] in INLINE_STARTERS or ASSIGNMENT.match(s.split(" ")[0])]
+        table.append((lineno, value, date, commands))
+    return table
+
+
+def performance_problems(readme, performance):
+    """What the README quotes that docs/performance.md does not hold: each row of its Performance
+    table needs a command, and its commands (each whole, as the page shows it), its value's
+    numbers and its date must be on the page; a README paragraph that cites the page may quote
+    only figures the page has."""
+    shown, held = shown_commands(performance), figures(performance)
+    problems = []
+    for lineno, value, date, commands in performance_table(readme):
+        if not commands:
+            problems.append(f"README.md:{lineno}: a performance row without its command")
+        problems += [f"README.md:{lineno}: command not in docs/performance.md: {c}"
+                     for c in commands if c not in shown]
+        problems += [f"README.md:{lineno}: figure not in docs/performance.md: {n}"
+                     for n in sorted(figures(value) - held)]
+        if date not in performance:
+            problems.append(f"README.md:{lineno}: date not in docs/performance.md: {date}")
+    lineno = 1
+    for paragraph in re.split(r"(\n\s*\n)", readme):
+        if "(docs/performance.md" in paragraph and not paragraph.lstrip().startswith("|"):
+            problems += [f"README.md:{lineno}: figure not in docs/performance.md: {n}"
+                         for n in sorted(figures(paragraph, every=False) - held)]
+        lineno += paragraph.count("\n")
+    return problems
+
+
+def heading_anchors(markdown):
+    """The anchors GitHub gives a page's headings: lower case, punctuation but - and _ dropped,
+    spaces as -, a repeated one numbered (-1, -2, ...); headings in fenced code are none."""
+    anchors, seen = set(), {}
+    for line in FENCED.sub("", markdown).splitlines():
+        m = re.match(r"#{1,6} +(.*?)(?: +#+)?\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def broken_links(path):
+    """The relative links of a Markdown file whose file or heading does not exist."""
+    with open(path, encoding="utf-8") as f:
+        markdown = f.read()
+    broken = []
+    for m in re.finditer(r"\]\(([^)\s]+)\)", FENCED.sub("", markdown)):
+        target, _, anchor = m.group(1).partition("#")
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        full = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
+        if not os.path.exists(full):
+            broken.append(m.group(1))
+        elif anchor and full.endswith(".md"):
+            with open(full, encoding="utf-8") as f:
+                if anchor not in heading_anchors(f.read()):
+                    broken.append(m.group(1))
+    return broken
+
+
+# -----------------------------------------------------------------------------
 # the README itself
 
 @pytest.mark.parametrize("guide", GUIDES)
@@ -406,6 +511,25 @@ def test_readme_shows_commands_the_checker_sees():
             with contextlib.suppress(ValueError):
                 scripts.add((script_call(list(cmd)) or ("",))[0])
     assert {"train_gpt2.py", "fineweb.py"} <= scripts
+
+
+@pytest.mark.parametrize("page", ["README.md"] + sorted(
+    os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md"))))
+def test_links_between_the_guides_resolve(page):
+    assert broken_links(os.path.join(REPO, page)) == []
+
+
+def test_readme_figures_are_in_performance_md():
+    """Every row of the README's Performance table names its command, and docs/performance.md
+    shows that command, the row's figures and its date; every figure a README paragraph quotes
+    from that page is on it."""
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    with open(PERFORMANCE, encoding="utf-8") as f:
+        performance = f.read()
+    assert len(performance_table(readme)) >= 5  # the table is where this test reads it
+    problems = performance_problems(readme, performance)
+    assert not problems, "\n".join(problems)
 
 
 # -----------------------------------------------------------------------------
@@ -517,3 +641,38 @@ def test_checker_reads_every_kind_of_block():
                f"Text\n    {bad}\n",  # not code
                "Use `python` or `torchrun`, and `fineweb.py --bogus`.\n"]:  # not commands
         assert problems_of(md) == [], md
+
+
+def test_performance_check_finds_what_the_page_lacks():
+    performance = "\n".join([
+        "# Figures", "",
+        "- **Command**: `python bench.py --only train --device cpu`",
+        "- **Figure**: 3,582 tokens/s, 1.14× GPT-2's, 2026-11-30", "",
+        "    python bench.py --suite gpu-estimate   # estimated", ""])
+    row = "| what | value | date | command |\n| --- | --- | --- | --- |\n"
+    readme = ("Intro ([measured](docs/performance.md#x)): 1.14× and 99 s in 4 steps.\n\n"
+              "## Performance\n\n" + row +
+              "| step | 3,582 tokens/s | 2026-11-30 "
+              "| `python bench.py --only train --device cpu` |\n"
+              "| gpu | 59.0 GiB | 2026-11-25 | `python bench.py --suite gpu-estimate --compile` |\n"
+              "| est | 1.14× | 2026-11-30 | `python bench.py --suite gpu-estimate` |\n"
+              "| none | 3,582 | 2026-11-30 | the same |\n\n## Tests\n")
+    assert performance_problems(readme, performance) == [
+        "README.md:8: command not in docs/performance.md: "
+        "python bench.py --suite gpu-estimate --compile",
+        "README.md:8: figure not in docs/performance.md: 59.0",
+        "README.md:8: date not in docs/performance.md: 2026-11-25",
+        "README.md:10: a performance row without its command",
+        "README.md:1: figure not in docs/performance.md: 99"]
+
+
+def test_heading_anchors_and_broken_links(tmp_path):
+    page = tmp_path / "a.md"
+    page.write_text("# `--arch modern` on the tiny preset\n\n## The README's demo (2026-11-30)\n"
+                    "## Notes\n## Notes\n```\n# not a heading\n```\n"
+                    "[ok](#--arch-modern-on-the-tiny-preset) [ok](#notes-1) [ok](a.md#notes)\n"
+                    "[ok](https://x.org/#y) [bad](#not-a-heading) [bad](b.md) "
+                    "[bad](a.md#the-readmes-demo)\n", encoding="utf-8")
+    assert heading_anchors(page.read_text(encoding="utf-8")) == {
+        "--arch-modern-on-the-tiny-preset", "the-readmes-demo-2026-11-30", "notes", "notes-1"}
+    assert broken_links(str(page)) == ["#not-a-heading", "b.md", "a.md#the-readmes-demo"]
