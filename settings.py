@@ -292,6 +292,26 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
               "the longest answer in tokens (default: a quarter of the model's context, 256 at "
               "GPT-2's 1024). Room for it is kept: a turn that would leave less drops the "
               "conversation's oldest turns (the system message stays), saying so")],
+    "serve": ["serve a chat model: OpenAI's chat API at /v1 and a web page at / (docs/chat.md)",
+              *(f for f in SHARED if f[0] != "--init_from"), CHECKPOINT,
+              ("--init_from", None, {"metavar": "gpt2|...|gpt2-xl|DIR"},
+               "refused: OpenAI's GPT-2 is a base model (fine-tune it with sft first)"),
+              ("--host", "127.0.0.1", str,
+               "the address to listen on (0.0.0.0: every interface; the server has no "
+               "authentication: docs/operations.md puts it behind a proxy)"),
+              ("--port", 8000, count(0, 65535), "the port to listen on (0: a free one)"),
+              ("--model_name", None, str,
+               "the model's name in the API (default: the checkpoint's file name, without .pt)"),
+              ("--temperature", 0.6, NONNEG, "a request's temperature when it gives none"),
+              ("--top_k", 50, count(1, WIDTH * 16), "a request's top_k when it gives none"),
+              ("--seed", None, SEED,
+               "the seed of a request that gives none (default: a random one each)"),
+              ("--max_new_tokens", None, count(1, CONTEXT),
+               "the longest reply in tokens, and a request's max_tokens when it gives none "
+               "(default: the rest of the model's context)"),
+              ("--max_requests", 64, count(1, 1 << 16),
+               "requests answered at once (their generations share the model, a step each in "
+               "turn); more are refused with 429")],
 }
 
 def build_parser(shown=DEFAULTS, command=None):

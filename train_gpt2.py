@@ -15,7 +15,6 @@ profiler), openai_gpt2.py (OpenAI's weights in, transformers out) and common.py 
 command lines share).
 """
 
-import argparse
 import bisect
 import contextlib
 import copy
@@ -42,6 +41,7 @@ import fineweb
 import hellaswag
 import openai_gpt2
 import rundir
+import serve
 import settings
 from common import (Precision, Proc, UsageError, check_new_dir, check_outputs, exit_process,
                     new_dir, one_line, print0, resolve_device, run_cli, tune_for_device)
@@ -1134,13 +1134,14 @@ class Schedule:
                              self.ramp_start)
 
 # ===== Distributed: this process in the run, FSDP =====
-def setup_distributed(args):
-    """This process's Proc (torchrun's environment, or one process), on its device, with its
-    process group up and the device's settings made (common.tune_for_device)."""
+def setup_distributed(device="auto", fsdp=False):
+    """This process's Proc (torchrun's environment, or one process), on the device (--device's
+    value: "auto", "cpu", "cuda", ...), with its process group up and the device's settings made
+    (common.tune_for_device). fsdp: --fsdp, which needs torchrun."""
     proc = Proc()
-    if args.fsdp and not proc.distributed:
+    if fsdp and not proc.distributed:
         raise UsageError("--fsdp shards the model across processes: launch with torchrun")
-    device = resolve_device(args.device)
+    device = resolve_device(device)
     if proc.distributed and device.startswith("cuda"):
         if proc.local_rank >= torch.cuda.device_count():
             raise UsageError(f"LOCAL_RANK {proc.local_rank} but only {torch.cuda.device_count()} "
@@ -1606,7 +1607,7 @@ def settle(argv, planning=False):
                                    ("--sample_prompt", "--sample_tokens"),
                                    ": shorten them, or turn samples off with --sample_every 0")
 
-    proc = setup_distributed(args)
+    proc = setup_distributed(args.device, args.fsdp)
     if args.sft and "max_steps" not in given and ckpt is None:  # nanochat's SFT: one epoch
         args.max_steps = sft_epoch_steps(args, proc, planning)
     precision = Precision(args.dtype, proc.device)
@@ -1756,7 +1757,7 @@ def eval_main(args):
     # written at the end, after minutes of work: a bad path is refused now, not then
     check_outputs({"--results": args.results, "--examples": args.examples}, args.overwrite,
                   inputs={"--checkpoint": args.checkpoint, "--eval_bundle": args.eval_bundle})
-    proc = setup_distributed(argparse.Namespace(device=args.device, fsdp=False))
+    proc = setup_distributed(args.device)
     model, device, precision = model_for_command(args)  # a bad checkpoint: before a download
     if chat_labels is not None:
         return chat_eval.run(args, chat_labels, model, device, precision, proc)
@@ -1784,24 +1785,31 @@ def eval_main(args):
             core_eval.write_examples(args.examples, res)
     return 0
 
-def chat_main(args):
-    """A terminal chat with a chat model, or its answer to --prompt (chat.Talk: the conversation's
-    KV cache kept across turns)."""
+def chat_model_for_command(args, command, quiet=False):
+    """model_for_command's (model, device, precision) of a chat model's --checkpoint: a base model
+    (or --init_from, OpenAI's GPT-2) refused in one line that says to fine-tune it first. quiet:
+    no line on what wrote the model."""
     if args.init_from is not None:  # refused before any download
         raise UsageError(f"--init_from {args.init_from}: OpenAI's GPT-2 is a base model, not a "
                          f"chat model: fine-tune it first (train_gpt2.py sft --init_from "
-                         f"{args.init_from}), then chat with --checkpoint of that run")
+                         f"{args.init_from}), then {command} --checkpoint of that run")
     if args.checkpoint is None:
         raise UsageError("give --checkpoint: a model_*.pt of an sft run")
-    quiet = contextlib.nullcontext()
-    if args.prompt is not None:  # its stdout is the answer alone: no line on what wrote the model
-        quiet = contextlib.redirect_stdout(None)  # print() to a None sys.stdout writes nothing
-    with quiet:
+    # print() to a None sys.stdout writes nothing
+    with contextlib.redirect_stdout(None) if quiet else contextlib.nullcontext():
         model, device, precision = model_for_command(args)
     if not chat.is_chat_model(model.config):
         raise UsageError(f"{args.checkpoint} is a base model, not a chat model: fine-tune it "
-                         f"first (train_gpt2.py sft --init_from {args.checkpoint}), then chat "
-                         f"with --checkpoint of that run")
+                         f"first (train_gpt2.py sft --init_from {args.checkpoint}), then "
+                         f"{command} --checkpoint of that run")
+    return model, device, precision
+
+def chat_main(args):
+    """A terminal chat with a chat model, or its answer to --prompt (chat.Talk: the conversation's
+    KV cache kept across turns)."""
+    # --prompt: its stdout is the answer alone
+    model, device, precision = chat_model_for_command(args, "chat with",
+                                                      quiet=args.prompt is not None)
     generator = torch.Generator(device=device).manual_seed(args.seed)
 
     def sample(logits):
@@ -1817,7 +1825,25 @@ def chat_main(args):
           f"{device}. Ctrl-C stops an answer; Ctrl-D, or Ctrl-C at the prompt, quits.")
     return chat.converse(talk)
 
-COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main, "chat": chat_main}
+def serve_main(args):
+    """OpenAI's chat API and a web page for a chat model (serve.py), until SIGTERM or Ctrl-C."""
+    sock = serve.listen(args.host, args.port)  # a port in use: refused before the model loads
+    try:
+        model, device, precision = chat_model_for_command(args, "serve")
+        engine = serve.Engine(model, fineweb.get_encoding(), device=device,
+                              dtype=precision.dtype or model.lm_head.weight.dtype,
+                              autocast=precision.autocast, max_jobs=args.max_requests)
+        name = args.model_name or os.path.splitext(os.path.basename(args.checkpoint))[0]
+        defaults = serve.Defaults(temperature=args.temperature, top_k=args.top_k,
+                                  max_tokens=args.max_new_tokens, seed=args.seed)
+        return serve.serve(engine, name, sock, defaults, os.path.getmtime(args.checkpoint),
+                           f" ({model.config.block_size}-token context, {precision.name} on "
+                           f"{device})")
+    finally:
+        sock.close()
+
+COMMANDS = {"sample": sample_main, "export": export_main, "eval": eval_main, "chat": chat_main,
+            "serve": serve_main}
 
 def run(argv):
     if argv and argv[0] in COMMANDS:

@@ -207,3 +207,14 @@ def test_agree_names_a_lost_peer_and_keeps_a_bugs_traceback(monkeypatch, error):
     with pytest.raises(RuntimeError) as raised:
         proc.agree(True)
     assert raised.value is bug
+
+
+def test_setup_distributed_takes_the_device_and_fsdp_as_values(monkeypatch):
+    """What eval and the other commands call with their own flags: no argparse Namespace."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    proc = tg.setup_distributed("cpu")
+    assert (proc.device, proc.world_size, proc.distributed) == ("cpu", 1, False)
+    assert tg.setup_distributed().device == tg.resolve_device("auto")
+    with pytest.raises(common.UsageError, match="--fsdp shards the model across processes"):
+        tg.setup_distributed("cpu", fsdp=True)
