@@ -230,6 +230,34 @@ def test_core_matches_the_plain_scorer(model_dir, scored_bundle, enc, tmp_path):
     assert f"CORE {want[0]['core']:.4f} (se {want[0]['core_se']:.4f}) over 6 tasks" in r.stdout
 
 
+class CountingEncoder:
+    """The tokenizer, counting the texts it encodes."""
+
+    def __init__(self, enc):
+        self.enc, self.texts = enc, 0
+        self.eot_token = enc.eot_token
+
+    def encode(self, text, **kwargs):
+        self.texts += 1
+        return self.enc.encode(text, **kwargs)
+
+
+def test_a_runs_evaluations_render_each_prompt_once(bundle, enc):
+    """Training's CORE evaluates the same tasks again and again: the second evaluation encodes no
+    prompt and gives the first one's results; a model of another context renders them again."""
+    tasks = core_eval.read_bundle(bundle, labels=["mc_shots", "lm_shots"])
+    counting = CountingEncoder(enc)
+    model = tiny_model().eval()
+    first = core_eval.evaluate(model, "cpu", tasks, enc=counting)
+    rendered = counting.texts
+    assert rendered >= sum(len(t.examples) for t in tasks)
+    again = core_eval.evaluate(model, "cpu", tasks, enc=counting)
+    assert counting.texts == rendered and again == first
+    shorter = tiny_model(block_size=48).eval()
+    core_eval.evaluate(shorter, "cpu", tasks, enc=counting)
+    assert counting.texts == 2 * rendered
+
+
 def test_fewshot_prompts_are_rendered_as_the_templates_do(bundle, tmp_path):
     """The text of a 3-shot MC prompt, a 2-shot schema prompt and a 4-shot LM pair, spelled out."""
     folder = core_eval.install(bundle, str(tmp_path / "ed"))
