@@ -822,7 +822,7 @@ def spans(task, i, enc):
     token suffix; language_modeling: one row, the tokens of the prompt with the continuation past
     those of the prompt without it."""
     texts = prompts(task, i)
-    seqs = [[fineweb.EOT] + enc.encode(t, allowed_special="all") for t in texts]
+    seqs = [[enc.eot_token] + enc.encode(t, allowed_special="all") for t in texts]
     if task.kind == "multiple_choice":
         start = _common_length(seqs)
         return [(s, start, len(s)) for s in seqs]

@@ -341,15 +341,16 @@ def score_examples(model, examples, device, *, batch_tokens=8192, autocast_dtype
 _RENDER_CACHE = {}
 
 
-def _rendered_subset(split, limit, rank, world_size, data_dir):
+def _rendered_subset(split, limit, rank, world_size, data_dir, enc=None):
     """Rendered token lists of this rank's examples, cached across calls (training evaluates the
-    same examples every few hundred steps); keyed by the file's path, size and mtime."""
+    same examples every few hundred steps); keyed by the file's path, size and mtime, and the
+    encoding's name (a tokenizer's fingerprint is in it: tokenizer.Tokenizer.name)."""
+    enc = enc or get_encoding()
     path = download(split, data_dir)
     st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, limit, rank, world_size)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, limit, rank, world_size, enc.name)
     rendered = _RENDER_CACHE.get(key)
     if rendered is None:
-        enc = get_encoding()
         examples = _load_split_subset(split, limit, rank, world_size, data_dir)
         rendered = [_render_lists(ex, enc) for ex in examples]
         if any(label is None for _, _, label in rendered):
@@ -370,13 +371,14 @@ def _load_split_subset(split, limit, rank, world_size, data_dir):
 
 
 def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, proc=None,
-             autocast_dtype=None, data_dir=None, progress=False, device_type=None):
+             autocast_dtype=None, data_dir=None, progress=False, device_type=None, enc=None):
     """HellaSwag accuracy of ``model`` on ``split``: ``{"n", "correct", "correct_norm", "acc",
     "acc_norm"}``. Example ``i`` (after ``limit``) is scored on rank ``i % world_size``; with an
     initialized process group the counts are summed (all_reduce) so every rank returns the global
     figures, and all ranks run as many forward passes (tiny dummy ones), as FSDP needs. The model
     returns ``(logits, ...)`` (our GPT) or ``.logits`` (HF; see scorer.model_logits); its mode is
-    restored afterwards. Raises HellaSwagUnavailable (HellaSwagBadData for an invalid record)."""
+    restored afterwards; enc: its tokenizer's tiktoken Encoding (None: GPT-2's). Raises
+    HellaSwagUnavailable (HellaSwagBadData for an invalid record)."""
     import torch
 
     if split == "test":
@@ -386,7 +388,7 @@ def evaluate(model, device, *, split="val", limit=None, batch_tokens=8192, proc=
         rank, world_size = proc.rank, max(int(proc.world_size), 1)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-    rendered = _rendered_subset(split, limit, rank, world_size, data_dir)
+    rendered = _rendered_subset(split, limit, rank, world_size, data_dir, enc)
     dist = torch.distributed
     distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
     results = score_examples(model, None, device, batch_tokens=batch_tokens,

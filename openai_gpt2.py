@@ -12,7 +12,8 @@ import os
 
 from common import UsageError, hub_unreachable, one_line
 import chat
-from fineweb import BPE_DIR, EOT
+import tokenizer
+from fineweb import BPE_DIR, EOT, _gpt2_byte_chars
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # the matmuls transformers' GPT-2 keeps as Conv1D, (in, out): transposed on import and export
@@ -98,25 +99,26 @@ def pretrained_state_dict(name):
     return config, sd
 
 
-def export_hf(model, out_dir):
+def export_hf(model, out_dir, tok=None):
     """Write a GPT (train_gpt2.py's) as a transformers GPT2LMHeadModel directory, the vocab
     unpadded, with its tokenizer (export_tokenizer): what `train_gpt2.py export` makes of a
     checkpoint. A chat model's turn ends at <|assistant_end|>: its eos token, where generate()
-    stops."""
+    stops. tok: the model's tokenizer.Tokenizer (None: GPT-2's BPE)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = model.config
     if c.gpt2_differences():
         raise UsageError(f"only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
                          f"{', '.join(c.gpt2_differences())}")
     talks = chat.is_chat_model(c)
-    eos = EOT
+    bos = EOT if tok is None else tok.eot
+    eos = bos
     if talks:
         eos = chat.END["assistant"]
     hf = GPT2LMHeadModel(GPT2Config(
         vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
         layer_norm_epsilon=1e-5, resid_pdrop=c.dropout, embd_pdrop=c.dropout,
-        attn_pdrop=c.dropout, bos_token_id=EOT, eos_token_id=eos, tie_word_embeddings=True))
+        attn_pdrop=c.dropout, bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=True))
     hf.generation_config.eos_token_id = eos
     sd = {}
     for k, v in model.state_dict().items():
@@ -128,19 +130,27 @@ def export_hf(model, out_dir):
         sd[k] = v.contiguous()
     hf.load_state_dict(sd, strict=True)
     hf.save_pretrained(out_dir)
-    export_tokenizer(out_dir, talks)
+    export_tokenizer(out_dir, talks, tok)
     return hf
 
 
-def export_tokenizer(out_dir, talks=False):
+def export_tokenizer(out_dir, talks=False, tok=None):
     """GPT-2's tokenizer (gpt2_bpe/'s two files, under transformers' names) into out_dir, so that
     AutoTokenizer and pipeline() load an exported model's folder as it is. A chat model's (talks)
     also has the six chat tokens at their ids and chat.CHAT_TEMPLATE, so that
-    apply_chat_template renders a conversation as chat.render does."""
+    apply_chat_template renders a conversation as chat.render does. tok: a trained
+    tokenizer.Tokenizer, written as a tokenizer.json instead (hf_bpe)."""
     import shutil
     import tempfile
 
-    from transformers import GPT2TokenizerFast
+    from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
+
+    if tok is not None and not tok.gpt2:
+        eot = tokenizer.EOT_NAME
+        fast = PreTrainedTokenizerFast(tokenizer_object=hf_bpe(tok), bos_token=eot,
+                                       eos_token=eot, unk_token=eot)
+        fast.save_pretrained(out_dir)
+        return fast
 
     with tempfile.TemporaryDirectory() as files:  # the names from_pretrained reads
         shutil.copy(os.path.join(BPE_DIR, "encoder.json"), os.path.join(files, "vocab.json"))
@@ -151,3 +161,49 @@ def export_tokenizer(out_dir, talks=False):
         tok.chat_template = chat.CHAT_TEMPLATE
     tok.save_pretrained(out_dir)
     return tok
+
+
+def _merge_of(ranks, token):
+    """The two tokens whose merge made token: its bytes merged as tiktoken would, with only the
+    ranks below its own."""
+    parts, limit = [bytes([b]) for b in token], ranks[token]
+    while len(parts) > 2:
+        best = None
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < limit and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None:
+            break
+        i = best[1]
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} is not the merge of two tokens of lower rank")
+    return parts
+
+
+def hf_bpe(tok):
+    """A trained tokenizer.Tokenizer as HF tokenizers' Tokenizer, the same ids as its tiktoken
+    encoding: GPT-2's byte-to-character spelling, the merges in rank order, a piece that is a
+    token taken whole as tiktoken takes it (ignore_merges), the split pattern, the special
+    tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    char_of = {byte: char for char, byte in _gpt2_byte_chars().items()}
+
+    def spell(token):
+        return "".join(char_of[b] for b in token)
+
+    vocab = {spell(token): rank for token, rank in tok.ranks.items()}
+    merges = [tuple(spell(part) for part in _merge_of(tok.ranks, token))
+              for token, rank in sorted(tok.ranks.items(), key=lambda item: item[1])
+              if rank >= 256]
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(tok.pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    specials = sorted(tok.special_tokens.items(), key=lambda item: item[1])
+    hf.add_special_tokens([AddedToken(name, special=True, normalized=False)
+                           for name, _ in specials])
+    return hf

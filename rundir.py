@@ -368,12 +368,13 @@ def save_run_config(log_dir, run_config):
 
 # ===== log.txt: one `step kind value` line per number ============================================
 # each step: its train loss, LR, gradient norm, time (ms) and tokens/s, and on a step the fp16
-# scaler skipped, the run's count of skipped steps so far; each evaluation: val loss, HellaSwag,
+# scaler skipped, the run's count of skipped steps so far; each evaluation: val loss (and val_bpb,
+# the same in bits per byte of text: runs of different tokenizers compare), HellaSwag,
 # CORE and each of its tasks' centred accuracy (core/LABEL: a kind of the core family), the chat
 # tasks' centred mean and each one's (chat, chat/LABEL)
 LOG_FORMATS = {"train": "{:.6f}", "lr": "{:.4e}", "norm": "{:.4f}", "dt": "{:.2f}",
-               "tok_s": "{:.0f}", "skipped": "{:d}", "val": "{:.4f}", "hella": "{:.4f}",
-               "core": "{:.4f}", "chat": "{:.4f}"}
+               "tok_s": "{:.0f}", "skipped": "{:d}", "val": "{:.4f}", "val_bpb": "{:.4f}",
+               "hella": "{:.4f}", "core": "{:.4f}", "chat": "{:.4f}"}
 # the kinds that measure the clock: two runs of the same steps differ in these alone
 TIMING_KINDS = ("dt", "tok_s")
 

@@ -123,6 +123,9 @@ RUN_SETTINGS = {
         ("--fineweb_name", "sample-10BT", list(fineweb.NAMES), "FineWeb-Edu sample to prepare"),
         ("--input", None, {"nargs": "+", "metavar": "PATH"}, "prepare it from these files"),
         ("--text_column", "text", str, "text field of --input .jsonl/.parquet files"),
+        ("--tokenizer", None, {"metavar": "DIR"},
+         "a tokenizer folder (fineweb.py --train_tokenizer): the shards' and the model's; "
+         "default: GPT-2's BPE (docs/tokenizer.md)"),
         ("--sft", False, bool,
          "fine-tune on conversations (the sft command): chat.py's format, the assistant's "
          "tokens trained"),
@@ -450,6 +453,7 @@ DERIVED = {
     "end_step": "the step this invocation stops before (--max_steps, or --stop_step)",
     "micro_batch_fit": "-B auto's estimated peak and memory budget (GiB), or None",
     "model": "the GPTConfig",
+    "tok": "the tokenizer (GPT-2's BPE, --tokenizer's, or the resumed or --init_from checkpoint's)",
     "schedule": "the LR and batch-size schedule",
     "provenance": "the code, torch, Python and device behind the run's numbers",
 }
@@ -470,6 +474,8 @@ def as_dict(run):
             value = value.name
         elif f.name == "model":
             value = asdict(value)
+        elif f.name == "tok":
+            value = {"name": value.name, "fingerprint": value.fingerprint}
         d[f.name] = value
     return d
 
@@ -489,11 +495,12 @@ def flags_of(run):
     return {k: getattr(run, k) for k in DEFAULTS}
 
 
-def derive(args, proc, precision, config, micro_batch_size, micro_batch_fit=None):
+def derive(args, proc, precision, config, micro_batch_size, micro_batch_fit=None, tok=None):
     """The Run of the flags (args) on this process (proc): its device, the precision and model
     config settle() resolved, and every count that follows. With micro_batch_size "auto" the
     counts that need it (accumulation steps, --val_steps' tokens) are None: settle() fits -B with
-    the model, then derives again. The schedule is settle()'s to add."""
+    the model, then derives again. The schedule is settle()'s to add. tok: the run's tokenizer
+    (None: GPT-2's BPE)."""
     device_type = device_type_of(proc.device)
     flags = {**vars(args), "device": proc.device, "micro_batch_size": micro_batch_size}
     if args.compile is None:  # compiled where it pays: CUDA
@@ -510,7 +517,8 @@ def derive(args, proc, precision, config, micro_batch_size, micro_batch_fit=None
     return Run(**flags, device_type=device_type, world_size=proc.world_size,
                local_world_size=proc.local_world_size,
                precision=precision, grad_accum_steps=grad_accum_steps, end_step=end_step(args),
-               micro_batch_fit=micro_batch_fit, model=config, schedule=None,
+               micro_batch_fit=micro_batch_fit, model=config, tok=tok or fineweb.gpt2_tokenizer(),
+               schedule=None,
                provenance=rundir.provenance(proc.device))
 
 

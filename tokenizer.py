@@ -92,6 +92,8 @@ class Tokenizer:
 
     def describe(self):
         """The tokenizer in a few words, for messages: its name, folder and size."""
+        if self.gpt2:
+            return "GPT-2's BPE"
         where = f" ({self.path})" if self.path else ""
         return f"{self.name}{where}, {self.n_vocab:,} tokens"
 

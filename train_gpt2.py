@@ -43,6 +43,7 @@ import openai_gpt2
 import rundir
 import serve
 import settings
+import tokenizer
 from common import (Precision, Proc, UsageError, check_new_dir, check_outputs, exit_process,
                     new_dir, one_line, print0, resolve_device, run_cli, tune_for_device)
 from fineweb import EOT, GPT2_VOCAB_SIZE
@@ -105,10 +106,34 @@ class GPTConfig:
         gpt2 = {**settings.ARCHITECTURES["gpt2"], "n_kv_head": self.n_head}
         return [f"{k}={getattr(self, k)}" for k, v in gpt2.items() if getattr(self, k) != v]
 
-def model_config(args, ckpt=None):
+def run_tokenizer(args, given, ckpt=None):
+    """The run's tokenizer: a resumed checkpoint's, --init_from's (a model_*.pt's; OpenAI's
+    GPT-2's is GPT-2's BPE), else --tokenizer's (GPT-2's BPE by default). A --tokenizer given that
+    is not the checkpoint's or --init_from's is refused in one line, before any work."""
+    gpt2 = fineweb.gpt2_tokenizer()
+    asked = None
+    if "tokenizer" in given:  # on a resume, args.tokenizer is the checkpoint's flag otherwise
+        asked = tokenizer.load(args.tokenizer)
+    if ckpt is not None:
+        had, source = tokenizer.from_record(ckpt.get("tokenizer"), gpt2), f"--resume {args.resume}"
+    elif args.init_from and os.path.isfile(args.init_from):
+        record = rundir.read_checkpoint(args.init_from, check_weights=False).get("tokenizer")
+        had, source = tokenizer.from_record(record, gpt2), f"--init_from {args.init_from}"
+    elif args.init_from:
+        had, source = gpt2, f"--init_from {args.init_from}"
+    else:
+        return asked or gpt2
+    if asked is not None and asked.fingerprint != had.fingerprint:
+        raise UsageError(f"--tokenizer {args.tokenizer} ({asked.name}) is not the tokenizer of "
+                         f"{source} ({had.describe()}): a model reads only its own tokenizer's "
+                         f"ids; drop --tokenizer")
+    return had
+
+def model_config(args, ckpt=None, tok=None):
     """The GPTConfig a run trains: a resumed checkpoint's, --init_from's (a model_*.pt's, or
     OpenAI's GPT-2's config.json; fine-tuning on conversations lets the chat tokens be predicted),
-    or the preset's shape with --arch's parts, changed by any shape flag given."""
+    or the preset's shape with --arch's parts, changed by any shape flag given; its vocabulary
+    tok's (None: GPT-2's BPE), padded to a multiple of 64."""
     if ckpt is not None:
         return GPTConfig(**ckpt["config"])
     if args.init_from:
@@ -122,6 +147,8 @@ def model_config(args, ckpt=None):
         return config
     shape = {**settings.MODEL_PRESETS[args.preset], **settings.ARCHITECTURES[args.arch],
              "dropout": args.dropout}
+    if tok is not None and not tok.gpt2:  # GPT-2's: GPTConfig's defaults
+        shape.update(vocab_size=tok.padded_vocab, real_vocab_size=tok.eot + 1)
     for k in settings.SHAPE_FLAGS:
         if getattr(args, k) is not None:
             shape[k] = getattr(args, k)
@@ -980,7 +1007,10 @@ def check_data(run):
             fineweb.check_inputs(run.input)
         return []
     notes = []
-    if not fineweb.prep_status(run.data_root).has_manifest:
+    status = fineweb.prep_status(run.data_root)
+    if status.has_manifest:  # shards of another tokenizer: refused before any work
+        fineweb.check_tokenizer(run.data_root, {"args": status.args}, run.tok)
+    else:
         notes.append(f"warning: {run.data_root} has no manifest.json: its shards were not written "
                      f"by fineweb.py (or lost their record), so they are not checked against a "
                      f"prep")
@@ -1012,7 +1042,7 @@ def make_loaders(run, proc):
     fineweb.ensure_prepared(
         run.data_root, train_tokens=train_tokens, val_tokens=val_tokens, name=run.fineweb_name,
         inputs=run.input, text_column=run.text_column, proc=proc,
-        vocab_size=run.model.real_vocab_size)
+        vocab_size=run.model.real_vocab_size, tok=run.tok)
     if first_use:
         for note in check_data(run):
             print0(note)
@@ -1170,16 +1200,19 @@ def shard_model(raw_model, precision):
 
 # ===== Evaluation: val loss, HellaSwag, CORE, samples =====
 @torch.no_grad()
-def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
+def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1, token_bytes=None):
     """Mean loss over the first n_tokens targets of the split (at most all it holds), all ranks
-    together: the same tokens for any B and process count."""
+    together: the same tokens for any B and process count. token_bytes (each id's length in
+    bytes, a tensor on device): (that loss, bits per byte: the targets' summed loss in bits over
+    their bytes, <|endoftext|> costing bits and no bytes), which compares across tokenizers."""
     n_tokens = min(n_tokens, loader.epoch_tokens - 1)
     was_training = model.training
     model.eval()
     loader.reset()
     per_rank = loader.B * loader.T
     steps = math.ceil(n_tokens / (per_rank * loader.num_processes))
-    total = torch.zeros(2, device=device, dtype=torch.float64)  # (sum of token losses, tokens)
+    # (sum of token losses, tokens, their bytes)
+    total = torch.zeros(3, device=device, dtype=torch.float64)
     for _ in range(steps):
         start = loader.position + loader.process_rank * per_rank
         valid = max(0, min(per_rank, n_tokens - start))
@@ -1194,21 +1227,27 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1):
             counted = (y != -100).sum()
             total[0] += torch.where(counted > 0, loss.double() * counted, 0.0)
             total[1] += counted
+            if token_bytes is not None:
+                total[2] += token_bytes[torch.where(y != -100, y, 0)][y != -100].sum()
     model.train(was_training)
     if world_size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return (total[0] / total[1]).item()
+    loss = (total[0] / total[1]).item()
+    if token_bytes is None:
+        return loss
+    return loss, (total[0] / (math.log(2) * total[2])).item()
 
 def encode_prompt(enc, text):
     """Token ids of a prompt; an empty prompt starts from <|endoftext|>, as a new document."""
-    return enc.encode(text, allowed_special={"<|endoftext|>"}) or [EOT]
+    return enc.encode(text, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
 
 def decode_sample(enc, tokens, n_prompt):
     """The prompt and what follows up to <|endoftext|>, as text, blank lines squeezed."""
+    eot = enc.eot_token
     new = tokens[n_prompt:]
-    if EOT in new:
-        new = new[: new.index(EOT)]
-    text = enc.decode([t for t in tokens[:n_prompt] if t != EOT] + new)
+    if eot in new:
+        new = new[: new.index(eot)]
+    text = enc.decode([t for t in tokens[:n_prompt] if t != eot] + new)
     return re.sub(r"\n\s*\n", "\n", text).strip()
 
 def sample_texts(model, enc, prompt, num_samples, max_new_tokens, device, autocast_ctx, seed,
@@ -1230,7 +1269,8 @@ def hellaswag_accuracy(raw_model, run, proc):
     when the data went away since the run started: the run goes on without it."""
     try:
         res = hellaswag.evaluate(raw_model, run.device, limit=run.hellaswag_limit, proc=proc,
-                                 device_type=run.device_type, autocast_dtype=run.precision.dtype)
+                                 device_type=run.device_type, autocast_dtype=run.precision.dtype,
+                                 enc=run.tok.encoding())
     except hellaswag.HellaSwagUnavailable as e:
         print0(f"warning: HellaSwag evaluation turned off: {e}")
         return None
@@ -1254,7 +1294,7 @@ def core_score(raw_model, tasks, run, proc):
     """(log kind, value) of CORE and each task's centred accuracy, the examples split over the
     ranks."""
     res = core_eval.evaluate(raw_model, run.device, tasks, proc=proc, device_type=run.device_type,
-                             autocast_dtype=run.precision.dtype)
+                             autocast_dtype=run.precision.dtype, enc=run.tok.encoding())
     print0(f"CORE: {res['core']:.4f} (se {res['core_se']:.4f}, {len(tasks)} tasks)")
     return [("core", res["core"])] + [(f"core/{label}", task["centered"])
                                       for label, task in res["tasks"].items()]
@@ -1379,6 +1419,7 @@ class Checkpointer:
                                                       options=options),
             "scaler": self.scaler.state_dict(),  # fp16's loss scale ({} in bf16 and fp32)
             "config": asdict(self.raw_model.config),
+            "tokenizer": self.run.tok.record(),  # its fingerprint, and a trained one's files
             "step": step,
             "tokens_seen": state.tokens_seen,
             "val_loss": state.val_loss,
@@ -1477,7 +1518,8 @@ def train(run, proc, ckpt=None):
         hellaswag_on = run.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc)
         core = core_tasks(run, proc)  # None: CORE off
         chat_tasks = chat_eval_tasks(run, proc)  # None: off
-        enc = fineweb.get_encoding()
+        enc = run.tok.encoding()
+        token_bytes = torch.from_numpy(run.tok.token_bytes()).to(run.device)
 
         # ============================== training ==============================
         for step in range(state.step + 1, run.max_steps + 1):
@@ -1488,10 +1530,18 @@ def train(run, proc, ckpt=None):
 
             # once in a while: the val loss of the model after `step` updates
             if due(run.eval_every, step, last_step):
-                state.val_loss = evaluate_loss(model, val_loader, run.val_tokens, run.device,
-                                               run.precision.autocast, proc.world_size)
-                print0(f"validation loss: {state.val_loss:.4f}")
+                if run.sft:  # the loss of the supervised tokens alone: no text's bytes
+                    state.val_loss = evaluate_loss(model, val_loader, run.val_tokens, run.device,
+                                                   run.precision.autocast, proc.world_size)
+                    print0(f"validation loss: {state.val_loss:.4f}")
+                else:
+                    state.val_loss, bpb = evaluate_loss(
+                        model, val_loader, run.val_tokens, run.device, run.precision.autocast,
+                        proc.world_size, token_bytes)
+                    print0(f"validation loss: {state.val_loss:.4f} ({bpb:.4f} bits per byte)")
                 meter.log(step, "val", state.val_loss)
+                if not run.sft:
+                    meter.log(step, "val_bpb", bpb)
 
             # once in a while: HellaSwag, on the raw model, split over the ranks
             if hellaswag_on and due(run.hellaswag_every, step, last_step):
@@ -1591,18 +1641,22 @@ def settle(argv, planning=False):
     step); the counts that follow and the schedule; a step that cannot fit refused (planning: plan,
     which allocates nothing and reports it). Returns (run, proc, the checkpoint or None)."""
     args, given, ckpt = settings.read_flags(argv)
+    tok = run_tokenizer(args, given, ckpt)
+    if args.sft and not tok.gpt2:
+        raise UsageError(f"sft renders conversations with GPT-2's BPE only (chat.py), and this "
+                         f"run's tokenizer is {tok.describe()}")
     asked_shape = lrs = None
     if ckpt is not None:  # what the flags ask of the model and the schedule, against what it has
         model_from_checkpoint(ckpt, args.resume, "meta")  # its config and weights agree
-        asked_shape = asdict(model_config(args))
+        asked_shape = asdict(model_config(args, tok=tok))
         lrs = tuple(get_lr(ckpt["step"] + 1, f["max_lr"], f["max_lr"] * f["min_lr_ratio"],
                            f["warmup_steps"], f["max_steps"], f.get("wsd_decay", 0.0))
                     for f in ({**vars(args), **ckpt["args"]}, vars(args)))  # then, now
     for warning in settings.check_flags(args, given, ckpt, asked_shape, lrs):
         print0(f"warning: {warning}")
-    config = model_config(args, ckpt)
+    config = model_config(args, ckpt, tok)
     if args.sample_every > 0:
-        n_prompt = len(encode_prompt(fineweb.get_encoding(), args.sample_prompt))
+        n_prompt = len(encode_prompt(tok.encoding(), args.sample_prompt))
         settings.check_prompt_fits(n_prompt, args.sample_tokens, config.block_size,
                                    ("--sample_prompt", "--sample_tokens"),
                                    ": shorten them, or turn samples off with --sample_every 0")
@@ -1613,11 +1667,11 @@ def settle(argv, planning=False):
     precision = Precision(args.dtype, proc.device)
     if args.fsdp and precision.scaler:
         raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
-    run = settings.derive(args, proc, precision, config, args.micro_batch_size)
+    run = settings.derive(args, proc, precision, config, args.micro_batch_size, tok=tok)
     peak, n_params, n_params_non_embedding = estimate_step(run)
     if run.micro_batch_size == "auto":
         B, fit = auto_micro_batch(run, proc, peak, confirm=not planning)
-        run = settings.derive(args, proc, precision, config, B, fit)
+        run = settings.derive(args, proc, precision, config, B, fit, tok=tok)
     first_step = 0 if ckpt is None else ckpt["step"] + 1
     for warning in settings.check_machine(run, peak, n_params, n_params_non_embedding,
                                           first_step, planning):
@@ -1709,18 +1763,30 @@ def plan_main(argv):
 
 def model_for_command(args):
     """(GPT in eval mode, device, autocast, dtype name) of --checkpoint or --init_from."""
+    return model_and_tokenizer(args)[:3]
+
+def checkpoint_tokenizer(ckpt):
+    """The tokenizer a checkpoint records (GPT-2's BPE for one that records none)."""
+    return tokenizer.from_record(ckpt.get("tokenizer"), fineweb.gpt2_tokenizer())
+
+def model_and_tokenizer(args):
+    """model_for_command's, and the model's tokenizer (the checkpoint's; GPT-2's BPE for
+    OpenAI's GPT-2)."""
     if (args.checkpoint is None) == (args.init_from is None):
         raise UsageError("give one of --checkpoint (a model_*.pt) or --init_from (OpenAI's GPT-2)")
     device = resolve_device(args.device)
+    tok = fineweb.gpt2_tokenizer()
     if args.checkpoint:
-        model = model_from_checkpoint(rundir.open_checkpoint(args.checkpoint), args.checkpoint)
+        ckpt = rundir.open_checkpoint(args.checkpoint)
+        tok = checkpoint_tokenizer(ckpt)
+        model = model_from_checkpoint(ckpt, args.checkpoint)
     else:
         model = GPT.from_pretrained(args.init_from)
-    return model.to(device).eval(), device, Precision(args.dtype, device)
+    return model.to(device).eval(), device, Precision(args.dtype, device), tok
 
 def sample_main(args):
-    model, device, precision = model_for_command(args)
-    enc = fineweb.get_encoding()
+    model, device, precision, tok = model_and_tokenizer(args)
+    enc = tok.encoding()
     settings.check_prompt_fits(len(encode_prompt(enc, args.prompt)), args.max_new_tokens,
                              model.config.block_size, ("--prompt", "--max_new_tokens"))
     texts = sample_texts(model, enc, args.prompt, args.num_samples, args.max_new_tokens, device,
@@ -1734,8 +1800,9 @@ def export_main(args):
     check_new_dir(args.out, "--out")  # before the checkpoint is read
     ckpt = rundir.open_checkpoint(args.checkpoint)
     model = model_from_checkpoint(ckpt, args.checkpoint)
+    tok = checkpoint_tokenizer(ckpt)
     with new_dir(args.out, "--out") as tmp:
-        openai_gpt2.export_hf(model, tmp)
+        openai_gpt2.export_hf(model, tmp, tok)
     print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
     return 0
 
@@ -1758,7 +1825,8 @@ def eval_main(args):
     check_outputs({"--results": args.results, "--examples": args.examples}, args.overwrite,
                   inputs={"--checkpoint": args.checkpoint, "--eval_bundle": args.eval_bundle})
     proc = setup_distributed(args.device)
-    model, device, precision = model_for_command(args)  # a bad checkpoint: before a download
+    # a bad checkpoint: before a download
+    model, device, precision, tok = model_and_tokenizer(args)
     if chat_labels is not None:
         return chat_eval.run(args, chat_labels, model, device, precision, proc)
     if not core:
@@ -1766,7 +1834,7 @@ def eval_main(args):
         t0 = time.perf_counter()
         res = hellaswag.evaluate(model, device, limit=args.limit, batch_tokens=args.batch_tokens,
                                  data_dir=args.hellaswag_dir, progress=proc.master, proc=proc,
-                                 autocast_dtype=precision.dtype)
+                                 autocast_dtype=precision.dtype, enc=tok.encoding())
         print0(hellaswag.summary(args.checkpoint or args.init_from, device, precision.name, "val",
                                  res, time.perf_counter() - t0))
         return 0
@@ -1776,7 +1844,7 @@ def eval_main(args):
     tasks = core_eval.load_tasks(folder, labels, args.max_per_task)
     t0 = time.perf_counter()
     res = core_eval.evaluate(model, device, tasks, batch_tokens=args.batch_tokens, proc=proc,
-                             autocast_dtype=precision.dtype, progress=True)
+                             autocast_dtype=precision.dtype, progress=True, enc=tok.encoding())
     if proc.master:
         print(core_eval.report(tasks, res, time.perf_counter() - t0), flush=True)
         if args.results:

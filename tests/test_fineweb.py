@@ -1060,7 +1060,7 @@ def test_ensure_prepared_refuses_another_tokenizer_and_a_small_vocabulary(prepar
     edit_manifest(root, lambda m: m["args"].update(tokenizer="cl100k_base"))
     with pytest.raises(DataPrepError,
                        match=f"{re.escape(root)} was tokenized with 'cl100k_base', not the "
-                             f"run's gpt2, 50,263 tokens: give --tokenizer"):
+                             f"run's GPT-2's BPE: give --tokenizer"):
         ensure(root, [])
 
 
