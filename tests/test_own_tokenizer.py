@@ -1,0 +1,228 @@
+"""A tokenizer trained on the user's text (tokenizer.py, fineweb.py --train_tokenizer/--tokenizer):
+its merges against a plain BPE trainer written here, its encodings against tiktoken's decoding and
+HF tokenizers, uint32 shards, and the commands of a run that uses it."""
+
+import collections
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import regex
+from tokenizers import Tokenizer as HFTokenizer
+
+import fineweb
+import tokenizer
+from tests.helpers import assert_one_line_error, run_args, run_cli, write_corpus_jsonl
+
+SPECIALS = len(tokenizer.SPECIAL_NAMES)
+
+
+def plain_bpe(texts, n_merges, pattern):
+    """BPE as the issue states it: the pattern's chunks counted, then n_merges times the most
+    frequent pair of adjacent ids merged, a tie going to the smallest pair (left id, right id)."""
+    words = collections.Counter(m.encode() for t in texts for m in regex.findall(pattern, t))
+    words = {tuple(w): n for w, n in words.items()}
+    vocab = {i: bytes([i]) for i in range(256)}
+    for new in range(256, 256 + n_merges):
+        pairs = collections.Counter()
+        for w, n in words.items():
+            for pair in zip(w, w[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        vocab[new] = vocab[best[0]] + vocab[best[1]]
+        merged = {}
+        for w, n in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(new)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + n
+        words = merged
+    return {token: rank for rank, token in vocab.items()}
+
+
+def random_text(rng, n):
+    """Arbitrary Unicode: ASCII, whitespace, 2-, 3- and 4-byte characters, mixed."""
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.45:
+            out.append(chr(rng.randint(32, 126)))
+        elif r < 0.6:
+            out.append(rng.choice(" \n\t\r'"))
+        elif r < 0.75:
+            out.append(chr(rng.randint(0x80, 0x7FF)))
+        elif r < 0.95:
+            out.append(chr(rng.randint(0x800, 0xD7FF)))
+        else:
+            out.append(chr(rng.randint(0x10000, 0x10FFFF)))
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("own_tok")
+    rng = random.Random(0)
+    rows = [{"text": " ".join(["Über die Straße 123 läuft das Kätzchen.", "print(x_1 + 42)",
+                               random_text(rng, 30)][i % 3] for i in range(rng.randint(3, 9)))}
+            for _ in range(60)]
+    path = folder / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder, str(path), [r["text"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus):
+    folder, path, _ = corpus
+    out = str(folder / "tok")
+    assert fineweb.main(["--input", path, "--train_tokenizer", out, "--vocab_size", "400"]) == 0
+    return tokenizer.load(out)
+
+
+@pytest.mark.parametrize("pattern", ["gpt4", "gpt2"])
+def test_the_trainer_makes_a_plain_bpe_trainers_merges(corpus, pattern):
+    _, _, texts = corpus
+    n_merges = 150
+    tok = tokenizer.train_bpe(texts, 256 + n_merges + SPECIALS, fineweb.PATTERNS[pattern])
+    assert tok.ranks == plain_bpe(texts, n_merges, fineweb.PATTERNS[pattern])
+    assert tok.special_tokens == {name: 256 + n_merges + i
+                                  for i, name in enumerate(tokenizer.SPECIAL_NAMES)}
+
+
+def test_round_trips_and_byte_lengths(trained):
+    enc, rng = trained.encoding(), random.Random(1)
+    for _ in range(200):
+        text = random_text(rng, rng.randint(0, 80))
+        assert enc.decode(enc.encode_ordinary(text)) == text
+    lengths = trained.token_bytes()
+    assert len(lengths) == trained.n_vocab
+    for i in range(trained.eot):
+        assert lengths[i] == len(enc.decode_single_token_bytes(i))
+    assert (lengths[trained.eot:] == 0).all()  # the special tokens: no text
+
+
+def test_the_folder_fingerprint_overwrite_and_no_stale_cache(corpus, trained, capsys):
+    folder, path, texts = corpus
+    out = trained.path
+    assert sorted(os.listdir(out)) == sorted(tokenizer.FILES)
+    assert tokenizer.load(out).fingerprint == trained.fingerprint  # the same content, the same
+    gpt2 = fineweb.gpt2_tokenizer()
+    assert gpt2.fingerprint == tokenizer.fingerprint(fineweb._gpt2_ranks(), fineweb.GPT2_PAT,
+                                                     gpt2.special_tokens)
+    assert gpt2.encoding() is fineweb.get_encoding()  # GPT-2's ids unchanged
+    # a second training into the folder needs --overwrite; with it, the new ranks are used
+    r = fineweb.main(["--input", path, "--train_tokenizer", out, "--vocab_size", "300"])
+    assert r == 1 and "--overwrite" in capsys.readouterr().err
+    assert fineweb.main(["--input", path, "--train_tokenizer", out, "--vocab_size", "300",
+                         "--overwrite"]) == 0
+    again = tokenizer.load(out)
+    assert again.fingerprint != trained.fingerprint and again.n_vocab == 300
+    assert again.encoding().encode_ordinary(texts[0]) != trained.encoding().encode_ordinary(
+        texts[0])
+    tokenizer.save(trained, out, overwrite=True)  # as it was, for the tests after this one
+    with open(os.path.join(out, tokenizer.RANKS_FILE), "a") as f:
+        f.write("IQ== 9999\n")
+    with pytest.raises(tokenizer.TokenizerError, match="ids are not|fingerprint"):
+        tokenizer.load(out)
+    tokenizer.save(trained, out, overwrite=True)
+
+
+def test_uint32_shards_read_back_exactly(tmp_path, corpus):
+    _, path, texts = corpus
+    # every single byte and every pair of bytes: 65,792 tokens, ids past uint16
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks.update({bytes([a, b]): 256 + 256 * a + b for a in range(256) for b in range(256)})
+    specials = {name: len(ranks) + i for i, name in enumerate(tokenizer.SPECIAL_NAMES)}
+    tok = tokenizer.Tokenizer(ranks, tokenizer.GPT4_PATTERN, specials)
+    assert tok.dtype == np.uint32
+    paths = fineweb.prepare(tmp_path / "data", inputs=[path], shard_size=2000, val_tokens=500,
+                            num_proc=2, progress=False, tok=tok)
+    got = np.concatenate([np.load(p) for p in paths])
+    assert np.load(paths[0]).dtype == np.uint32
+    enc = tok.encoding()
+    want = [i for t in texts for i in [tok.eot, *enc.encode_ordinary(t)]]
+    assert got.tolist() == want and max(want) > 65535
+    assert fineweb.open_shard(paths[1], tok.n_vocab).dtype == np.uint32
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["tokenizer"]["fingerprint"] == tok.fingerprint
+    assert manifest["args"]["tokenizer"] == tok.fingerprint
+
+
+def test_exported_tokenizer_json_gives_tiktokens_ids(tmp_path, trained):
+    import openai_gpt2
+    openai_gpt2.export_tokenizer(str(tmp_path), tok=trained)
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    enc, rng = trained.encoding(), random.Random(2)
+    texts = [random_text(rng, rng.randint(0, 100)) for _ in range(300)]
+    texts += ["<|endoftext|>Hallo<|user_start|>", open(fineweb.__file__).read()[:20000]]
+    for text in texts:
+        want = enc.encode(text, allowed_special="all")  # HF reads a special token's spelling so
+        assert hf.encode(text, add_special_tokens=False).ids == want, text
+
+
+@pytest.fixture(scope="module")
+def own_run(tmp_path_factory, trained):
+    """A tiny run on shards of the trained tokenizer: 4 steps, a checkpoint at step 3."""
+    folder = tmp_path_factory.mktemp("own_run")
+    src = write_corpus_jsonl(folder / "c.jsonl", n_docs=150)
+    data, log = str(folder / "data"), str(folder / "log")
+    assert fineweb.main(["--input", src, "--tokenizer", trained.path, "--data_root", data,
+                         "--num_proc", "1"]) == 0
+    r = run_cli(*run_args(data, log, "--tokenizer", trained.path, "--max_steps", "4"))
+    assert r.returncode == 0, r.stderr
+    return data, log, src
+
+
+def test_a_run_with_its_own_tokenizer(own_run, trained, tmp_path):
+    data, log, _ = own_run
+    lines = open(os.path.join(log, "log.txt")).read().split("\n")
+    bpb = [line.split() for line in lines if " val_bpb " in line]
+    val = [line.split() for line in lines if " val " in line]
+    assert [b[0] for b in bpb] == [v[0] for v in val] and len(bpb) >= 2
+    import torch
+    ckpt = torch.load(os.path.join(log, "model_00003.pt"), weights_only=True)
+    assert ckpt["tokenizer"]["fingerprint"] == trained.fingerprint
+    assert ckpt["config"]["vocab_size"] == trained.padded_vocab == 448
+    assert ckpt["config"]["real_vocab_size"] == trained.eot + 1
+    # sample and export take the checkpoint's tokenizer with no flag
+    r = run_cli("sample", "--checkpoint", os.path.join(log, "model_00003.pt"), "--device", "cpu",
+                "--num_samples", "1", "--max_new_tokens", "4", "--prompt", "Über die")
+    assert r.returncode == 0 and "Über die" in r.stdout, r.stderr
+    out = str(tmp_path / "hf")
+    r = run_cli("export", "--checkpoint", os.path.join(log, "model_00003.pt"), "--out", out)
+    assert r.returncode == 0, r.stderr
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(out)
+    text = "Der Fluss, the river: 42."
+    assert hf.encode(text) == trained.encoding().encode_ordinary(text)
+    config = json.loads(open(os.path.join(out, "config.json")).read())
+    assert config["vocab_size"] == trained.eot + 1 and config["eos_token_id"] == trained.eot
+
+
+def test_every_mismatch_is_refused_in_one_line(own_run, trained, corpus, tmp_path):
+    data, log, _ = own_run
+    other = str(tmp_path / "other")
+    tokenizer.save(tokenizer.train_bpe(corpus[2], 300), other)
+    # shards of the trained tokenizer, a run of GPT-2's
+    r = run_cli(*run_args(data, str(tmp_path / "a")))
+    assert_one_line_error(r, "was tokenized with the tokenizer", "not the run's GPT-2's BPE")
+    r = run_cli(*run_args(data, str(tmp_path / "b"), "--tokenizer", other))
+    assert_one_line_error(r, "was tokenized with the tokenizer", trained.name[:10])
+    # OpenAI's GPT-2 reads GPT-2's ids only: refused before any download
+    r = run_cli(*run_args(data, str(tmp_path / "c"), "--init_from", "gpt2", "--tokenizer", other,
+                          drop=("--n_layer", "--n_head", "--n_embd", "--block_size")))
+    assert_one_line_error(r, "--init_from gpt2", "drop --tokenizer")
+    # a resumed run given another tokenizer
+    r = run_cli("--resume", "latest", "--log_dir", log, "--device", "cpu", "--tokenizer", other)
+    assert_one_line_error(r, f"--tokenizer {other}", "is not the tokenizer of --resume")
+    # fineweb.py: shards of another tokenizer into a folder of this one's
+    r = fineweb.main(["--input", own_run[2], "--tokenizer", other, "--data_root", data])
+    assert r == 1
