@@ -137,11 +137,6 @@ def gpt2_tokenizer():
     return _gpt2_tok
 
 
-def run_tokenizer(path):
-    """The tokenizer a --tokenizer flag names: GPT-2's for None, else the folder's."""
-    return gpt2_tokenizer() if path is None else tokenizer.load(path)
-
-
 _worker_tok = None  # the tokenizer of a pool's worker (None: GPT-2's)
 
 
