@@ -290,17 +290,15 @@ CORE_KINDS = {"MC": "multiple_choice", "schema": "schema", "LM": "language_model
 def synthetic_core_bundle(folder, n, seed=0):
     """An eval bundle in nanochat's layout (core.yaml, eval_meta_data.csv, eval_data/) of
     CORE_SHAPES' tasks, n made-up examples each."""
+    import core_eval
+
     rng = np.random.default_rng(seed)
 
     def text(k):
         return " ".join(rng.choice(WORDS, size=k))
 
-    config, meta = ["icl_tasks:"], ["Eval Task,Random baseline"]
+    tasks = []
     for label, kind, shots, delimiter, q, a, options in CORE_SHAPES:
-        config += [f"- label: {label}", f"  dataset_uri: synthetic/{label}.jsonl",
-                   f"  num_fewshot: [{shots}]", f"  icl_task_type: {CORE_KINDS[kind]}",
-                   f"  continuation_delimiter: {json.dumps(delimiter)}"]
-        meta.append(f"{label},{100 / options if kind != 'LM' else 0}")
         recs = []
         for _ in range(n):
             if kind == "MC":
@@ -311,14 +309,11 @@ def synthetic_core_bundle(folder, n, seed=0):
                        "continuation": text(a), "gold": int(rng.integers(options))}
             else:
                 rec = {"context": text(q), "continuation": text(a)}
-            recs.append(json.dumps(rec))
-        os.makedirs(os.path.join(folder, "eval_data", "synthetic"), exist_ok=True)
-        with open(os.path.join(folder, "eval_data", "synthetic", f"{label}.jsonl"), "w") as f:
-            f.write("\n".join(recs) + "\n")
-    with open(os.path.join(folder, "core.yaml"), "w") as f:
-        f.write("\n".join(config) + "\n")
-    with open(os.path.join(folder, "eval_meta_data.csv"), "w") as f:
-        f.write("\n".join(meta) + "\n")
+            recs.append(rec)
+        tasks.append({"label": label, "kind": CORE_KINDS[kind], "shots": shots,
+                      "delimiter": delimiter, "baseline": 100 / options if kind != "LM" else 0,
+                      "records": recs, "category": "synthetic"})
+    core_eval.write_bundle(folder, tasks)
 
 
 def core_scoring(model, device, dtype, per_task, rounds):

@@ -264,6 +264,35 @@ def read_bundle(folder, where=None, labels=None):
     return tasks
 
 
+META_HEADER = ("Eval Task,Task Category,Task Type,#shots,#datapoints,Random baseline,"
+               "Centered Metric?,Description")
+
+
+def write_bundle(folder, tasks):
+    """The layout read_bundle reads, written into folder: core.yaml, eval_meta_data.csv (with
+    the real bundle's columns) and eval_data/<category>/<label>.jsonl. tasks: dicts of label,
+    kind (icl_task_type), shots, delimiter (None: core.yaml's default, left out), baseline (in
+    percent), records (written a JSON line each) and category. The one writer of the layout, for
+    the made-up bundles of bench.py and the tests. Returns folder."""
+    config, meta = ["icl_tasks:"], [META_HEADER]
+    for t in tasks:
+        uri = f"{t['category']}/{t['label']}.jsonl"
+        config += [f"- label: {t['label']}", f"  dataset_uri: {uri}",
+                   f"  num_fewshot: [{t['shots']}]", f"  icl_task_type: {t['kind']}"]
+        if t.get("delimiter") is not None:
+            config.append(f"  continuation_delimiter: {json.dumps(t['delimiter'])}")
+        meta.append(f"{t['label']},{t['category']},{t['kind']},{t['shots']},{len(t['records'])},"
+                    f"{t['baseline']},,\"made up\"")
+        path = os.path.join(folder, DATA, uri)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(rec) + "\n" for rec in t["records"])
+    for name, lines in ((CONFIG, config), (META, meta)):
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+    return folder
+
+
 # ===== Installing: download or copy, unpack, check, hash, then the manifest ======================
 # An install writes only into a folder it owns: a new or empty one, or one whose manifest says it
 # holds our install. Its partial files are one staging folder named STAGING...tmp (the download

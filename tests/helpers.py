@@ -29,6 +29,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
+import core_eval  # noqa: E402
 import settings  # noqa: E402
 import train_gpt2 as tg  # noqa: E402
 
@@ -132,25 +133,14 @@ def write_core_bundle(folder, n=8, seed=0, tasks=CORE_TASKS, lm_answers=(), reco
     made-up ones. Returns the bundle folder."""
     root = os.path.join(folder, "eval_bundle")
     os.makedirs(root, exist_ok=True)
-    lines = ["icl_tasks:"]
-    meta = ["Eval Task,Task Category,Task Type,#shots,#datapoints,Random baseline,"
-            "Centered Metric?,Description"]
+    specs = []
     for k, (label, kind, shots, delimiter, baseline) in enumerate(tasks):
-        uri = f"fixture/{label}.jsonl"
-        lines += [f"- label: {label}", f"  dataset_uri: {uri}", f"  num_fewshot: [{shots}]",
-                  f"  icl_task_type: {kind}"]
-        if delimiter is not None:
-            lines.append(f"  continuation_delimiter: {json.dumps(delimiter)}")
         recs = (records or {}).get(label)
         if recs is None:
             recs = core_records(kind, n, seed + k, lm_answers if shots == 0 else ())
-        write_jsonl(os.path.join(root, "eval_data", uri), recs)
-        meta.append(f'{label},fixture,{kind},{shots},{len(recs)},{baseline},,"made up, here"')
-    with open(os.path.join(root, "core.yaml"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(root, "eval_meta_data.csv"), "w") as f:
-        f.write("\n".join(meta) + "\n")
-    return root
+        specs.append({"label": label, "kind": kind, "shots": shots, "delimiter": delimiter,
+                      "baseline": baseline, "records": recs, "category": "fixture"})
+    return core_eval.write_bundle(root, specs)
 
 
 def edit_line(path, line, change):

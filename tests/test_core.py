@@ -21,8 +21,9 @@ import yaml
 import core_eval
 import rundir
 import settings
-from helpers import (REPO, CORE_TASKS, Server, assert_one_line_error, edit_line, hf_gpt2, run_args,
-                     run_cli, tiny_model, torchrun, write_core_bundle, zip_folder)
+from helpers import (REPO, CORE_TASKS, Server, assert_one_line_error, core_records, edit_line,
+                     hf_gpt2, run_args, run_cli, tiny_model, torchrun, write_core_bundle,
+                     zip_folder)
 
 EOT = 50256  # <|endoftext|>
 
@@ -256,6 +257,27 @@ def test_a_runs_evaluations_render_each_prompt_once(bundle, enc):
     shorter = tiny_model(block_size=48).eval()
     core_eval.evaluate(shorter, "cpu", tasks, enc=counting)
     assert counting.texts == 2 * rendered
+
+
+def test_the_bundles_of_bench_and_the_tests_read_back_as_written(bundle, tmp_path):
+    """core_eval.write_bundle, the one writer of the layout: bench.py's synthetic bundle and the
+    tests' fixture read back with their tasks' types, shots, delimiters, baselines and records."""
+    import bench
+
+    bench.synthetic_core_bundle(str(tmp_path), 11)  # 10 shots and the example
+    tasks = core_eval.read_bundle(str(tmp_path))
+    assert [(t.label, t.kind, t.shots, t.delimiter) for t in tasks] == [
+        (label, bench.CORE_KINDS[kind], shots, delimiter)
+        for label, kind, shots, delimiter, *_ in bench.CORE_SHAPES]
+    assert [t.baseline for t in tasks] == [
+        0 if kind == "LM" else 1 / options for _, kind, *_, options in bench.CORE_SHAPES]
+    assert {len(t.examples) for t in tasks} == {11}
+    fixture = core_eval.read_bundle(bundle)
+    assert [(t.label, t.kind, t.shots, t.delimiter or " ", t.baseline * 100) for t in fixture] \
+        == [(label, kind, shots, delimiter or " ", baseline)
+            for label, kind, shots, delimiter, baseline in CORE_TASKS]
+    for k, t in enumerate(fixture):
+        assert [rec for _, rec in t.examples] == core_records(t.kind, 8, k)
 
 
 def test_fewshot_prompts_are_rendered_as_the_templates_do(bundle, tmp_path):
