@@ -12,12 +12,16 @@ What each row measures, how, and the figures measured so far: docs/performance.m
 """
 import argparse
 import contextlib
+import http.client
 import json
 import os
+import queue
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 
@@ -29,6 +33,7 @@ import common
 import fineweb
 import metrics
 import rundir
+import serve
 import settings
 import train_gpt2 as tg
 from tools import gpu_estimate
@@ -998,6 +1003,123 @@ def bench_chat_ttft(args, t):
             "same_first_tokens": all(all(c["same"]) for c in rounds)}
 
 
+# ===== The serve row: tokens/s streamed through the serve command ================================
+def serve_stream(url, body):
+    """(reply tokens, seconds, text) of one streamed chat request to url, timed from its sending
+    to its `data: [DONE]`."""
+    host, port = url.split("//")[1].rstrip("/").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)  # a hang, not a speed
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    tokens, texts = None, []
+    for line in conn.getresponse():
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        elif event["choices"]:
+            texts.append(event["choices"][0]["delta"].get("content") or "")
+    seconds = time.perf_counter() - t0
+    conn.close()
+    return tokens, seconds, "".join(texts)
+
+
+@contextlib.contextmanager
+def serve_command(args, t, ckpt, folder):
+    """`train_gpt2.py serve` of ckpt on a free port, on this run's device and dtype and torch's
+    threads: its URL while the with block runs."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    cmd = [sys.executable, os.path.join(fineweb.REPO_DIR, "train_gpt2.py"), "serve",
+           "--checkpoint", ckpt, "--port", "0", "--device", t.device, "--dtype", args.dtype]
+    with open(os.path.join(folder, "serve.log"), "w+") as log:  # a request's line each
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        try:
+            for line in proc.stdout:
+                if line.startswith("serving "):
+                    yield line.split(" at ", 1)[1].split()[0]
+                    break
+            else:
+                log.seek(0)
+                raise RuntimeError(f"the serve command exited: {log.read()[-2000:]}")
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
+def bench_serve(args, t):
+    """The serve command's tokens/s (a chat model of the preset's shape, random weights, greedy:
+    one 16-token message, --serve_tokens replied): one client streaming through the server
+    against the engine's own steps in this process (serve.Engine's worker thread, no HTTP), and 4
+    clients streaming at once against one. --rounds rounds of the three, alternated; medians.
+    Each client's text is the engine's."""
+    config = tg.GPTConfig(**{**vars(t.config), "real_vocab_size": chat.CHAT_VOCAB_SIZE})
+    torch.manual_seed(0)
+    model = tg.GPT(config).to(t.device).eval()
+    enc = fineweb.get_encoding()
+    messages = [{"role": "user", "content": user_message(enc, 16, 0)}]
+    room = config.block_size - len(chat.render_prompt(messages, enc))
+    n = min(args.serve_tokens or room, room)
+    body = {"messages": messages, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    dtype = common.torch_dtype(args.dtype_name) or model.lm_head.weight.dtype
+    engine = serve.Engine(model, enc, t.device, dtype, t.autocast)
+    engine.start()
+
+    def alone():  # the engine's worker thread, as the server runs it
+        events = queue.SimpleQueue()
+        job = serve.Job(serve.read_request(body, enc, "bench", config.block_size,
+                                           serve.Defaults()), enc, events.put)
+        t0 = time.perf_counter()
+        engine.submit(job)
+        texts = []
+        while True:
+            kind, value = events.get()
+            if kind != "text":  # the end
+                break
+            texts.append(value)
+        return job.tokens, time.perf_counter() - t0, "".join(texts)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "model.pt")
+        torch.save({"model": model.state_dict(), "config": vars(config)}, ckpt)
+        with serve_command(args, t, ckpt, tmp) as url:
+            def clients(k):
+                out = [None] * k
+                threads = [threading.Thread(target=lambda i=i: out.__setitem__(
+                    i, serve_stream(url, body))) for i in range(k)]
+                t0 = time.perf_counter()
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                return out, time.perf_counter() - t0
+
+            want = alone()  # untimed, both ways
+            clients(1)
+            runs = {"engine": [], "one": [], "four": []}
+            same = True
+            for r in range(args.rounds):
+                arms = ["engine", "one", "four"]
+                for arm in arms[r % 3:] + arms[: r % 3]:
+                    if arm == "engine":
+                        tokens, seconds, text = alone()
+                        runs[arm].append(tokens / seconds)
+                        same = same and text == want[2]
+                        continue
+                    out, wall = clients(1 if arm == "one" else 4)
+                    runs[arm].append(sum(o[0] for o in out) / wall)
+                    same = same and all(o[2] == want[2] and o[0] == want[0] for o in out)
+    engine.stop()
+    rate = {arm: statistics.median(v) for arm, v in runs.items()}
+    return {"reply_tokens": want[0], "rounds": args.rounds, "rounds_tokens_per_sec": runs,
+            "engine_tokens_per_sec": rate["engine"], "one_client_tokens_per_sec": rate["one"],
+            "four_clients_tokens_per_sec": rate["four"],
+            "streamed_vs_engine": rate["one"] / rate["engine"],
+            "four_vs_one": rate["four"] / rate["one"], "same_text": same}
+
+
 # ===== The arch row: --arch modern against GPT-2, in tokens to the GPT-2 recipe's val loss =======
 # Each arm: train_gpt2.py's flags beyond `--preset tiny` (the learning rates tuned for each arm on
 # this row's corpus: docs/lab_record.md, "The modern architecture"). The GPT-2 recipe (AdamW) at
@@ -1239,7 +1361,8 @@ ROWS = {"train": bench_training, "train_arch": bench_train_arch, "train_loop": b
         "core_gpt2": bench_core_gpt2,
         "generate": bench_generation, "loader": bench_loader, "save": bench_save,
         "startup": bench_startup, "fineweb": bench_fineweb, "sft": bench_sft,
-        "packing": bench_packing, "chat_ttft": bench_chat_ttft, "arch": bench_arch}
+        "packing": bench_packing, "chat_ttft": bench_chat_ttft, "serve": bench_serve,
+        "arch": bench_arch}
 LONG_ROWS = {"train_arch": "the training step of gpt2 and modern, alternated",
              "parity": "train_gpt2.train() vs a build-nanogpt-style loop, alternated",
              "train_loop": "train_gpt2.main's own dt",
@@ -1379,6 +1502,8 @@ FLAGS = [
                                   "metavar": "U,R"},
      "the chat_ttft row's tokens of each user message and each reply (default: the context "
      "shared evenly by the turns; tiny: 4,4)"),
+    ("--serve_tokens", None, common.POSITIVE_INT,
+     "the serve row's reply in tokens (default: the rest of the context after its message)"),
     ("--json", False, STORE_TRUE, "print the results as JSON instead of a table"),
     ("--suite", None, ["gpu-estimate"],
      "gpu-estimate: no GPU needed: GPT-2 124M's training step (T=1024, bf16, eager, flash "
@@ -1584,6 +1709,15 @@ def table_rows(r):
                  (f"chat TTFT ms, turn {last}, recompute", fmt(c["recompute_ms"][-1])),
                  (f"chat TTFT speedup, turn {last}", fmt(c["speedup"], "x")),
                  ("chat: the head's ms, one position", fmt(c["head_ms"]))]
+    if "serve" in r:
+        s = r["serve"]
+        rows += [(f"serve tok/s, engine alone ({s['reply_tokens']} tok)",
+                  fmt(s["engine_tokens_per_sec"])),
+                 ("serve tok/s, streamed, 1 client", fmt(s["one_client_tokens_per_sec"])),
+                 ("serve streamed / engine", fmt(s["streamed_vs_engine"], "x")),
+                 ("serve tok/s, 4 clients (all)", fmt(s["four_clients_tokens_per_sec"])),
+                 ("serve 4 clients / 1 client", fmt(s["four_vs_one"], "x")),
+                 ("serve text the engine's", str(s["same_text"]))]
     if "arch" in r:
         a = r["arch"]
         rows += [("arch: GPT-2 recipe's val loss", f"{a['target_val']:.4f}"),

@@ -34,7 +34,7 @@ def test_bench_json_has_every_row():
               "--fineweb_input", *docs,
               "--core_examples", "1", "--core_long_examples", "1", "--core_long_preset", "tiny",
               "--packing_conversations", "300", "--packing_lengths", "64", "--chat_turns", "3",
-              "--json")
+              "--serve_tokens", "8", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64
@@ -80,6 +80,8 @@ def test_bench_json_has_every_row():
     assert set(out["packing"]["mixes"]) == {"smoltalk_like", "demo_chat"}
     assert 0 <= out["packing"]["mixes"]["demo_chat"]["64"]["padding_share"] < 1
     assert out["chat_ttft"]["turns"] == 3 and out["chat_ttft"]["same_first_tokens"]
+    # through the serve command: the engine's text, streamed to one client and to four at once
+    assert out["serve"]["same_text"] and out["serve"]["reply_tokens"] == 8
 
 
 def test_bench_names_the_rows_it_left_out(capsys):
