@@ -515,6 +515,18 @@ class SoftcapHeadLoss(torch.autograd.Function):
         return ((grad_x * scale).to(grad_x.dtype), (grad_w * scale).to(ctx.weight_dtype),
                 grad_b, None, None, None, None)
 
+def config_buffers(config: GPTConfig):
+    """GPT's buffers, which its config determines (none is in the state dict, which stays
+    GPT-2's): with rotary embeddings, rotary_cos and rotary_sin, the angles of every position
+    turned into q and k in each attention; vocab_mask, 0 for real tokens and -inf for padding
+    ids, added in the lm_head matmul: padding is never predicted."""
+    buffers = {}
+    if config.pos_emb == "rope":
+        buffers["rotary_cos"], buffers["rotary_sin"] = rotary_tables(config)
+    real = torch.arange(config.vocab_size) < config.real_vocab_size
+    buffers["vocab_mask"] = torch.where(real, 0.0, float("-inf"))
+    return buffers
+
 class GPT(nn.Module):
     masked_logits_to_keep = True  # forward takes a (B, T) bool mask as logits_to_keep
 
@@ -526,10 +538,8 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd)))
         if config.pos_emb == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        else:  # rotary: the angles of every position, turned into q and k in each attention
-            cos, sin = rotary_tables(config)
-            self.register_buffer("rotary_cos", cos, persistent=False)
-            self.register_buffer("rotary_sin", sin, persistent=False)
+        for name, value in config_buffers(config).items():  # rotary tables, vocab_mask
+            self.register_buffer(name, value, persistent=False)
         if config.embed_norm:
             self.transformer.ln_e = make_norm(config, config.n_embd)
         self.transformer.drop = nn.Dropout(config.dropout)
@@ -546,10 +556,6 @@ class GPT(nn.Module):
             self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in GPT-2
         else:  # untied: a zero head would start every logit at 0, the loss at ln(vocab)
             self.lm_head.ZERO_INIT = config.zero_head
-        # 0 for real tokens, -inf for padding ids, added in the lm_head matmul: padding is never
-        # predicted. A buffer, not a parameter: the state dict stays GPT-2's
-        real = torch.arange(config.vocab_size) < config.real_vocab_size
-        self.register_buffer("vocab_mask", torch.where(real, 0.0, float("-inf")), persistent=False)
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
