@@ -3,12 +3,20 @@ our checkpoints out as a transformers GPT2LMHeadModel directory (the export comm
 
 Both ways are a renaming-free copy: our parameter names are GPT-2's, and only the four matmuls that
 transformers keeps as Conv1D, (in, out), are transposed. Our vocabulary is padded to a multiple of
-64 with rows that are zero on the way in and dropped on the way out. Nothing here downloads at
-import; torch and transformers are imported where needed.
+64 with rows that are zero on the way in and dropped on the way out. A model of another
+architecture (--arch modern) goes out as a folder with its own modeling code, written from
+train_gpt2.py's source (modeling_source), and comes back in as it went out. Nothing here downloads
+at import; torch and transformers are imported where needed.
 """
 
+import ast
+import builtins
+import dis
+import inspect
+import json
 import math
 import os
+import re
 
 from common import UsageError, hub_unreachable, one_line
 import chat
@@ -74,7 +82,11 @@ def config_of(hc, name):
 
 
 def pretrained_config(name):
-    """config_of the GPT-2 model `name` (its config.json alone: the weights stay where they are)."""
+    """config_of the GPT-2 model `name` (its config.json alone: the weights stay where they are);
+    of a folder that export_custom wrote, its GPTConfig keywords but dropout."""
+    if custom_config(name) is not None:
+        return custom_state_dict(name, weights=False)[0]
+
     def load(source, offline):
         from transformers import GPT2Config
         return GPT2Config.from_pretrained(source, local_files_only=offline)
@@ -83,9 +95,12 @@ def pretrained_config(name):
 
 def pretrained_state_dict(name):
     """(GPTConfig keywords, state dict in our layout) of the GPT-2 model `name`: Conv1D weights
-    transposed, the embedding and head padded with zero rows to the padded vocab."""
+    transposed, the embedding and head padded with zero rows to the padded vocab. A folder that
+    export_custom wrote: its own (custom_state_dict)."""
     import torch.nn.functional as F
 
+    if custom_config(name) is not None:
+        return custom_state_dict(name)
     hf = load_hf_model(name)
     config = config_of(hf.config, name)
     padding = config["vocab_size"] - config["real_vocab_size"]
@@ -100,20 +115,22 @@ def pretrained_state_dict(name):
 
 
 def export_hf(model, out_dir, tok=None):
-    """Write a GPT (train_gpt2.py's) as a transformers GPT2LMHeadModel directory, the vocab
-    unpadded, with its tokenizer (export_tokenizer): what `train_gpt2.py export` makes of a
-    checkpoint. A chat model's turn ends at <|assistant_end|>: its eos token, where generate()
-    stops. tok: the model's tokenizer.Tokenizer (None: GPT-2's BPE)."""
+    """Write a GPT (train_gpt2.py's) as a transformers model directory with its tokenizer
+    (export_tokenizer): what `train_gpt2.py export` makes of a checkpoint. GPT-2's architecture
+    as a GPT2LMHeadModel, the vocab unpadded; any other (--arch modern, a part flag) as a folder
+    with its own modeling code (export_custom). A chat model's turn ends at <|assistant_end|>: its
+    eos token, where generate() stops. tok: the model's tokenizer.Tokenizer (None: GPT-2's BPE)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = model.config
-    if c.gpt2_differences():
-        raise UsageError(f"only GPT-2's architecture exports to GPT2LMHeadModel: this model has "
-                         f"{', '.join(c.gpt2_differences())}")
     talks = chat.is_chat_model(c)
     bos = EOT if tok is None else tok.eot
     eos = bos
     if talks:
         eos = chat.END["assistant"]
+    if c.gpt2_differences():  # no class of transformers' has these parts
+        export_custom(model, out_dir, bos, eos)
+        export_tokenizer(out_dir, talks, tok)
+        return None
     hf = GPT2LMHeadModel(GPT2Config(
         vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
@@ -207,3 +224,184 @@ def hf_bpe(tok):
     hf.add_special_tokens([AddedToken(name, special=True, normalized=False)
                            for name, _ in specials])
     return hf
+
+
+# ===== Any other architecture: a model folder with its own modeling code =======================
+# transformers has no class for a model with the modern parts: the folder holds its modeling code,
+# the template hf_modeling.py with train_gpt2's model code written in, which from_pretrained runs
+# when the user allows it (trust_remote_code=True)
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling.py")
+MODEL_CODE_IMPORT = re.compile(r"^from train_gpt2 import (.+?)(  #.*)?$", re.M)
+LEFT_OUT = {"GPT": ("from_pretrained", "configure_optimizers")}  # need the repository's modules
+CUSTOM_TYPE = "fineweb_gpt"  # hf_modeling.MODEL_TYPE
+CUSTOM_FILE = "modeling_fineweb_gpt.py"
+CUSTOM_CLASSES = {"AutoConfig": "FineWebGPTConfig", "AutoModelForCausalLM": "FineWebGPTForCausalLM"}
+CUSTOM_PREFIX = "model."  # the wrapper's GPT: its weights' names in the folder
+# what config.json holds besides GPTConfig's fields (transformers adds its own on a save)
+CUSTOM_KEYS = ("architectures", "auto_map", "model_type", "tie_word_embeddings", "bos_token_id",
+               "eos_token_id", "use_cache", "transformers_version")
+
+
+def _first_line(node):
+    """The line (from 1) where a def or class starts: its first decorator's."""
+    return min([node.lineno] + [d.lineno for d in node.decorator_list])
+
+
+def _definition(node, lines, left_out=()):
+    """The source of a module's def or class (its ast node; the module's lines), without the
+    methods named in left_out."""
+    dropped = set()
+    for method in node.body:
+        if isinstance(method, ast.FunctionDef) and method.name in left_out:
+            end = method.end_lineno
+            while end < len(lines) and not lines[end].strip():  # and the blank lines after it
+                end += 1
+            dropped.update(range(_first_line(method) - 1, end))
+    kept = (lines[i] for i in range(_first_line(node) - 1, node.end_lineno) if i not in dropped)
+    return "".join(kept).rstrip() + "\n"
+
+
+def _globals_read(obj, node, left_out=()):
+    """The global names that a function or class (obj, its ast node) reads: in its code (a
+    class: its methods' but left_out's) and where it is defined (bases, decorators, defaults,
+    a class's attributes; not annotations, which the modeling file leaves unevaluated)."""
+    functions, defined = [obj], [node]
+    if inspect.isclass(obj):
+        functions = [getattr(m, "__func__", m) for k, m in vars(obj).items() if k not in left_out]
+        defined += [m for m in node.body if getattr(m, "name", None) not in left_out]
+    # a decorated method's own code, not its decorator's (torch.no_grad)
+    codes = [inspect.unwrap(f).__code__ for f in functions if inspect.isfunction(f)]
+    names = []
+    while codes:
+        code = codes.pop()
+        names += [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+    for part in defined:
+        if isinstance(part, (ast.FunctionDef, ast.ClassDef)):
+            parts = part.decorator_list + getattr(part, "bases", [])
+            if isinstance(part, ast.FunctionDef):
+                parts += part.args.defaults + [d for d in part.args.kw_defaults if d is not None]
+        else:
+            parts = [part]  # a class attribute
+        names += [n.id for p in parts for n in ast.walk(p)
+                  if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    return names
+
+
+def modeling_source(module):
+    """The folder's modeling file: the template (TEMPLATE) with its import of train_gpt2 replaced
+    by what it imports from `module` (train_gpt2 as loaded) and everything of the module's that
+    those use, in turn: its functions and classes as their source (GPT without LEFT_OUT's
+    methods), its constants as values, the modules it imports as imports."""
+    with open(TEMPLATE, encoding="utf-8") as f:
+        template = f.read()
+    line = MODEL_CODE_IMPORT.search(template)
+    lines = inspect.getsource(module).splitlines(keepends=True)
+    nodes = {node.name: node for node in ast.parse("".join(lines)).body
+             if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    todo = [name.strip() for name in line.group(1).split(",")]
+    imports, constants, definitions, seen = set(), {}, {}, set()
+    while todo:
+        name = todo.pop()
+        if name in seen or (name not in vars(module) and hasattr(builtins, name)):
+            continue
+        seen.add(name)
+        value = vars(module)[name]
+        if inspect.ismodule(value):
+            alias = ""
+            if value.__name__ != name:
+                alias = f" as {name}"
+            imports.add(f"import {value.__name__}{alias}")
+        elif getattr(value, "__module__", None) == module.__name__:
+            left_out = LEFT_OUT.get(name, ())
+            definitions[_first_line(nodes[name])] = _definition(nodes[name], lines, left_out)
+            todo += _globals_read(value, nodes[name], left_out)
+        elif inspect.isfunction(value) or inspect.isclass(value):
+            raise ValueError(f"the model code uses {name}, which is not train_gpt2's own")
+        else:  # a constant: its value, written as a literal
+            try:
+                literal = ast.literal_eval(repr(value)) == value
+            except (ValueError, SyntaxError):
+                literal = False
+            if not literal:
+                raise ValueError(f"the model code's constant {name} has no literal: {value!r}")
+            constants[name] = f"{name} = {value!r}"
+    order = list(vars(module))
+    imports = sorted(i for i in imports if i not in template.splitlines())
+    code = ("\n".join(imports) + "\n\n" + "".join(constants[k] + "\n" for k in sorted(
+        constants, key=order.index)) + "\n\n" + "\n\n".join(definitions[k] for k in
+                                                           sorted(definitions)))
+    return template[: line.start()] + code.lstrip("\n") + template[line.end():]
+
+
+def export_custom(model, out_dir, bos, eos):
+    """A model folder that transformers loads with the model's own code: modeling_source in
+    CUSTOM_FILE, config.json (GPTConfig's fields, with the classes to load: auto_map), the
+    weights as they are (fp32, the vocab still padded: a checkpoint's, bit for bit; the padding
+    ids are never predicted, and the logits leave them out) and generation_config.json."""
+    import dataclasses
+
+    import transformers
+    from safetensors.torch import save_file
+
+    c = model.config
+    with open(os.path.join(out_dir, CUSTOM_FILE), "w", encoding="utf-8") as f:
+        f.write(modeling_source(inspect.getmodule(type(model))))
+    module = CUSTOM_FILE[: -len(".py")]
+    config = {"architectures": [CUSTOM_CLASSES["AutoModelForCausalLM"]],
+              "auto_map": {auto: f"{module}.{cls}" for auto, cls in CUSTOM_CLASSES.items()},
+              "model_type": CUSTOM_TYPE, **dataclasses.asdict(c),
+              "tie_word_embeddings": c.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
+              "use_cache": False, "transformers_version": transformers.__version__}
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    transformers.GenerationConfig(bos_token_id=bos, eos_token_id=eos,
+                                  use_cache=False).save_pretrained(out_dir)
+    sd = {CUSTOM_PREFIX + k: v.detach().float().cpu().contiguous()
+          for k, v in model.state_dict().items()}
+    if c.tie_embeddings:  # one tensor, saved once: as the input embedding (transformers' way)
+        del sd[CUSTOM_PREFIX + "lm_head.weight"]
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def custom_config(path):
+    """The config.json of a folder that export_custom wrote, or None for anything else."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("model_type") != CUSTOM_TYPE:
+        return None
+    return config
+
+
+def custom_state_dict(path, weights=True):
+    """(GPTConfig keywords but dropout, state dict in fp32, or None without weights) of a folder
+    that export_custom wrote (or that transformers saved again: its own keys left out, the
+    weights maybe in shards or another dtype), read without running its code; a one-line
+    UsageError if the weights cannot be read."""
+    from safetensors.torch import load_file
+    from transformers import PretrainedConfig
+
+    config = custom_config(path)
+    theirs = {*CUSTOM_KEYS, *PretrainedConfig().to_dict(), "dropout"}
+    keywords = {k: v for k, v in config.items() if k not in theirs}
+    if not weights:
+        return keywords, None
+    files = ["model.safetensors"]
+    try:
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        sd = {}
+        for name in files:
+            sd.update(load_file(os.path.join(path, name)))
+    except Exception as e:  # missing, damaged or not safetensors
+        raise UsageError(f"could not read the weights of {path} ({one_line(e, 200)})") from None
+    sd = {k.removeprefix(CUSTOM_PREFIX): v.float() for k, v in sd.items()}
+    if keywords.get("tie_embeddings") and "transformer.wte.weight" in sd:  # saved once
+        sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])
+    return keywords, sd

@@ -1809,7 +1809,10 @@ def export_main(args):
     tok = checkpoint_tokenizer(ckpt)
     with new_dir(args.out, "--out") as tmp:
         openai_gpt2.export_hf(model, tmp, tok)
-    print(f"wrote {args.out}: GPT2LMHeadModel.from_pretrained({args.out!r}) loads it")
+    loads = f"GPT2LMHeadModel.from_pretrained({args.out!r})"
+    if model.config.gpt2_differences():  # the folder has its own modeling code
+        loads = f"AutoModelForCausalLM.from_pretrained({args.out!r}, trust_remote_code=True)"
+    print(f"wrote {args.out}: {loads} loads it")
     return 0
 
 def eval_main(args):

@@ -19,7 +19,7 @@ LONGEST_FIRST = ("test_cuda_simulated", "test_run_safety", "test_distributed", "
                  "test_hellaswag", "test_core", "test_training", "test_fineweb", "test_notebook",
                  "test_modern_arch", "test_sft", "test_serve", "test_chat_eval",
                  "test_bundle_install", "test_input_checks", "test_flags", "test_model",
-                 "test_platform", "test_own_tokenizer",
+                 "test_modern_export", "test_platform", "test_own_tokenizer",
                  "test_settled_run", "test_gpu_paths_cpu", "test_optimizers", "test_fp16",
                  "test_monitoring", "test_commands", "test_output_paths", "test_scorer",
                  "test_tokenizer", "test_chat", "test_chat_command", "test_chat_data")

@@ -1,5 +1,5 @@
 """The GPT model against transformers' GPT2LMHeadModel with the same weights: presets, init,
-attention, the KV cache and generation, GQA/MQA, dropout and bias, from_pretrained, export_hf."""
+attention, the KV cache and generation, GQA/MQA, dropout and bias, from_pretrained."""
 import contextlib
 import json
 import math
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import metrics
-import openai_gpt2
 import settings
 import train_gpt2 as tg
 from helpers import assert_one_line_error, hf_gpt2, run_cli, tiny_model
@@ -342,15 +341,6 @@ def test_from_pretrained_matches_hf(tmp_path, vocab):
         got, _ = ours(idx)
     torch.testing.assert_close(got[..., :vocab], ref, atol=1e-5, rtol=1e-5)
     assert torch.isinf(got[..., vocab:]).all()
-
-
-@pytest.mark.parametrize("kw, message", [(dict(bias=False), "bias=False"),
-                                         (dict(n_head=4, n_kv_head=2), "n_kv_head=2")])
-def test_export_refuses_non_gpt2_architectures(tmp_path, kw, message):
-    import common
-    with pytest.raises(common.UsageError, match=message):
-        openai_gpt2.export_hf(tiny_model(**kw), str(tmp_path / "out"))
-    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------- --init_from what is not GPT-2, offline
