@@ -3,11 +3,17 @@ file uses (the tiny run's shards, its uninterrupted reference run, GPT-2's token
 are in helpers.py."""
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# trust_remote_code copies an exported folder's modeling code into transformers' module cache:
+# a folder of this test process's own (read when transformers is imported), not the user's ~/.cache
+MODULES_CACHE = tempfile.mkdtemp(prefix="test-hf-modules-")
+os.environ["HF_MODULES_CACHE"] = MODULES_CACHE
 
 
 # The files by their time in one process, longest first (a per-process timeline of the whole
@@ -42,7 +48,8 @@ def pytest_sessionfinish(session):
     raised in finalizers), then all that is left frozen too: what the tests imported (dynamo,
     transformers) is not walked again by the five full passes pytest runs as a test process ends,
     nor by the interpreter's own as it shuts down (about 1.5 s of a process's exit with
-    transformers imported)."""
+    transformers imported). The module cache of this process goes."""
+    shutil.rmtree(MODULES_CACHE, ignore_errors=True)
     gc.collect()
     gc.freeze()
 
