@@ -14,18 +14,20 @@ import common
 from helpers import HANG_LIMIT_S, REPO, assert_one_line_error, tiny_model
 
 
-def bench(*args, timeout=HANG_LIMIT_S):
+def bench(*args, timeout=HANG_LIMIT_S, cwd=REPO):
     return subprocess.run([sys.executable, os.path.join(REPO, "bench.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 @pytest.mark.slow
-def test_bench_json_has_every_row():
+def test_bench_json_has_every_row(tmp_path):
     """Every row, long ones too, at the fewest steps and tokens that still give each its figures:
     one timed step, one round, one arch seed of one step of 2 x 64 tokens between two val passes
     of one batch, a fineweb row on the repository's docs, one example of each CORE task (the long
-    row's on the tiny preset's shape)."""
-    docs = ("README.md", "docs/performance.md", "docs/operations.md")
+    row's on the tiny preset's shape). Run from a temporary dir: the save row writes where log/
+    would be, in the working directory."""
+    docs = [os.path.join(REPO, doc) for doc in ("README.md", "docs/performance.md",
+                                                "docs/operations.md")]
     r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
               "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--long",
               "--rounds", "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000",
@@ -34,7 +36,7 @@ def test_bench_json_has_every_row():
               "--fineweb_input", *docs,
               "--core_examples", "1", "--core_long_examples", "1", "--core_long_preset", "tiny",
               "--packing_conversations", "300", "--packing_lengths", "64", "--chat_turns", "3",
-              "--serve_tokens", "8", "--json")
+              "--serve_tokens", "8", "--json", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64

@@ -312,7 +312,8 @@ def test_task_names_and_flags(ckpt, data, tmp_path):
     assert_one_line_error(chat_eval_cli(ckpt, data, "chat", "--limit", "3"),
                           "--limit goes with --tasks hellaswag")
     assert_one_line_error(chat_eval_cli(ckpt, "", "chat"), "--chat_eval_dir is empty")
-    r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--examples", "x.jsonl")
+    r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--examples",
+                str(tmp_path / "x.jsonl"))
     assert_one_line_error(r, "--examples goes with CORE's tasks", "the chat tasks (--tasks chat)")
     out = tmp_path / "r.json"
     out.write_text("mine\n")

@@ -353,7 +353,8 @@ def test_task_names_and_flags(ckpt, bundle, tmp_path):
     assert_one_line_error(r, "lm_zero is given twice")
     assert_one_line_error(core(ckpt, *ed, "--limit", "3"), "--limit goes with --tasks "
                           "hellaswag")
-    r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--results", "x.json")
+    r = run_cli("eval", "--checkpoint", ckpt, "--device", "cpu", "--results",
+                str(tmp_path / "x.json"))
     assert_one_line_error(r, "--results goes with CORE's tasks")
     out = tmp_path / "r.json"
     out.write_text("mine\n")

@@ -183,8 +183,9 @@ def test_sample_prompts_the_flag_check_accepts_also_sample(data, tmp_path, promp
     (["--wandb_run_name", "x"], "--wandb_run_name"),
     (["--muon_lr", "0.01"], "--muon_lr"),
 ])
-def test_flags_for_a_part_that_is_off_are_stated(capsys, flags, unused):
-    tg.settle([*flags, "--preset", "tiny", "--device", "cpu"])  # stated before any work
+def test_flags_for_a_part_that_is_off_are_stated(capsys, tmp_path, flags, unused):
+    tg.settle([*flags, "--preset", "tiny", "--device", "cpu", "--log_dir", str(tmp_path / "log"),
+               "--data_root", str(tmp_path / "data")])  # stated before any work
     out = capsys.readouterr().out
     assert [w for w in warnings_in(out, unused) if "no effect" in w], out
 

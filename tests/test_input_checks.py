@@ -159,7 +159,7 @@ def test_the_memory_bound_is_at_least_twice_the_counted_step(flags):
         assert bound >= 2 * peak(B), (B, bound, peak(B))
 
 
-def test_a_step_is_counted_only_where_the_bound_does_not_fit(monkeypatch):
+def test_a_step_is_counted_only_where_the_bound_does_not_fit(monkeypatch, tmp_path):
     """The tiny run on this machine: the bound fits, nothing is counted. On a machine below the
     bound but above the step: counted, and the run goes on. Below the step: refused with the
     count's figure."""
@@ -171,7 +171,8 @@ def test_a_step_is_counted_only_where_the_bound_does_not_fit(monkeypatch):
         real_state(*args)
     monkeypatch.setattr(settings, "with_optimizer_state", with_optimizer_state)
     monkeypatch.setattr(tg, "STEP_ESTIMATES", {})
-    flags = ["--device", "cpu", "--preset", "tiny", *TINY_SHAPE, "-B", "1", "--data_root", "unread"]
+    flags = ["--device", "cpu", "--preset", "tiny", *TINY_SHAPE, "-B", "1",
+             "--data_root", str(tmp_path / "unread"), "--log_dir", str(tmp_path / "log")]
     tg.settle(flags)
     assert counted == []
 

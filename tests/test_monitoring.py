@@ -56,7 +56,7 @@ def tiny_metrics(tmp_path, device="cpu", preset="tiny", first_step=0, end=6, wan
     flags = ["--preset", preset, "--n_layer", "2", "--n_head", "2", "--n_embd", "64",
              "--block_size", "32", "-B", "1", "-T", "32", "--total_batch_size", "32",
              "--max_steps", str(end), "--warmup_steps", "1", "--sample_every", "0",
-             "--log_dir", str(tmp_path), "--device", "cpu",
+             "--log_dir", str(tmp_path), "--device", "cpu", "--data_root", str(tmp_path / "none"),
              "--overwrite"]  # a log.txt written there first would be an earlier run's
     if wandb_project:
         flags += ["--wandb_project", wandb_project]

@@ -110,7 +110,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     # the run config as a real run writes it: the tiny preset with a batch-size ramp
     run, _, _ = train_gpt2.settle(["--preset", "tiny", "--device", "cpu", "-B", "2",
                                    "--log_dir", str(run_dir), "--batch_ramp_tokens", "100000",
-                                   "--batch_ramp_start", "1024"])
+                                   "--batch_ramp_start", "1024",
+                                   "--data_root", str(tmp_path / "data")])
     run_dir.mkdir(exist_ok=True)
     rundir.save_run_config(str(run_dir), run.as_dict())
     rng = np.random.default_rng(0)

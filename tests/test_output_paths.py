@@ -171,7 +171,8 @@ def test_good_outputs_are_written_and_the_check_leaves_nothing(tmp_path, mine, m
 
 def test_hellaswag_takes_no_file_outputs(tmp_path):
     for flag in ("--results", "--examples"):
-        r = run_cli("eval", "--checkpoint", MISSING_CKPT, "--device", "cpu", flag, "x.json")
+        r = run_cli("eval", "--checkpoint", MISSING_CKPT, "--device", "cpu", flag,
+                    str(tmp_path / "x.json"))
         assert_one_line_error(r, f"{flag[2:]} goes with CORE's tasks")
 
 
