@@ -14,6 +14,7 @@ stack nor torch.
 """
 
 import asyncio
+import collections
 import contextlib
 import errno
 import json
@@ -456,7 +457,8 @@ class Engine:
                 if job.cancelled and job.finish is None:
                     log.info("%s: the client left: stopped after %d of up to %d tokens",
                              job.name, job.tokens, job.request.max_tokens)
-                    job.finish = "cancelled"
+                    job.fail(ApiError(499, "the client closed the connection",
+                                      code="client_closed"))  # to no one: it ends the request
                 if job.finish is not None:
                     running.remove(job)
                     self._done(job)
@@ -510,6 +512,37 @@ def _parse(body):
                   f"one JSON object.", None, "invalid_json") from None
 
 
+class Events:
+    """A job's events, from the worker thread to the event loop. The loop is woken once for all
+    the events that come before it looks (not once for each), and takes them together: a stream
+    that falls behind the model sends what it owes in one chunk."""
+
+    def __init__(self, loop):
+        self.loop, self.items, self.ready = loop, collections.deque(), asyncio.Event()
+        self.woken = False
+
+    def put(self, event):  # in the worker thread
+        self.items.append(event)
+        if not self.woken:
+            self.woken = True
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def take(self):
+        """The events come since the last take (at least one): [("text", joined pieces)] first
+        if any, then the end or error if it came."""
+        await self.ready.wait()
+        self.ready.clear()
+        self.woken = False  # before the events are taken: one put after it wakes the loop again
+        texts, out = [], []
+        while self.items:
+            kind, value = self.items.popleft()
+            if kind == "text":
+                texts.append(value)
+            else:
+                out.append((kind, value))
+        return ([("text", "".join(texts))] if texts else []) + out
+
+
 class App:
     """The routes' state: the engine, the model's name and context, the defaults, the page."""
 
@@ -543,10 +576,9 @@ class App:
 
         body = _parse(await _read_body(request))
         r = read_request(body, self.engine.enc, self.name, self.engine.block_size, self.defaults)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        events = Events(asyncio.get_running_loop())
         rid = f"chatcmpl-{secrets.token_hex(12)}"
-        job = Job(r, self.engine.enc, lambda event: loop.call_soon_threadsafe(events.put_nowait,
-                                                                              event), rid)
+        job = Job(r, self.engine.enc, events.put, rid)
         self.engine.submit(job)
         head = {"id": rid, "created": int(time.time()), "model": self.name,
                 "system_fingerprint": None}
@@ -577,14 +609,14 @@ class App:
         watcher = asyncio.ensure_future(watch())
         texts = []
         try:
-            while True:
-                kind, value = await events.get()
-                if kind == "text":
-                    texts.append(value)
-                elif kind == "error":
-                    raise value
-                else:
-                    break
+            ended = False
+            while not ended:
+                for kind, value in await events.take():
+                    if kind == "error":
+                        raise value
+                    ended = kind == "end"
+                    if kind == "text":
+                        texts.append(value)
         finally:
             watcher.cancel()
             job.cancel()  # a no-op once it ended
@@ -606,21 +638,24 @@ class App:
 
         try:
             yield chunk({"role": "assistant", "content": ""})
-            while True:
-                kind, value = await events.get()
-                if kind == "text":
-                    yield chunk({"content": value})
-                elif kind == "error":
-                    yield f"data: {json.dumps(value.body())}\n\n"
-                    break
-                else:
-                    yield chunk({}, job.finish)
-                    if job.request.include_usage:
-                        usage = {**head, "object": "chat.completion.chunk", "choices": [],
-                                 "usage": self._usage(job)}
-                        yield f"data: {json.dumps(usage)}\n\n"
-                    self._logged(job, t0, "streamed")
-                    break
+            ended = False
+            while not ended:
+                out = []
+                for kind, value in await events.take():
+                    ended = kind != "text"
+                    if kind == "text":
+                        out.append(chunk({"content": value}))
+                    elif kind == "error":
+                        out.append(f"data: {json.dumps(value.body())}\n\n")
+                    else:
+                        out.append(chunk({}, job.finish))
+                        if job.request.include_usage:
+                            usage = {**head, "object": "chat.completion.chunk", "choices": [],
+                                     "usage": self._usage(job)}
+                            out.append(f"data: {json.dumps(usage)}\n\n")
+                        self._logged(job, t0, "streamed")
+                if out:  # none when a wake-up's events were taken at the one before
+                    yield "".join(out)
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()  # a no-op once it ended
