@@ -18,7 +18,7 @@ import math
 import os
 import re
 
-from common import UsageError, hub_unreachable, one_line
+from common import UsageError, atomic_write, hub_unreachable, one_line
 import chat
 import tokenizer
 from fineweb import BPE_DIR, EOT, _gpt2_byte_chars
@@ -166,7 +166,7 @@ def export_tokenizer(out_dir, talks=False, tok=None):
         eot = tokenizer.EOT_NAME
         fast = PreTrainedTokenizerFast(tokenizer_object=hf_bpe(tok), bos_token=eot,
                                        eos_token=eot, unk_token=eot)
-        fast.save_pretrained(out_dir)
+        save_tokenizer(fast, out_dir)
         return fast
 
     with tempfile.TemporaryDirectory() as files:  # the names from_pretrained reads
@@ -176,8 +176,22 @@ def export_tokenizer(out_dir, talks=False, tok=None):
     if talks:
         tok.add_special_tokens({"additional_special_tokens": list(chat.SPECIAL_TOKENS)})
         tok.chat_template = chat.CHAT_TEMPLATE
-    tok.save_pretrained(out_dir)
+    save_tokenizer(tok, out_dir)
     return tok
+
+
+def save_tokenizer(tok, out_dir):
+    """tok.save_pretrained(out_dir), readable by transformers 4.x too: 5.x writes the extra
+    special tokens as a list under "extra_special_tokens", which 4.x reads as a dict of named
+    tokens and fails on; both read the list as "additional_special_tokens"."""
+    tok.save_pretrained(out_dir)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
+        text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _merge_of(ranks, token):

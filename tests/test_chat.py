@@ -158,6 +158,47 @@ def test_transformers_chat_template_gives_our_ids_and_mask(enc, tmp_path):
         assert prompt["input_ids"] == chat.render_prompt(msgs[:-1], enc)
 
 
+OLD_TRANSFORMERS = os.environ.get("HELLASWAG_OLD_TRANSFORMERS", "")
+_OLD_TEMPLATE = """
+import json, sys
+sys.path[:0] = [{old!r}]
+sys.modules["kernels"] = None  # today's `kernels` fails on the older huggingface_hub
+import transformers
+from transformers import AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained({folder!r})
+out = [tok.apply_chat_template(m, tokenize=True, return_dict=True,
+                               return_assistant_tokens_mask=True) for m in {conversations!r}]
+print(json.dumps({{"version": transformers.__version__,
+                  "rendered": [[o["input_ids"], o["assistant_masks"]] for o in out]}}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir(OLD_TRANSFORMERS),
+                    reason="HELLASWAG_OLD_TRANSFORMERS is not set to a folder holding an older "
+                           "transformers (.ci/run installs 4.53.3 there)")
+def test_an_exported_chat_tokenizer_loads_in_older_transformers(enc, tmp_path):
+    """The tokenizer files export writes with today's transformers, read by the oldest one
+    requirements.txt allows: the same ids and trained-token mask as chat.render."""
+    import subprocess
+    import sys
+
+    import openai_gpt2
+    from helpers import HANG_LIMIT_S
+
+    folder = str(tmp_path / "hf")
+    openai_gpt2.export_tokenizer(folder, talks=True)
+    script = tmp_path / "old.py"
+    script.write_text(_OLD_TEMPLATE.format(old=OLD_TRANSFORMERS, folder=folder,
+                                           conversations=CONVERSATIONS[:2]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=HANG_LIMIT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert int(out["version"].split(".")[0]) < 5, out  # really the older one
+    assert out["rendered"] == [list(chat.render(m, enc)) for m in CONVERSATIONS[:2]]
+
+
 # ===== Export: a chat model as a transformers folder, its tokenizer and chat template ============
 @pytest.mark.slow
 def test_an_exported_chat_model_talks_as_the_chat_command_does(enc, tmp_path):
