@@ -306,17 +306,41 @@ def _shared_prefix(rows):
 
 
 # A chunk's rows read a ragged copy of its prefixes' keys and values: rows x (the longest prefix +
-# the widest suffix) tokens of every layer, at most this many times batch_tokens. A question's
-# options each copy its prefix: the cache holds a few times the tokens that the passes run
+# the widest suffix) tokens of every layer, at most this many times batch_tokens (a question's
+# options each copy its prefix: the cache holds a few times the tokens that the passes run), and
+# at most CACHE_BYTES. The bytes bind for a large model only: GPT-2 XL's keys and values in bf16
+# take 300 KiB a token, and 4 x 8192 tokens of them 9.4 GiB, beside the 23 GiB that training
+# holds (docs/performance.md, "CORE's memory during training"); GPT-2 124M's and medium's chunks
+# stay as the token bound makes them (1.1 and 3 GiB).
 CACHE_TOKENS = 4
+CACHE_BYTES = 4 * 2**30
 
 
-def _chunks(groups, shared, batch_tokens, block_size):
+def cache_tokens(model, batch_tokens, dtype=None):
+    """The tokens a chunk's ragged KV cache may hold: CACHE_TOKENS x batch_tokens, and no more
+    than CACHE_BYTES of the model's keys and values (every layer's, in dtype: autocast's, or the
+    parameters' for None)."""
+    bound = CACHE_TOKENS * batch_tokens
+    config = model.config
+    try:
+        head = config.n_embd // config.n_head
+        kv_heads = getattr(config, "n_kv_head", None) or config.n_head
+        dtype = dtype or next(model.parameters()).dtype
+        per_token = 2 * config.n_layer * kv_heads * head * dtype.itemsize
+    except (AttributeError, TypeError, StopIteration):
+        return bound
+    return max(min(bound, CACHE_BYTES // per_token), 1)
+
+
+def _chunks(groups, shared, batch_tokens, block_size, cached=None):
     """Groups into chunks of two passes each (their shared prefixes, then their rows' own tokens),
     sorted by prefix length: each pass runs at most ``batch_tokens`` tokens (the prefixes x the
     longest; the rows x the widest suffix), the cache that the rows read (rows x (the longest
-    prefix + the widest suffix)) stays within ``CACHE_TOKENS`` x ``batch_tokens``, and the longest
-    prefix + the widest suffix within the model's context. A group always fits alone."""
+    prefix + the widest suffix)) stays within ``cached`` tokens (None: ``CACHE_TOKENS`` x
+    ``batch_tokens``; see cache_tokens), and the longest prefix + the widest suffix within the
+    model's context. A group always fits alone."""
+    if cached is None:
+        cached = CACHE_TOKENS * batch_tokens
     order = sorted(range(len(groups)),
                    key=lambda g: (shared[g], max(len(r.tokens) for r in groups[g]) - shared[g]))
     chunks, cur = [], None
@@ -327,7 +351,7 @@ def _chunks(groups, shared, batch_tokens, block_size):
             rows, pre = cur["rows"] + len(groups[g]), max(cur["pre"], shared[g])
             w = max(cur["width"], width)
             fits = (n_pre * pre <= batch_tokens and rows * w <= batch_tokens
-                    and rows * (pre + w) <= CACHE_TOKENS * batch_tokens)
+                    and rows * (pre + w) <= cached)
             if fits and (block_size is None or pre + w <= block_size):
                 cur.update(n_pre=n_pre, rows=rows, pre=pre, width=w)
                 cur["groups"].append(g)
@@ -390,13 +414,14 @@ def _check_rows(groups, max_len):
                                  f"model's {max_len} positions (the task crops its rows)")
 
 
-def _passes(model, groups, batch_tokens):
+def _passes(model, groups, batch_tokens, dtype=None):
     """The forward passes that score ``groups``: ("rows", batch of flat rows, full logits) or
-    ("prefix", chunk of groups)."""
+    ("prefix", chunk of groups). dtype: the KV caches' (autocast's; None: the parameters')."""
     if batch_tokens > 0 and shares_prefixes(model):
         shared = [_shared_prefix(rows) for rows in groups]
-        return shared, [("prefix", c) for c in _chunks(groups, shared, batch_tokens,
-                                                        max_positions(model))]
+        chunks = _chunks(groups, shared, batch_tokens, max_positions(model),
+                         cache_tokens(model, batch_tokens, dtype))
+        return shared, [("prefix", c) for c in chunks]
     body = _body_cost(model)
     return None, [("rows", b) for b in _pack(_flat_rows(groups), batch_tokens, body=body)]
 
@@ -427,7 +452,7 @@ def score_groups(model, groups, device, *, batch_tokens=8192, autocast_dtype=Non
 
     _check_rows(groups, max_positions(model))
     use_kwarg = takes_logits_to_keep(model)
-    shared, passes = _passes(model, groups, batch_tokens)
+    shared, passes = _passes(model, groups, batch_tokens, autocast_dtype)
     # sharded models (FSDP) gather parameters in every forward, a collective: every rank runs as
     # many, agreed before the first (a rank with fewer passes runs dummy ones after its own)
     planned = 0

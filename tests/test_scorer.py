@@ -14,7 +14,7 @@ import scorer
 import settings
 from helpers import GPU_ARCHS, TINY, hf_gpt2, tiny_model
 from scorer import Row
-from train_gpt2 import GPT
+from train_gpt2 import GPT, GPTConfig, KVCache
 
 VOCAB = 256  # a small vocabulary: the scored positions' projections stay cheap
 BLOCK = TINY["block_size"]
@@ -344,6 +344,33 @@ def test_shared_prefix_is_computed_once():
     assert sum(model.fed) == 3 * k * (P + S)
     assert_matches(shared, reference(model.inner, groups))
     assert_matches(plain, reference(model.inner, groups))
+
+
+def test_the_ragged_cache_is_bounded_in_bytes(monkeypatch):
+    """A chunk's ragged cache holds at most CACHE_BYTES of keys and values (a group alone may hold
+    more): GPT-2 XL's in bf16 about 14k tokens, not 4 x batch_tokens; GPT-2 124M's as before. The
+    results are the plain scorer's whatever the chunks."""
+    with torch.device("meta"):
+        xl, small = (GPT(GPTConfig(**settings.MODEL_PRESETS[p])) for p in ("gpt2-xl", "gpt2"))
+    per_token = 2 * 48 * 1600 * 2  # keys and values, every layer, bf16
+    assert scorer.cache_tokens(xl, 8192, torch.bfloat16) == scorer.CACHE_BYTES // per_token
+    assert scorer.cache_tokens(small, 8192, torch.bfloat16) == 4 * 8192
+    model = make_model()
+    groups = random_groups(model, 16, seed=3)
+    per_token = 2 * model.config.n_layer * model.config.n_embd * 4  # fp32
+    monkeypatch.setattr(scorer, "CACHE_BYTES", 150 * per_token)
+    made, continue_rows = [], KVCache.continue_rows
+
+    def recorded(cache, rows, lengths, max_new):
+        out = continue_rows(cache, rows, lengths, max_new)
+        made.append((out.k.nbytes + out.v.nbytes, len(rows)))
+        return out
+    monkeypatch.setattr(KVCache, "continue_rows", recorded)
+    got = scorer.score_groups(model, groups, "cpu", batch_tokens=8192, greedy=True)
+    assert_matches(got, reference(model, groups))
+    assert len(made) > 3 and max(size for size, _ in made) > 100 * per_token
+    for size, rows in made:  # random_groups' groups have at most 5 rows
+        assert size <= scorer.CACHE_BYTES or rows <= 5, (size, rows)
 
 
 @pytest.mark.slow  # transformers' import: many seconds on a busy machine

@@ -3,8 +3,11 @@ tensor memory, FLOPs, per-op roofline) and compiled by inductor (every kernel on
 launches). tools/gpu_estimate.py starts it and turns its results into the estimate.
 
     python tools/simcuda/estimate.py LIB eager:PRESET:B,B,...:T:ARCH [compiled:...]
+    python tools/simcuda/estimate.py LIB core:PRESET:EXAMPLES_PER_TASK:ARCH
 
-ARCH: a key of settings.ARCHITECTURES (gpt2 if left out).
+ARCH: a key of settings.ARCHITECTURES (gpt2 if left out). core: the memory of training's CORE
+evaluation (the model, its gradients and AdamW state, and what scoring adds); LIB, for a command
+line: python -c "from tools import simcuda; print(simcuda.build('/tmp/simcuda'))".
 
 LIB is the preload library (harness.build), loaded before torch is imported: one process for the
 whole run. It prints one line `RESULT {json}` per spec: {"spec", "ok", "result"} or, for one that
@@ -257,11 +260,52 @@ def compiled(preset="gpt2", batch_sizes="16,32,64", T="1024", arch="gpt2"):
         return steps(compiled_step, preset, batch_sizes, T, arch, inductor.for_h100(cache))
 
 
+def core(preset="gpt2-xl", per_task="12", arch="gpt2"):
+    """Training's CORE evaluation on one simulated H100: the model of preset with its gradients
+    and AdamW state (what a run holds when it evaluates, between two steps), scoring bench.py's
+    synthetic stand-in for CORE's 22 tasks (per_task examples each) as core_score does (bf16
+    autocast, batch_tokens 8192). Peak live tensor memory (LiveMemory) against what the run held
+    before, and the largest ragged KV cache that a chunk of rows read (KVCache.continue_rows)."""
+    import bench
+    import core_eval
+
+    config = tg.GPTConfig(**settings.MODEL_PRESETS[preset], **settings.ARCHITECTURES[arch])
+    with tempfile.TemporaryDirectory() as tmp:
+        bench.synthetic_core_bundle(tmp, int(per_task))
+        tasks = core_eval.read_bundle(tmp)
+    caches, continue_rows = [], tg.KVCache.continue_rows
+
+    def recorded(cache, *args, **kwargs):
+        out = continue_rows(cache, *args, **kwargs)
+        caches.append({"bytes": out.k.nbytes + out.v.nbytes, "rows": out.k.shape[1],
+                       "tokens": out.k.shape[1] * out.k.shape[3]})
+        return out
+
+    with simcuda.flash_attention_as_on_h100(), simcuda.SimulatedCUDA():
+        model = tg.GPT(config).to("cuda")
+        optimizer = model.configure_optimizers(0.1, 6e-4, "cuda", verbose=False)
+        settings.with_optimizer_state(model, optimizer)  # the gradients stay, as between steps
+        _, dtype = common.autocast_for("auto", "cuda")
+        live = LiveMemory(held(model, optimizer))
+        before = live.now
+        tg.KVCache.continue_rows = recorded
+        try:
+            with live:
+                core_eval.evaluate(model, "cuda", tasks, device_type="cuda",
+                                   autocast_dtype=common.torch_dtype(dtype))
+        finally:
+            tg.KVCache.continue_rows = continue_rows
+    largest = max(caches, key=lambda c: c["bytes"])
+    return {"preset": preset, "arch": arch, "per_task": int(per_task), "dtype": dtype,
+            "held_bytes": before, "peak_bytes": live.peak, "core_bytes": live.peak - before,
+            "largest_ragged_cache": largest, "ragged_caches": len(caches)}
+
+
 def run(spec):
     """One spec, as {"spec", "ok", "result" | "error"}."""
     name, *args = spec.split(":")
     try:
-        result = {"eager": eager, "compiled": compiled}[name](*args)
+        result = {"eager": eager, "compiled": compiled, "core": core}[name](*args)
         return {"spec": spec, "ok": True, "result": result}
     except Exception:
         return {"spec": spec, "ok": False, "error": traceback.format_exc()}
