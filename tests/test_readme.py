@@ -30,7 +30,7 @@ GUIDES = ("README.md", "docs/operations.md", "docs/performance.md", "docs/evalua
 
 SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
 # train_gpt2.py's commands: settings.build_parser(command=...) builds each one's parser
-TRAIN_COMMANDS = ("sample", "export", "eval", "chat")
+TRAIN_COMMANDS = ("sample", "export", "eval", "chat", "serve")
 TRAIN_PLAN = "plan"  # takes the training flags
 TRAIN_SFT = "sft"  # the training flags, with --sft
 SHELL_INFOS = {"", "bash", "sh", "shell", "zsh", "console", "shell-session"}
