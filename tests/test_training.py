@@ -372,6 +372,27 @@ def test_compile_on_with_val_hellaswag_and_samples(data, tmp_path, monkeypatch):
         assert a[kind][0] == b[kind][0] and a[kind][1] == pytest.approx(b[kind][1], abs=1e-4)
 
 
+def test_init_from_a_checkpoint_of_ours(data, reference, tmp_path):
+    """--init_from log/model_NNNNN.pt: the checkpoint's weights and shape (the new run's step-0
+    val loss is the reference run's after that checkpoint's step), a fresh optimizer and schedule
+    from step 0 on the flags given; a shape flag that disagrees with it, refused in one line."""
+    newest = rundir.find_checkpoints(reference)[-1]
+    log = str(tmp_path / "log")
+    r = run_cli(*run_args(data, log, "--init_from", newest, "--max_steps", "2", "--max_lr", "1e-3",
+                          "--warmup_steps", "2", "--eval_every", "1", "--sample_every", "0",
+                          drop=SHAPE_FLAGS))
+    assert r.returncode == 0, r.stderr
+    ours, theirs = series(log), series(reference)
+    assert ours["val"][1][0] == pytest.approx(theirs["val"][1][-1], abs=1e-6)
+    assert ours["lr"] == ([0, 1], [pytest.approx(tg.get_lr(s, 1e-3, 1e-4, 2, 2)) for s in (0, 1)])
+    saved, source = (torch.load(p, weights_only=False)
+                     for p in (rundir.find_checkpoints(log)[-1], newest))
+    assert saved["config"] == source["config"] and saved["step"] == 1
+    r = run_cli(*run_args(data, str(tmp_path / "again"), "--init_from", newest, "--n_layer", "3",
+                          drop=SHAPE_FLAGS))
+    assert_one_line_error(r, "--init_from loads a model with its shape", "--n_layer")
+
+
 @pytest.mark.slow
 def test_init_from_pretrained_trains(data, tmp_path):
     hf, path = hf_gpt2(tmp_path)
