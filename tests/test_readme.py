@@ -26,7 +26,7 @@ from helpers import REPO
 README = os.path.join(REPO, "README.md")
 # README.md and the pages it sends readers to for what it leaves out
 GUIDES = ("README.md", "docs/operations.md", "docs/performance.md", "docs/evaluation.md",
-          "docs/chat.md", "docs/lab_record.md")
+          "docs/chat.md", "docs/lab_record.md", "docs/tokenizer.md")
 
 SCRIPTS = ("train_gpt2.py", "fineweb.py", "hellaswag.py", "bench.py")
 # train_gpt2.py's commands: settings.build_parser(command=...) builds each one's parser
@@ -511,6 +511,11 @@ def test_readme_shows_commands_the_checker_sees():
             with contextlib.suppress(ValueError):
                 scripts.add((script_call(list(cmd)) or ("",))[0])
     assert {"train_gpt2.py", "fineweb.py"} <= scripts
+
+
+def test_every_page_of_docs_has_its_commands_checked():
+    pages = {os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md"))}
+    assert pages - set(GUIDES) == set()
 
 
 @pytest.mark.parametrize("page", ["README.md"] + sorted(
