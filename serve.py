@@ -406,12 +406,6 @@ class Engine:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
-    def run_alone(self, job):
-        """job stepped to its end in this thread, without the worker (the bench's engine-only
-        figure, and the tests')."""
-        while job.finish is None:
-            self.step(job)
-
     def step(self, job):
         """One model step of job: its new ids run through its KV cache, a token sampled."""
         import torch
@@ -525,7 +519,10 @@ class Events:
         self.items.append(event)
         if not self.woken:
             self.woken = True
-            self.loop.call_soon_threadsafe(self.ready.set)
+            try:
+                self.loop.call_soon_threadsafe(self.ready.set)
+            except RuntimeError:  # the loop closed: the server stopped without waiting
+                pass
 
     async def take(self):
         """The events come since the last take (at least one): [("text", joined pieces)] first

@@ -363,9 +363,9 @@ def test_the_page_streams_answers_in_chromium(live, tmp_path):
         if os.environ.get("TEST_ARTIFACTS"):
             os.makedirs(os.environ["TEST_ARTIFACTS"], exist_ok=True)
             shutil.copy(shot, os.environ["TEST_ARTIFACTS"])
-        browser.find_element(By.ID, "new").click()
-        assert browser.find_elements(By.CSS_SELECTOR, "#log .msg") == []
         assert not browser.find_elements(By.CSS_SELECTOR, "#log .error")
+        browser.find_element(By.ID, "new").click()  # the conversation forgotten
+        assert browser.find_elements(By.CSS_SELECTOR, "#log .msg") == []
     finally:
         browser.quit()
 
@@ -429,39 +429,67 @@ class Scripted:
         kv_cache.pos += idx.size(1)
         key = next(k for k in self.scripts if kv_cache.ids[: len(k)] == list(k))
         self.calls.append((self.scripts[key][0], idx.size(1)))
+        if self.scripts[key][1] is None:
+            raise RuntimeError("a bug in the model")
         n_sampled = len(kv_cache.ids) - len(key)
         logits = torch.zeros(1, 1, chat.CHAT_VOCAB_SIZE)
         logits[0, 0, self.scripts[key][1][n_sampled]] = 1.0
         return logits, None
 
 
-def test_the_engine_gives_each_request_a_step_in_turn(enc):
+def run_scripted(enc, scripts, max_jobs=64):
+    """The events of a request for each script (name: tokens, None: the step fails) through an
+    Engine of the Scripted model, all submitted before its first turn; the model and engine."""
     hello, world = enc.encode_ordinary(" hello world")
-    ask = {"a": user("a"), "b": user("b")}
-    prompts = {name: tuple(chat.render_prompt(m, enc)) for name, m in ask.items()}
-    model = Scripted({prompts["a"]: ("a", [hello, world, AE]),
-                      prompts["b"]: ("b", [world] * 10)})
-    engine = serve.Engine(model, enc)
-    got = {name: queue.SimpleQueue() for name in ask}
-    for name, messages in ask.items():
-        r = serve.read_request({"messages": messages, "max_tokens": 4, "temperature": 0,
+    prompts = {name: tuple(chat.render_prompt(user(name), enc)) for name in scripts}
+    model = Scripted({prompts[name]: (name, tokens) for name, tokens in scripts.items()})
+    engine = serve.Engine(model, enc, max_jobs=max_jobs)
+    got = {name: queue.SimpleQueue() for name in scripts}
+    for name in scripts:
+        r = serve.read_request({"messages": user(name), "max_tokens": 4, "temperature": 0,
                                 "stop": " hello" if name == "b" else None}, enc, NAME, 64,
                                serve.Defaults())
         engine.submit(serve.Job(r, enc, got[name].put, name))
-    engine.start()  # both submitted before its first turn
+    engine.start()
     events = {}
     for name, q in got.items():
         events[name] = [q.get(timeout=HANG_LIMIT_S)]
         while events[name][-1][0] == "text":
             events[name].append(q.get(timeout=HANG_LIMIT_S))
+    return events, {name: len(p) for name, p in prompts.items()}, model, engine
+
+
+def test_the_engine_gives_each_request_a_step_in_turn(enc):
+    hello, world = enc.encode_ordinary(" hello world")
+    events, n, model, engine = run_scripted(enc, {"a": [hello, world, AE], "b": [world] * 10})
     engine.stop()
     assert events["a"] == [("text", " hello"), ("text", " world"), ("end", "stop")]
     assert events["b"] == [("text", " world")] * 4 + [("end", "length")]
-    n_a, n_b = len(prompts["a"]), len(prompts["b"])
     # a turn: every running request one step, the first its whole prompt
-    assert model.calls == [("a", n_a), ("b", n_b), ("a", 1), ("b", 1), ("a", 1), ("b", 1),
+    assert model.calls == [("a", n["a"]), ("b", n["b"]), ("a", 1), ("b", 1), ("a", 1), ("b", 1),
                            ("b", 1)]
     assert engine.jobs == 0
+
+
+def test_a_failing_step_fails_its_request_alone_and_busy_or_stopped_is_refused(enc, caplog):
+    hello, world = enc.encode_ordinary(" hello world")
+    events, _, _, engine = run_scripted(enc, {"a": [hello, AE], "c": None}, max_jobs=2)
+    (kind, error), = events["c"]
+    assert kind == "error" and (error.status, error.kind) == (500, "server_error")
+    assert events["a"] == [("text", " hello"), ("end", "stop")]
+    assert "c: the model step failed" in caplog.text and "a bug in the model" in caplog.text
+    engine.stop()
+    assert not engine.thread.is_alive() and engine.jobs == 0
+    r = serve.read_request({"messages": user("a")}, enc, NAME, 64, serve.Defaults())
+    with pytest.raises(serve.ApiError) as e:
+        engine.submit(serve.Job(r, enc, print))
+    assert (e.value.status, e.value.code) == (503, "shutting_down")
+    idle = serve.Engine(engine.model, enc, max_jobs=2)  # no worker: what is submitted stays
+    for _ in range(2):
+        idle.submit(serve.Job(r, enc, print))
+    with pytest.raises(serve.ApiError) as e:
+        idle.submit(serve.Job(r, enc, print))
+    assert (e.value.status, e.value.kind) == (429, "rate_limit_error")
 
 
 # ===== The command ================================================================================
