@@ -199,6 +199,38 @@ def tiny_model(seed=0, device="cpu", **kw):
     return tg.GPT(tg.GPTConfig(**{**TINY, **kw})).to(device)
 
 
+def chat_model(block_size=128, **arch):
+    """A tiny chat model (its padding mask lets the chat tokens be predicted), in eval mode."""
+    import chat
+
+    return tiny_model(real_vocab_size=chat.CHAT_VOCAB_SIZE, block_size=block_size, **arch).eval()
+
+
+def save_checkpoint(model, path):
+    """model as a checkpoint file of ours (its weights and config): what --checkpoint reads."""
+    from dataclasses import asdict
+
+    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, path)
+    return str(path)
+
+
+def plain_reply(model, ids, max_new):
+    """The greedy reply to ids, each token from the model run on the whole sequence so far (no
+    KV cache): the reference for the chat engines."""
+    import chat
+
+    ids, reply = list(ids), []
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([ids]))
+        token = int(logits[0, -1, : chat.CHAT_VOCAB_SIZE].argmax())
+        if token == chat.END["assistant"]:
+            break
+        ids.append(token)
+        reply.append(token)
+    return reply
+
+
 def hf_gpt2(tmp_path, vocab=50257, seed=0, n_head=2, n_positions=64):
     """A random transformers GPT2LMHeadModel (eval mode) and its save_pretrained folder."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -4,14 +4,14 @@ runs each token once; the oldest turns dropped when the context is outgrown; Ctr
 answer, not the chat; --prompt on stdout; a base model refused; the streamed text never splitting
 a UTF-8 character."""
 import builtins
-from dataclasses import asdict
 
 import pytest
 import torch
 
 import chat
 import train_gpt2 as tg
-from helpers import GPU_ARCHS, assert_one_line_error, run_cli, tiny_model
+from helpers import (GPU_ARCHS, assert_one_line_error, chat_model, plain_reply, run_cli,
+                     save_checkpoint, tiny_model)
 
 US, UE = chat.START["user"], chat.END["user"]
 AS, AE = chat.START["assistant"], chat.END["assistant"]
@@ -21,15 +21,6 @@ ARCHS = {"gpt2": {}, "modern": {**GPU_ARCHS["modern"], "n_kv_head": 1, "value_em
 MESSAGES = ["Hi!", "What is the capital of France?", "And of Japan, 日本?", "Thanks."]
 
 
-def chat_model(block_size=128, **arch):
-    return tiny_model(real_vocab_size=chat.CHAT_VOCAB_SIZE, block_size=block_size, **arch).eval()
-
-
-def save_checkpoint(model, path):
-    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return save_checkpoint(chat_model(), tmp_path_factory.mktemp("chat") / "model.pt")
@@ -37,20 +28,6 @@ def ckpt(tmp_path_factory):
 
 def greedy(logits):
     return tg.sample_next(logits, temperature=0)
-
-
-def plain_reply(model, ids, max_new):
-    """The greedy reply to ids, each token from the model run on the whole sequence so far."""
-    ids, reply = list(ids), []
-    for _ in range(max_new):
-        with torch.no_grad():
-            logits, _ = model(torch.tensor([ids]))
-        token = int(logits[0, -1, : chat.CHAT_VOCAB_SIZE].argmax())
-        if token == AE:
-            break
-        ids.append(token)
-        reply.append(token)
-    return reply
 
 
 def user_turn(enc, text):

@@ -22,9 +22,8 @@ import torch
 import chat
 import serve
 import train_gpt2 as tg
-from helpers import (HANG_LIMIT_S, REPO, assert_one_line_error, output, popen_to_files, run_cli,
-                     tiny_model, wait_until)
-from test_chat_command import chat_model, plain_reply, save_checkpoint
+from helpers import (HANG_LIMIT_S, REPO, assert_one_line_error, chat_model, output, plain_reply,
+                     popen_to_files, run_cli, save_checkpoint, tiny_model, wait_until)
 
 openai = pytest.importorskip("openai")  # requirements.txt's tests section installs it
 
