@@ -35,6 +35,7 @@ import metrics
 import rundir
 import serve
 import settings
+import tokenizer
 import train_gpt2 as tg
 from tools import gpu_estimate
 
@@ -1149,13 +1150,13 @@ ARCH_ABLATIONS = {
 }
 
 
-def stdlib_docstrings(path):
+def stdlib_docstring_texts():
     """Every docstring of this Python's standard library (tests and site-packages left out), in
-    path order, as one text file: ~1.8 MB of English prose that any machine with Python has."""
+    path order, one at a time: ~1.8 MB of English prose that any machine with Python has."""
     import ast
     import sysconfig
 
-    root, docs = sysconfig.get_paths()["stdlib"], []
+    root = sysconfig.get_paths()["stdlib"]
     kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     for folder, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs
@@ -1166,9 +1167,14 @@ def stdlib_docstrings(path):
                     tree = ast.parse(f.read())
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
-            docs += [ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds)]
+            docs = (ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds))
+            yield from filter(None, docs)
+
+
+def stdlib_docstrings(path):
+    """stdlib_docstring_texts() as one text file, a blank line between docstrings: path."""
     with open(path, "w") as f:
-        f.write("\n\n".join(d for d in docs if d))
+        f.write("\n\n".join(stdlib_docstring_texts()))
     return path
 
 
@@ -1354,6 +1360,269 @@ def bench_arch(args, t):
     return row
 
 
+# ===== The tokenizer rows: a BPE trained on local text against GPT-2's ==========================
+# Three kinds of text that a machine with this Python (and, for German, a Linux system's
+# translations) has, each read in path order: the same text on one machine each time, other text
+# wherever other packages are installed.
+LOCALE_DIR = "/usr/share/locale"
+
+
+def site_packages_code():
+    """This Python's site-packages .py files (the UTF-8 ones), in path order, one text each."""
+    import sysconfig
+
+    for folder, subdirs, files in os.walk(sysconfig.get_paths()["purelib"]):
+        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError):
+                continue
+            yield text
+
+
+def mo_translations(path):
+    """The translations (msgstr) of a gettext .mo file, in its order, each plural form one text,
+    decoded by the charset its header names (UTF-8 if none); [] for a file that is not one."""
+    import codecs
+    import re
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    order = {b"\xde\x12\x04\x95": "<", b"\x95\x04\x12\xde": ">"}.get(data[:4])
+    if order is None or len(data) < 20:
+        return []
+    count, originals, translations = struct.unpack_from(order + "3I", data, 8)
+
+    def entry(table, i):
+        length, offset = struct.unpack_from(order + "2I", data, table + 8 * i)
+        return data[offset:offset + length]
+    charset, texts = "utf-8", []
+    for i in range(count):
+        if entry(originals, i):
+            texts += entry(translations, i).split(b"\0")
+            continue
+        # the header (the empty msgid's translation): its Content-Type names the charset
+        named = re.search(rb"charset=([-\w]+)", entry(translations, i))
+        if named:
+            charset = named.group(1).decode()
+    try:
+        codecs.lookup(charset)
+    except LookupError:
+        charset = "utf-8"
+    return [text.decode(charset, "replace") for text in texts]
+
+
+def locale_texts(lang):
+    """The translations into lang of every .mo file in LOCALE_DIR/lang/LC_MESSAGES, in path
+    order (none where the system keeps none)."""
+    folder = os.path.join(LOCALE_DIR, lang, "LC_MESSAGES")
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    for name in names:
+        if name.endswith(".mo"):
+            yield from mo_translations(os.path.join(folder, name))
+
+
+# each kind of text: (its source in words, its texts)
+TEXT_KINDS = {"english": ("the standard library's docstrings", stdlib_docstring_texts),
+              "code": ("site-packages' .py files", site_packages_code),
+              "german": (f"{LOCALE_DIR}/de's .mo translations", lambda: locale_texts("de"))}
+
+
+def first_chars(texts, n):
+    """The texts (empty ones skipped), in order, up to n characters in all: the last one cut."""
+    out, got = [], 0
+    for text in texts:
+        if text:
+            out.append(text[:n - got])
+            got += len(out[-1])
+        if got >= n:
+            break
+    return out
+
+
+def each_once(texts):
+    """The texts in order, each only where it first comes."""
+    seen = set()
+    for text in texts:
+        if text not in seen:
+            seen.add(text)
+            yield text
+
+
+_kind_tokenizers = {}  # (kind, characters, vocabulary): what kind_tokenizer returned
+
+
+def kind_tokenizer(kind, n_chars, vocab_size):
+    """(texts, held out, tokenizer) of a kind of text: its first n_chars characters, each text
+    once (a translation, a vendored file, is often there twice), every tenth held out (the first
+    included) and a BPE trained on the others; kept for the next row."""
+    key = (kind, n_chars, vocab_size)
+    if key not in _kind_tokenizers:
+        texts = first_chars(each_once(TEXT_KINDS[kind][1]()), n_chars)
+        train = [text for i, text in enumerate(texts) if i % 10]
+        tok = tokenizer.train_bpe(train, vocab_size) if train else None
+        _kind_tokenizers[key] = texts, texts[::10], tok
+    return _kind_tokenizers[key]
+
+
+def bench_tokenizer_train(args, t):
+    """tokenizer.train_bpe (rustbpe, GPT-4's split pattern) on --tokenizer_chars characters of
+    code (site-packages' .py files in path order): the seconds and characters per second."""
+    from importlib.metadata import version
+
+    t0 = time.perf_counter()
+    texts = first_chars(site_packages_code(), args.tokenizer_chars)
+    read_s = time.perf_counter() - t0
+    chars = sum(map(len, texts))
+    t0 = time.perf_counter()
+    tok = tokenizer.train_bpe(texts, args.tokenizer_vocab)
+    seconds = time.perf_counter() - t0
+    return {"corpus": TEXT_KINDS["code"][0], "files": len(texts), "chars": chars,
+            "read_seconds": read_s, "seconds": seconds, "chars_per_sec": chars / seconds,
+            "vocab_size": tok.n_vocab, "trainer": f"rustbpe {version('rustbpe')}",
+            "cpus": os.cpu_count()}
+
+
+def bench_tokenizer_encode(args, t):
+    """fineweb.py's tokenizing (tokenize_batch: one process, ~1 MB batches) of each kind of text
+    (--tokenizer_kind_chars of it) with a BPE trained on it, against GPT-2's BPE on the same
+    text: tokens/s (the documents' ids, no <|endoftext|>) and MB/s of UTF-8, in this process's
+    CPU time (less disturbed by a shared machine's other work than the wall clock), --rounds
+    rounds of the two alternated, medians."""
+    row = {"vocab_size": args.tokenizer_vocab, "rounds": args.rounds, "kinds": {}}
+    for kind in TEXT_KINDS:
+        texts, _, tok = kind_tokenizer(kind, args.tokenizer_kind_chars, args.tokenizer_vocab)
+        if tok is None:
+            row["kinds"][kind] = None
+            continue
+        batches = list(fineweb._batched(texts))
+        arms = {"own": lambda batch: fineweb.tokenize_batch(batch, tok),
+                "gpt2": fineweb.tokenize_batch}
+        tokens, runs = {}, {"own": [], "gpt2": []}
+        for r in range(args.rounds + 1):  # the first round untimed: each encoding built
+            for arm in (("own", "gpt2") if r % 2 else ("gpt2", "own")):
+                t0 = time.process_time()
+                lengths = [arms[arm](batch)[1] for batch in batches]
+                seconds = time.process_time() - t0
+                tokens[arm] = sum(int(n.sum() - np.count_nonzero(n)) for n in lengths)
+                if r:
+                    runs[arm].append(seconds)
+        n_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+        rate = {arm: tokens[arm] / statistics.median(runs[arm]) for arm in runs}
+        mb = {arm: n_bytes / statistics.median(runs[arm]) / 1e6 for arm in runs}
+        row["kinds"][kind] = {
+            "source": TEXT_KINDS[kind][0], "bytes": n_bytes, "tokens": tokens,
+            "rounds_s": runs, "own_tokens_per_sec": rate["own"],
+            "gpt2_tokens_per_sec": rate["gpt2"], "tokens_per_sec_ratio": rate["own"] / rate["gpt2"],
+            "own_mb_per_sec": mb["own"], "gpt2_mb_per_sec": mb["gpt2"],
+            "mb_per_sec_ratio": mb["own"] / mb["gpt2"]}
+    return row
+
+
+def bench_tokenizer_compression(args, t):
+    """Bytes per token of a BPE trained on each kind of text (--tokenizer_kind_chars of it, every
+    tenth text held out) on its held-out text, against GPT-2's BPE there. A BPE has fewer tokens
+    than --tokenizer_vocab where its text runs out of pairs to merge (every chunk one token)."""
+    gpt2 = fineweb.gpt2_tokenizer()
+    row = {"vocab_size": args.tokenizer_vocab, "kinds": {}}
+    for kind in TEXT_KINDS:
+        texts, held, tok = kind_tokenizer(kind, args.tokenizer_kind_chars, args.tokenizer_vocab)
+        if tok is None:
+            row["kinds"][kind] = None
+            continue
+        n_bytes, own = tokenizer.bytes_per_token(tok, held)
+        _, base = tokenizer.bytes_per_token(gpt2, held)
+        row["kinds"][kind] = {
+            "source": TEXT_KINDS[kind][0],
+            "train_chars": sum(map(len, texts)) - sum(map(len, held)),
+            "vocab_size": tok.n_vocab, "held_out_bytes": n_bytes,
+            "own_bytes_per_token": n_bytes / own,
+            "gpt2_bytes_per_token": n_bytes / base, "gpt2_tokens_over_own": base / own}
+    return row
+
+
+def bench_tokenizer_bpb(args, t):
+    """The tiny preset trained twice from one seed on English prose (the standard library's
+    docstrings, --tokenizer_kind_chars of them): with GPT-2's BPE for --tokenizer_bpb_steps steps,
+    and with a BPE trained on the same text (fineweb.py --train_tokenizer: its first tenth held
+    out) for the steps that read the same bytes; each evaluated at its end on all of that held-out
+    tenth: val loss and bits per byte. A step: -B x -T x --grad_accum tokens (bench's defaults:
+    the tiny preset's 8 x 256)."""
+    tokens_per_step = args.micro_batch_size * args.sequence_length * args.grad_accum
+    quiet = contextlib.redirect_stdout(sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = os.path.join(tmp, "docstrings.txt")
+        text = "\n\n".join(first_chars(stdlib_docstring_texts(), args.tokenizer_kind_chars))
+        with open(corpus, "w") as f:
+            f.write(text)
+        own_dir = os.path.join(tmp, "tokenizer")
+        with quiet:
+            own = fineweb.train_tokenizer(own_dir, inputs=[corpus],
+                                          vocab_size=args.tokenizer_vocab)
+        held = first_chars(fineweb.read_documents([corpus]), own.info["held_out"]["chars"])
+        gpt2 = fineweb.gpt2_tokenizer()
+        runs = {"gpt2": {"val_tokens": fineweb._held_out_token_count(gpt2, held)},
+                "own": {"val_tokens": own.info["held_out"]["val_tokens"]}}
+        for arm, tok in (("gpt2", None), ("own", own)):
+            data = os.path.join(tmp, f"data_{arm}")
+            fineweb.prepare(data, inputs=[corpus], tok=tok, shard_size=10_000_000,
+                            val_tokens=runs[arm]["val_tokens"], progress=False)
+            runs[arm]["train_tokens"] = fineweb.split_sizes(data)["train"]
+        ratio = runs["own"]["train_tokens"] / runs["gpt2"]["train_tokens"]
+        runs["gpt2"]["steps"] = args.tokenizer_bpb_steps
+        runs["own"]["steps"] = max(1, round(args.tokenizer_bpb_steps * ratio))
+        for arm, run in runs.items():
+            log_dir = os.path.join(tmp, f"log_{arm}")
+            flags = ["--preset", "tiny", "--data_root", os.path.join(tmp, f"data_{arm}"),
+                     "-B", str(args.micro_batch_size), "-T", str(args.sequence_length),
+                     "--total_batch_size", str(tokens_per_step),
+                     "--log_dir", log_dir, "--max_steps", str(run["steps"]),
+                     "--eval_every", str(run["steps"]), "--sample_every", "0",
+                     "--val_tokens", str(run["val_tokens"]), "--device", t.device]
+            if arm == "own":
+                flags += ["--tokenizer", own_dir]
+            with quiet:
+                if tg.main(flags) != 0:
+                    raise RuntimeError(f"train_gpt2.py {shlex.join(flags)} failed")
+            log = rundir.read_log(os.path.join(log_dir, "log.txt"))
+            run.update(val=log["val"][1][-1], val_bpb=log["val_bpb"][1][-1],
+                       s_per_step=statistics.median(log["dt"][1]) / 1000)
+    return {"corpus_chars": len(text), "held_out_chars": sum(map(len, held)),
+            "tokens_per_step": tokens_per_step,
+            "vocab_size": own.n_vocab, "runs": runs,
+            "bpb_ratio": runs["own"]["val_bpb"] / runs["gpt2"]["val_bpb"]}
+
+
+def tokenizer_table_rows(r):
+    """The table's lines of the tokenizer rows in r."""
+    rows = []
+    if "tokenizer_train" in r:
+        a = r["tokenizer_train"]
+        rows += [(f"BPE training s, {a['chars'] / 1e6:.1f}M chars", fmt(a["seconds"])),
+                 ("BPE training chars/s", fmt(a["chars_per_sec"]))]
+    for kind, e in r.get("tokenizer_encode", {}).get("kinds", {}).items():
+        if e is None:
+            rows += [(f"encode tok/s, {kind}", "no text here")]
+            continue
+        rows += [(f"encode tok/s, {kind}, own BPE", fmt(e["own_tokens_per_sec"])),
+                 (f"encode tok/s, {kind}, GPT-2's", fmt(e["gpt2_tokens_per_sec"])),
+                 (f"encode own / GPT-2, {kind}",
+                  f"{e['tokens_per_sec_ratio']:.2f}x tok, {e['mb_per_sec_ratio']:.2f}x MB")]
+    for kind, c in r.get("tokenizer_compression", {}).get("kinds", {}).items():
+        value = "no text here"
+        if c is not None:
+            value = f"{c['own_bytes_per_token']:.2f} / {c['gpt2_bytes_per_token']:.2f}"
+        rows += [(f"bytes/token, {kind}, own / GPT-2", value)]
+    if "tokenizer_bpb" in r:
+        b = r["tokenizer_bpb"]["runs"]
+        rows += [("val bpb, tiny, own BPE / GPT-2's",
+                  f"{b['own']['val_bpb']:.4f} / {b['gpt2']['val_bpb']:.4f}")]
+    return rows
+
+
 # every row in the order measured; the long ones only by name (--only) or with --long
 ROWS = {"train": bench_training, "train_arch": bench_train_arch, "train_loop": bench_train_loop,
         "parity": bench_parity,
@@ -1362,13 +1631,19 @@ ROWS = {"train": bench_training, "train_arch": bench_train_arch, "train_loop": b
         "generate": bench_generation, "loader": bench_loader, "save": bench_save,
         "startup": bench_startup, "fineweb": bench_fineweb, "sft": bench_sft,
         "packing": bench_packing, "chat_ttft": bench_chat_ttft, "serve": bench_serve,
-        "arch": bench_arch}
+        "arch": bench_arch,
+        "tokenizer_train": bench_tokenizer_train, "tokenizer_encode": bench_tokenizer_encode,
+        "tokenizer_compression": bench_tokenizer_compression,
+        "tokenizer_bpb": bench_tokenizer_bpb}
 LONG_ROWS = {"train_arch": "the training step of gpt2 and modern, alternated",
              "parity": "train_gpt2.train() vs a build-nanogpt-style loop, alternated",
              "train_loop": "train_gpt2.main's own dt",
              "arch": "--arch modern vs gpt2 in tokens to a val loss (CPU: hours)",
              "core_gpt2": "CORE's scorers at GPT-2 124M's size (CPU: minutes)",
-             "sft": "a fine-tuning step vs a pretraining step, alternated"}
+             "sft": "a fine-tuning step vs a pretraining step, alternated",
+             "tokenizer_train": "a BPE trained on 100M characters of code (100 MB read)",
+             "tokenizer_bpb": "the tiny preset's val bpb with GPT-2's BPE and with its own "
+                              "(CPU: minutes)"}
 DEFAULT_ROWS = tuple(name for name in ROWS if name not in LONG_ROWS)
 
 
@@ -1504,6 +1779,18 @@ FLAGS = [
      "shared evenly by the turns; tiny: 4,4)"),
     ("--serve_tokens", None, common.POSITIVE_INT,
      "the serve row's reply in tokens (default: the rest of the context after its message)"),
+    ("--tokenizer_chars", 100_000_000, common.POSITIVE_INT,
+     "the tokenizer_train row's characters of code (site-packages' .py files, in path order)"),
+    ("--tokenizer_kind_chars", 2_000_000, common.POSITIVE_INT,
+     "the other tokenizer rows' characters of each kind of text (English prose: the standard "
+     "library's docstrings; code; German: /usr/share/locale/de's translations), a tenth of it "
+     "held out"),
+    ("--tokenizer_vocab", tokenizer.DEFAULT_VOCAB_SIZE,
+     common.count(256 + len(tokenizer.SPECIAL_NAMES), 1 << 32),
+     "the tokenizer rows' vocabulary (the special tokens included)"),
+    ("--tokenizer_bpb_steps", settings.RUN_PRESETS["tiny"]["max_steps"], common.POSITIVE_INT,
+     "the tokenizer_bpb row's steps with GPT-2's BPE (the tiny preset's); its own tokenizer's "
+     "run takes the steps that read the same bytes"),
     ("--json", False, STORE_TRUE, "print the results as JSON instead of a table"),
     ("--suite", None, ["gpu-estimate"],
      "gpu-estimate: no GPU needed: GPT-2 124M's training step (T=1024, bf16, eager, flash "
@@ -1727,6 +2014,7 @@ def table_rows(r):
         for arm in a["arms"]:
             rows += [(f"arch: {arm} tokens to it", fmt(a[f"{arm}_tokens"])),
                      (f"arch: {arm} s/step", fmt(a[f"{arm}_s_per_step"]))]
+    rows += tokenizer_table_rows(r)
     return rows
 
 

@@ -36,6 +36,8 @@ def test_bench_json_has_every_row(tmp_path):
               "--fineweb_input", *docs,
               "--core_examples", "1", "--core_long_examples", "1", "--core_long_preset", "tiny",
               "--packing_conversations", "300", "--packing_lengths", "64", "--chat_turns", "3",
+              "--tokenizer_chars", "20000", "--tokenizer_kind_chars", "30000",
+              "--tokenizer_vocab", "300", "--tokenizer_bpb_steps", "1",
               "--serve_tokens", "8", "--json", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -82,6 +84,15 @@ def test_bench_json_has_every_row(tmp_path):
     assert set(out["packing"]["mixes"]) == {"smoltalk_like", "demo_chat"}
     assert 0 <= out["packing"]["mixes"]["demo_chat"]["64"]["padding_share"] < 1
     assert out["chat_ttft"]["turns"] == 3 and out["chat_ttft"]["same_first_tokens"]
+    # the tokenizer rows (test_tokenizer_rows_... checks three): the tiny preset's val bpb with
+    # GPT-2's BPE and a 300-token BPE of the same text, each its own held-out text's tokens
+    bpb = out["tokenizer_bpb"]
+    assert bpb["vocab_size"] == 300 and bpb["runs"]["gpt2"]["steps"] == 1
+    assert bpb["tokens_per_step"] == 128  # -B 2 -T 64
+    assert bpb["runs"]["own"]["train_tokens"] > bpb["runs"]["gpt2"]["train_tokens"]
+    assert bpb["runs"]["own"]["val_tokens"] > bpb["runs"]["gpt2"]["val_tokens"]
+    assert bpb["bpb_ratio"] == bpb["runs"]["own"]["val_bpb"] / bpb["runs"]["gpt2"]["val_bpb"]
+    assert out["tokenizer_train"]["chars"] == 20_000
     # through the serve command: the engine's text, streamed to one client and to four at once
     assert out["serve"]["same_text"] and out["serve"]["reply_tokens"] == 8
 
@@ -94,7 +105,8 @@ def test_bench_names_the_rows_it_left_out(capsys):
     assert "data start-up s, 2 / 3 shards" in out
     left = out.splitlines()[-1]
     assert left.startswith("not measured")
-    assert "--long adds train_arch and parity and train_loop and arch and core_gpt2 and sft" in left
+    assert ("--long adds train_arch and parity and train_loop and arch and core_gpt2 and sft and "
+            "tokenizer_train and tokenizer_bpb") in left
     assert "; ".join(f"{k} ({v})" for k, v in bench.LONG_ROWS.items()) in left
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cpu", "--only", "train,nosuchrow"])
@@ -510,3 +522,80 @@ def test_sft_row_steps_both_loaders():
     assert 0 < row["supervised_per_step"] < 512
     assert row["sft_loader_ms"] > 0 and row["pretrain_loader_ms"] > 0
     assert row["rows_per_epoch"] >= 2 * 2 * 2  # no step packed a new epoch
+
+
+def write_mo(path, translations, charset):
+    """A gettext .mo file (GNU's layout, little-endian, no hash table) of translations
+    {msgid: msgstr} (bytes), the header first, the entries sorted by msgid as msgfmt writes them."""
+    import struct
+
+    header = f"Content-Type: text/plain; charset={charset}\n".encode()
+    entries = sorted({b"": header, **translations}.items())
+    start = 28 + 16 * len(entries)  # the strings follow the header and the two tables
+    tables, strings = [], b""
+    for column in (0, 1):  # the msgids' table, then the msgstrs'
+        for entry in entries:
+            tables.append(struct.pack("<2I", len(entry[column]), start + len(strings)))
+            strings += entry[column] + b"\0"
+    head = struct.pack("<7I", 0x950412DE, 0, len(entries), 28, 28 + 8 * len(entries), 0, 0)
+    path.write_bytes(head + b"".join(tables) + strings)
+
+
+@pytest.mark.parametrize("charset", ["UTF-8", "ISO-8859-1"])
+def test_mo_translations_are_what_gettext_reads(charset, tmp_path):
+    """bench's reader of .mo files (the German text of the tokenizer rows) gives the translations
+    Python's gettext reads from the same file: each plural form, in the header's charset."""
+    import gettext
+
+    import bench
+    codec = "utf-8" if charset == "UTF-8" else "latin-1"
+    translations = {b"Open file": "Datei \u00f6ffnen".encode(codec),
+                    b"%d file\0%d files": "%d Datei\0%d Dateien".encode(codec),
+                    b"Quit": "Beenden".encode(codec)}
+    path = tmp_path / "de.mo"
+    write_mo(path, translations, charset)
+    with open(path, "rb") as f:
+        catalog = gettext.GNUTranslations(f)._catalog
+    want = sorted(text for msgid, text in catalog.items() if msgid != "")
+    assert sorted(bench.mo_translations(str(path))) == want
+    assert "Datei \u00f6ffnen" in want and len(want) == 4
+    (tmp_path / "not.mo").write_bytes(b"not a catalog")
+    assert bench.mo_translations(str(tmp_path / "not.mo")) == []
+
+
+def test_tokenizer_rows_on_a_little_of_each_kind_of_text(capsys):
+    """The tokenizer rows on 60,000 characters of each kind of text, 300-token BPEs: each text
+    once, every tenth held out; the tokens encoded and the bytes per token on the held-out text
+    counted again here with tiktoken's encodings (GPT-2's and each trained BPE's)."""
+    import bench
+
+    import fineweb
+    assert bench.main(["--device", "cpu", "--only",
+                       "tokenizer_train,tokenizer_encode,tokenizer_compression",
+                       "--tokenizer_chars", "30000", "--tokenizer_kind_chars", "60000",
+                       "--tokenizer_vocab", "300", "--rounds", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    train = out["tokenizer_train"]
+    assert train["chars"] == 30_000 and train["vocab_size"] == 300
+    assert train["chars_per_sec"] == train["chars"] / train["seconds"]
+    gpt2 = fineweb.get_encoding()
+
+    def tokens(enc, texts):
+        return sum(len(enc.encode_ordinary(text)) for text in texts)
+    for kind in ("english", "code", "german"):
+        texts, held, tok = bench.kind_tokenizer(kind, 60_000, 300)  # the rows' own (kept)
+        encoded, compressed = (out[row]["kinds"][kind]
+                               for row in ("tokenizer_encode", "tokenizer_compression"))
+        if not texts:  # no German translations on this system
+            assert kind == "german" and encoded is None and compressed is None
+            continue
+        assert sum(map(len, texts)) == 60_000 and len(set(texts)) == len(texts)
+        assert held == texts[::10] and tok.n_vocab == 300
+        assert encoded["tokens"] == {"own": tokens(tok.encoding(), texts),
+                                     "gpt2": tokens(gpt2, texts)}
+        assert encoded["tokens_per_sec_ratio"] == pytest.approx(
+            encoded["own_tokens_per_sec"] / encoded["gpt2_tokens_per_sec"])
+        n_bytes = sum(len(text.encode()) for text in held)
+        assert compressed["held_out_bytes"] == n_bytes
+        assert compressed["own_bytes_per_token"] == n_bytes / tokens(tok.encoding(), held)
+        assert compressed["gpt2_bytes_per_token"] == n_bytes / tokens(gpt2, held)
