@@ -68,7 +68,7 @@ class Metrics:
         # for the summary: this session's clock, steps and tokens; the whole run's evaluations and
         # skipped steps, a resumed run's earlier ones from its log.txt (already cut to its step)
         self.start, self.steps, self.tokens, self.last_step = time.time(), 0, 0, None
-        self.evals = {"val": [], "hella": [], "core": [], "chat": []}
+        self.evals = {"val": [], "val_bpb": [], "hella": [], "core": [], "chat": []}
         self.skipped, self.skipped_now = 0, 0
         if self.master and first_step > 0 and os.path.exists(self.log_file):
             earlier = rundir.read_log(self.log_file)
@@ -141,18 +141,20 @@ class Metrics:
 
     def summary(self, last_checkpoint):
         """The run in a few lines, for its end: this session's wall time (from this object's
-        making), steps and tokens; the final and best val loss, the last HellaSwag accuracy and
-        CORE (a resumed run's earlier ones included); last_checkpoint (a path, or None); the
-        skipped steps, if any."""
+        making), steps and tokens; the final and best val loss and bits per byte, the last
+        HellaSwag accuracy and CORE (a resumed run's earlier ones included); last_checkpoint (a
+        path, or None); the skipped steps, if any."""
         trained = "no step trained"
         if self.steps:
             trained = (f"steps {self.first_step}-{self.last_step} ({self.steps:,} steps, "
                        f"{self.tokens:,} tokens)")
         lines = [f"run summary: {trained} in {format_eta(time.time() - self.start)}"]
-        if self.evals["val"]:
-            step, value = self.evals["val"][-1]
-            line = f"  val loss: {value:.4f} at step {step}"
-            finite = [(v, s) for s, v in self.evals["val"] if math.isfinite(v)]
+        for kind, name in (("val", "val loss"), ("val_bpb", "val bits per byte")):
+            if not self.evals[kind]:
+                continue
+            step, value = self.evals[kind][-1]
+            line = f"  {name}: {value:.4f} at step {step}"
+            finite = [(v, s) for s, v in self.evals[kind] if math.isfinite(v)]
             if finite:
                 best, best_step = min(finite)
                 line += f", best {best:.4f} at step {best_step}"

@@ -248,14 +248,15 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
     "export": ["a checkpoint as a transformers GPT2LMHeadModel directory",
                ("--checkpoint", None, {"required": True}, CHECKPOINT[3]),
                ("--out", None, {"required": True}, "a new (or empty) directory to write")],
-    "eval": ["HellaSwag, CORE's tasks, or a chat model's tasks, of a checkpoint or of OpenAI's "
-             "GPT-2", *SHARED, CHECKPOINT,
+    "eval": ["HellaSwag, CORE's tasks, a chat model's tasks, or the val loss in bits per byte, "
+             "of a checkpoint or of OpenAI's GPT-2", *SHARED, CHECKPOINT,
              ("--tasks", "hellaswag", str,
               "hellaswag (acc, acc_norm of its val split), core (CORE: every task of the eval "
               "bundle's core.yaml), or a comma list of the bundle's task labels (core:LABEL "
               "for one that is also a word here, e.g. core:hellaswag, its 10-shot task); chat "
               "(a chat model asked ARC-Easy, ARC-Challenge and MMLU as nanochat's chat_eval "
-              "asks them), or a comma list of chat:arc_easy, chat:arc_challenge, chat:mmlu"),
+              "asks them), or a comma list of chat:arc_easy, chat:arc_challenge, chat:mmlu; "
+              "val (the val loss and bits per byte on the val shards of --data_root)"),
              ("--limit", None, count(1, STEPS), "HellaSwag: only the first N examples"),
              ("--max_per_task", None, count(1, STEPS),
               "CORE: the first N of each task's examples after nanochat's shuffle (seed 1337); "
@@ -276,7 +277,12 @@ COMMAND_FLAGS = {  # the commands' meaning, then their flags
              ("--chat_eval_dir", None, str,
               "the chat tasks' data folder, downloaded into once (default: $CHAT_EVAL_DIR, or "
               "chat_eval_data/ beside the scripts)"),
-             ("--results", None, str, "CORE or chat: write the scores to this JSON file"),
+             ("--data_root", None, str,
+              "val: the shards' folder (default: the checkpoint's run's), made by the model's "
+              "tokenizer"),
+             ("--val_tokens", None, count(1, TOKENS),
+              "val: the val targets scored (default: the checkpoint's run's; at most all)"),
+             ("--results", None, str, "CORE, chat or val: write the scores to this JSON file"),
              ("--examples", None, str,
               "CORE or chat: write every example's result to this JSONL file"),
              ("--overwrite", False, {"action": "store_true"},

@@ -18,6 +18,7 @@ command lines share).
 import bisect
 import contextlib
 import copy
+import json
 import math
 import os
 import random
@@ -44,8 +45,9 @@ import rundir
 import serve
 import settings
 import tokenizer
-from common import (Precision, Proc, UsageError, check_new_dir, check_outputs, exit_process,
-                    new_dir, one_line, print0, resolve_device, run_cli, tune_for_device)
+from common import (Precision, Proc, UsageError, atomic_write, check_new_dir, check_outputs,
+                    exit_process, new_dir, one_line, print0, resolve_device, run_cli,
+                    tune_for_device)
 from fineweb import EOT, GPT2_VOCAB_SIZE
 from metrics import Metrics, Profiler
 
@@ -1815,25 +1817,76 @@ def export_main(args):
     print(f"wrote {args.out}: {loads} loads it")
     return 0
 
+def val_main(args, proc):
+    """eval --tasks val: the model's val loss and bits per byte on the val split of --data_root
+    (default: the checkpoint's run's), over its first --val_tokens targets (default: the run's; at
+    most all the split holds) in windows of the run's -T (the model's context for --init_from):
+    the run's last val line again, for a checkpoint. Shards of another tokenizer are refused."""
+    model, device, precision, tok = model_and_tokenizer(args)
+    ran = {}  # the checkpoint's run's flags
+    if args.checkpoint:
+        ran = rundir.read_checkpoint(args.checkpoint, keys=("args",),
+                                     check_weights=False).get("args") or {}
+    data_root = args.data_root or ran.get("data_root") or fineweb.DEFAULT_DATA_ROOT
+    sizes = fineweb.split_sizes(data_root)
+    if sizes is None:
+        raise UsageError(f"--tasks val: {data_root} holds no finished prep with a val split: give "
+                         f"--data_root the folder of the shards (fineweb.py --data_root)")
+    status = fineweb.prep_status(data_root)
+    if status.has_manifest:  # shards of another tokenizer: refused before any work
+        fineweb.check_tokenizer(data_root, {"args": status.args}, tok)
+    targets = sizes["val"] - 1
+    T = min(ran.get("sequence_length") or model.config.block_size, targets)
+    B = max(1, min(args.batch_tokens // T, targets // T))
+    loader = DataLoaderLite(B, T, proc.rank, proc.world_size, "val", data_root,
+                            vocab_size=model.config.real_vocab_size)
+    n_tokens = min(args.val_tokens or ran.get("val_tokens") or targets, targets)
+    token_bytes = torch.from_numpy(tok.token_bytes()).to(device)
+    t0 = time.perf_counter()
+    loss, bpb = evaluate_loss(model, loader, n_tokens, device, precision.autocast,
+                              proc.world_size, token_bytes)
+    print0(f"{args.checkpoint or args.init_from} on {device} ({precision.name}), val of "
+           f"{data_root}: {n_tokens:,} tokens, loss {loss:.4f}, {bpb:.4f} bits per byte "
+           f"[{time.perf_counter() - t0:.1f} s]")
+    if proc.master and args.results:
+        data = json.dumps({"val_loss": loss, "val_bpb": bpb, "tokens": n_tokens,
+                           "data_root": os.path.abspath(data_root), "tokenizer": tok.name},
+                          indent=1) + "\n"
+        atomic_write(args.results, lambda f: f.write(data.encode()))
+    return 0
+
 def eval_main(args):
-    """HellaSwag (--tasks hellaswag), CORE's tasks, or the chat tasks (--tasks chat or chat:LABEL,
-    chat_eval.py); under torchrun the examples split over the ranks and rank 0 reports."""
-    core = args.tasks != "hellaswag"  # CORE's tasks or the chat tasks
+    """HellaSwag (--tasks hellaswag), CORE's tasks, the chat tasks (--tasks chat or chat:LABEL,
+    chat_eval.py), or the val loss (--tasks val); under torchrun the examples (the val windows)
+    split over the ranks and rank 0 reports."""
+    val = args.tasks == "val"
+    core = args.tasks != "hellaswag" and not val  # CORE's tasks or the chat tasks
     chat_labels = chat_eval.select(args.tasks) if chat_eval.wanted(args.tasks) else None
     misplaced = ("limit",) if core else ("max_per_task", "results", "examples")
+    if val:
+        misplaced = ("limit", "max_per_task", "examples")
+    else:
+        misplaced += ("data_root", "val_tokens")
     for flag in misplaced:
         if getattr(args, flag) is not None:
-            goes_with = "--tasks hellaswag" if core else ("CORE's tasks (--tasks core or labels) "
-                                                          "or the chat tasks (--tasks chat)")
+            goes_with = "CORE's tasks (--tasks core or labels) or the chat tasks (--tasks chat)"
+            if flag == "limit":
+                goes_with = "--tasks hellaswag"
+            elif flag in ("data_root", "val_tokens"):
+                goes_with = "--tasks val"
+            elif flag == "results":
+                goes_with += " or --tasks val"
             raise UsageError(f"--{flag} goes with {goes_with}")
     # "" would quietly be the default
-    for flag in ("eval_bundle", "eval_dir", "hellaswag_dir", "chat_eval_dir"):
+    for flag in ("eval_bundle", "eval_dir", "hellaswag_dir", "chat_eval_dir", "data_root"):
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} is empty: give a path, or leave the flag out")
     # written at the end, after minutes of work: a bad path is refused now, not then
     check_outputs({"--results": args.results, "--examples": args.examples}, args.overwrite,
                   inputs={"--checkpoint": args.checkpoint, "--eval_bundle": args.eval_bundle})
     proc = setup_distributed(args.device)
+    if val:
+        return val_main(args, proc)
     # a bad checkpoint: before a download
     model, device, precision, tok = model_and_tokenizer(args)
     if chat_labels is not None:

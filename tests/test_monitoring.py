@@ -84,6 +84,7 @@ def test_metrics_log_txt_step_lines_wandb_and_summary(tmp_path, capsys, monkeypa
     meter.report_step(2, 9.5, 3e-4, math.nan, 0.2, 2048, skipped=True)
     meter.report_step(3, 9.25, 4e-4, 1.75, 0.2, 1024)
     meter.log(4, "val", 11.0)
+    meter.log(4, "val_bpb", 4.5)
     meter.log(4, "hella", 0.3)
 
     lines = capsys.readouterr().out.splitlines()
@@ -114,6 +115,7 @@ def test_metrics_log_txt_step_lines_wandb_and_summary(tmp_path, capsys, monkeypa
     assert meter.summary(None) == (
         "run summary: steps 0-3 (4 steps, 5,120 tokens) in 1:01:01\n"
         "  val loss: 11.0000 at step 4, best 10.5000 at step 0\n"
+        "  val bits per byte: 4.5000 at step 4, best 4.5000 at step 4\n"
         "  HellaSwag acc_norm: 0.3000 at step 4\n"
         "  last checkpoint: none\n"
         "  skipped steps (fp16 overflow): 2")
@@ -125,15 +127,18 @@ def test_summary_of_a_resumed_run_and_of_a_plain_one(tmp_path):
     evaluations or skipped steps, those lines are left out."""
     path = str(tmp_path / "log.txt")
     for step, kind, value in [(0, "val", 10.0), (2, "skipped", 1), (3, "val", 8.0),
+                              (3, "val_bpb", 3.25),
                               (3, "hella", 0.25), (5, "val", float("nan")), (6, "skipped", 2)]:
         rundir.append_log(path, step, kind, value)
     meter = tiny_metrics(tmp_path, first_step=7, end=9)
     meter.report_step(7, 7.5, 1e-4, math.inf, 0.5, 64, skipped=True)
     meter.log(8, "val", 9.0)
+    meter.log(8, "val_bpb", 3.5)
     assert rundir.read_log(path)["skipped"] == ([2, 6, 7], [1.0, 2.0, 3.0])  # the count goes on
     summary = meter.summary(str(tmp_path / "model_00007.pt"))
     assert summary.splitlines()[1:] == [
         "  val loss: 9.0000 at step 8, best 8.0000 at step 3",  # nan is never the best
+        "  val bits per byte: 3.5000 at step 8, best 3.2500 at step 3",  # the earlier one's too
         "  HellaSwag acc_norm: 0.2500 at step 3",
         f"  last checkpoint: {tmp_path / 'model_00007.pt'}",
         "  skipped steps (fp16 overflow): 1"]  # this session's: not the earlier two

@@ -103,9 +103,9 @@ def write_train(log_path, steps, rng, step_numbers=False):
 
 @pytest.mark.slow
 def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
-    """A tiny-preset run (7M parameters) with a batch ramp, every series, a diverged end and fp16
-    skips: the terminal of `jupyter execute` gets the whole summary, the cells the same lines
-    once, and the title names the run's own size, not a GPT-2 one."""
+    """A tiny-preset run (7M parameters) with a batch ramp, every series (val bits per byte too),
+    a diverged end and fp16 skips: the terminal of `jupyter execute` gets the whole summary, the
+    cells the same lines once, and the title names the run's own size, not a GPT-2 one."""
     run_dir = tmp_path / "run"
     # the run config as a real run writes it: the tiny preset with a batch-size ramp
     run, _, _ = train_gpt2.settle(["--preset", "tiny", "--device", "cpu", "-B", "2",
@@ -120,6 +120,7 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     for step in range(0, 300, 25):
         val = 3.5 + 7.5 * math.exp(-step / 60) + rng.normal(0, 0.03)
         rundir.append_log(str(log_path), step, "val", val)
+        rundir.append_log(str(log_path), step, "val_bpb", val * 0.37 + rng.normal(0, 0.01))
     for step in range(0, 300, 50):
         hella = 0.25 + 0.01 * step / 50 + rng.normal(0, 0.003)
         rundir.append_log(str(log_path), step, "hella", hella)
@@ -138,6 +139,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     train_steps, train_values = series["train"]
     val_steps, val_values = series["val"]
     hella_steps, hella_values = series["hella"]
+    bpb_steps, bpb_values = series["val_bpb"]
+    k = int(np.argmin(bpb_values))
     core_steps, core_values = series["core"]
     assert series["core/copa"][0] == core_steps == [0, 100, 200]
     assert math.isnan(val_values[-2]) and val_values[-1] == -math.inf
@@ -164,6 +167,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
         f"  train loss: {train_values[-1]:.4f} at step {train_steps[-1]} (last)",
         f"  val loss: -inf at step 301, best {val_values[i]:.4f} at step {val_steps[i]} "
         f"(OpenAI GPT-2 124M: {gpt2_val:.4f}); 2 non-finite left out",
+        f"  val bits per byte: {bpb_values[-1]:.4f} at step 275, best {bpb_values[k]:.4f} at "
+        f"step {bpb_steps[k]}",
         f"  HellaSwag acc_norm: nan at step 300, best {hella_values[j]:.4f} at step "
         f"{hella_steps[j]} (OpenAI GPT-2 124M: {gpt2_hella:.4f}, GPT-3 125M: {gpt3_hella:.3f}); "
         f"1 non-finite left out",
@@ -180,7 +185,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     assert summary in terminal
     assert printed.count(summary) == 1  # the notebook's cells: the same lines, once
     for text in (terminal, printed):
-        assert "panels: loss, HellaSwag acc_norm, CORE, throughput, learning rate\n" in text
+        assert ("panels: loss, val bits per byte, HellaSwag acc_norm, CORE, throughput, "
+                "learning rate\n") in text
         assert "baselines of size (auto): 124M\n" in text  # 7M parameters: 124M's baselines
         assert f"title: {title}\n" in text
         assert "missing" not in text
@@ -204,8 +210,8 @@ def test_headless_run_tolerates_missing_series(jupyter_path, tmp_path):
     terminal, printed = run_headless(jupyter_path, log_path, tmp_path / "out")
     model = f"{n_params:,} parameters (n_layer=24, n_head=16, n_embd=1024), from model_00119.pt"
     for text in (terminal, printed):
-        assert ("missing (not plotted): val loss, HellaSwag acc_norm, CORE, throughput "
-                "(tok/s), learning rate\n") in text
+        assert ("missing (not plotted): val loss, val bits per byte, HellaSwag acc_norm, CORE, "
+                "throughput (tok/s), learning rate\n") in text
         assert "panels: loss\n" in text
         assert f"model: {model}\n" in text
         assert "baselines of size (auto): 350M\n" in text

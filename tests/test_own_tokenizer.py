@@ -205,6 +205,16 @@ def test_a_run_with_its_own_tokenizer(own_run, trained, tmp_path):
     assert hf.encode(text) == trained.encoding().encode_ordinary(text)
     config = json.loads(open(os.path.join(out, "config.json")).read())
     assert config["vocab_size"] == trained.eot + 1 and config["eos_token_id"] == trained.eot
+    # eval --tasks val: the run's last val line again, from the checkpoint's data and settings
+    results = tmp_path / "val.json"
+    r = run_cli("eval", "--tasks", "val", "--checkpoint", os.path.join(log, "model_00003.pt"),
+                "--device", "cpu", "--results", str(results))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(results.read_text())
+    assert got["tokenizer"] == trained.name and got["tokens"] == 64  # the run's --val_tokens
+    assert (got["val_loss"], got["val_bpb"]) == pytest.approx(
+        (float(val[-1][2]), float(bpb[-1][2])), abs=1e-4)  # log.txt's 4 decimals
+    assert f"loss {got['val_loss']:.4f}, {got['val_bpb']:.4f} bits per byte" in r.stdout
 
 
 def test_every_mismatch_is_refused_in_one_line(own_run, trained, corpus, tmp_path):
@@ -223,6 +233,15 @@ def test_every_mismatch_is_refused_in_one_line(own_run, trained, corpus, tmp_pat
     # a resumed run given another tokenizer
     r = run_cli("--resume", "latest", "--log_dir", log, "--device", "cpu", "--tokenizer", other)
     assert_one_line_error(r, f"--tokenizer {other}", "is not the tokenizer of --resume")
+    # eval --tasks val of the checkpoint on shards of GPT-2's BPE; --val_tokens without it
+    gpt2_data = str(tmp_path / "gpt2_data")
+    assert fineweb.main(["--input", own_run[2], "--data_root", gpt2_data, "--num_proc", "1"]) == 0
+    ckpt = os.path.join(log, "model_00003.pt")
+    r = run_cli("eval", "--tasks", "val", "--checkpoint", ckpt, "--data_root", gpt2_data,
+                "--device", "cpu")
+    assert_one_line_error(r, "was tokenized with GPT-2's BPE", trained.name)
+    r = run_cli("eval", "--checkpoint", ckpt, "--val_tokens", "64")
+    assert_one_line_error(r, "--val_tokens goes with --tasks val")
     # fineweb.py: shards of another tokenizer into a folder of this one's
     r = fineweb.main(["--input", own_run[2], "--tokenizer", other, "--data_root", data])
     assert r == 1
