@@ -3,7 +3,9 @@ the conversation files it is fine-tuned on. docs/chat.md states the format as fa
 
 The special tokens live in GPT-2's padding rows (ids 50257 and up of the padded 50,304-entry
 vocabulary): a base checkpoint of either architecture, or OpenAI's GPT-2, is fine-tuned into a chat
-model without resizing anything. A conversation is rendered as
+model without resizing anything. A tokenizer trained on one's own text (tokenizer.py) has them
+right after its <|endoftext|>: ChatTokens are the ids of either, tokens_of(enc) an Encoding's. A
+conversation is rendered as
 
     <|endoftext|> <|system_start|> ... <|system_end|> <|user_start|> ... <|user_end|>
     <|assistant_start|> ... <|assistant_end|> <|user_start|> ... (and so on)
@@ -38,6 +40,29 @@ CHAT_VOCAB_SIZE = max(SPECIAL_TOKENS.values()) + 1  # a chat model's real_vocab_
 INPUT_TYPES = (".jsonl", ".parquet")
 
 
+class ChatTokens:
+    """The ids of <|endoftext|> and the chat tokens in one tokenizer: eot, start and end by role,
+    and vocab, the real_vocab_size of a chat model of it (every one of them predicted)."""
+
+    def __init__(self, ids):
+        self.eot = ids["<|endoftext|>"]
+        self.start = {role: ids[f"<|{role}_start|>"] for role in ROLES}
+        self.end = {role: ids[f"<|{role}_end|>"] for role in ROLES}
+        self.vocab = max(ids.values()) + 1
+
+
+GPT2_TOKENS = ChatTokens({"<|endoftext|>": EOT, **SPECIAL_TOKENS})
+
+
+def tokens_of(enc):
+    """The ChatTokens of enc, a tiktoken Encoding: a trained tokenizer's own special tokens (its
+    Encoding has them all); GPT-2's in its padding (its Encoding has <|endoftext|> alone)."""
+    if not set(SPECIAL_TOKENS) <= getattr(enc, "special_tokens_set", set()):
+        return GPT2_TOKENS
+    return ChatTokens({name: enc.encode_single_token(name)
+                       for name in ("<|endoftext|>", *SPECIAL_TOKENS)})
+
+
 # The same rendering as a Jinja chat template, for transformers' apply_chat_template (an exported
 # chat model's tokenizer_config.json): its {% generation %} blocks mark the trained tokens, which
 # return_assistant_tokens_mask=True reports. It gives render()'s ids for any content that does not
@@ -56,10 +81,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def is_chat_model(config):
+def is_chat_model(config, tokens=GPT2_TOKENS):
     """Whether a model (its GPTConfig) speaks this format: its padding mask lets the special
-    tokens be predicted (real_vocab_size covers them), as fine-tuning on conversations sets it."""
-    return getattr(config, "real_vocab_size", 0) >= CHAT_VOCAB_SIZE
+    tokens (tokens: its tokenizer's) be predicted (real_vocab_size covers them), as fine-tuning on
+    conversations sets it."""
+    return getattr(config, "real_vocab_size", 0) >= tokens.vocab
 
 
 class ChatDataError(UsageError):
@@ -90,15 +116,16 @@ def problem(messages):
     return None
 
 
-def render(messages, enc):
+def render(messages, enc, tokens=None):
     """(ids, mask) of a conversation (problem() is None): mask[i] is 1 where ids[i] is trained (the
-    assistant's content and end token), else 0."""
-    ids, mask = [EOT], [0]
+    assistant's content and end token), else 0. tokens: the special ids (tokens_of(enc))."""
+    tokens = tokens or tokens_of(enc)
+    ids, mask = [tokens.eot], [0]
     for m in messages:
         role = m["role"]
         content = enc.encode_ordinary(m["content"])  # special tokens' spellings stay plain text
         trained = int(role == "assistant")
-        ids += [START[role], *content, END[role]]
+        ids += [tokens.start[role], *content, tokens.end[role]]
         mask += [0] + [trained] * len(content) + [trained]
     return ids, mask
 
@@ -107,7 +134,7 @@ def render_prompt(messages, enc):
     """The ids a chat model answers: the conversation so far (ending with a user's turn), then
     <|assistant_start|>. The model's reply ends at <|assistant_end|>."""
     ids, _ = render(messages, enc)
-    return ids + [START["assistant"]]
+    return ids + [tokens_of(enc).start["assistant"]]
 
 
 def crop(ids, mask, max_len):
@@ -211,16 +238,16 @@ class TextStream:
     character over several tokens, so a token's bytes are held until they complete a character:
     no piece ends in half of one. Bytes that never make a character come out as U+FFFD, as
     enc.decode gives them, so the pieces join to enc.decode of the text tokens. Special tokens
-    (<|endoftext|> and the chat tokens) are never text."""
+    (<|endoftext|> and the chat tokens, the ids from <|endoftext|> on) are never text."""
     def __init__(self, enc):
         import codecs
 
-        self.enc = enc
+        self.enc, self.eot = enc, tokens_of(enc).eot
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token):
         """The text that token completes: "" while a character is still unfinished."""
-        if token >= EOT:
+        if token >= self.eot:
             return ""
         return self.utf8.decode(self.enc.decode_single_token_bytes(token))
 
@@ -245,15 +272,17 @@ class Talk:
         import contextlib
 
         self.model, self.enc, self.sample = model, enc, sample  # sample: (1, V) logits -> (1, 1)
+        self.tokens = tokens_of(enc)
         self.block_size = model.config.block_size
         self.n_vocab = model.config.real_vocab_size  # the padding rows are never sampled
         # a quarter of the context by default: nanochat's 256 at GPT-2's 1024
         self.max_new_tokens = max_new_tokens or max(1, self.block_size // 4)
         self.device, self.recompute = device, recompute
         self.autocast = autocast if autocast is not None else contextlib.nullcontext()
-        self.ids = [EOT]
+        start, end = self.tokens.start, self.tokens.end
+        self.ids = [self.tokens.eot]
         if system:
-            self.ids += [START["system"], *enc.encode_ordinary(system), END["system"]]
+            self.ids += [start["system"], *enc.encode_ordinary(system), end["system"]]
         self.head = len(self.ids)  # what dropping turns keeps
         self.turns = []  # where each user's turn starts in ids
         self.open = False  # a user's turn asked whose answer is not closed yet
@@ -270,7 +299,8 @@ class Talk:
         dropped to make room for it and its reply (0 while the conversation fits). A ContextFull
         leaves the conversation as it was."""
         self._close()  # an answer never started (Ctrl-C before it) is an empty reply
-        turn = [START["user"], *self.enc.encode_ordinary(text), END["user"], START["assistant"]]
+        start, end = self.tokens.start, self.tokens.end
+        turn = [start["user"], *self.enc.encode_ordinary(text), end["user"], start["assistant"]]
         need = len(turn) + self.max_new_tokens + 1
         starts = self.turns + [len(self.ids)]  # drop k turns: keep the ids from starts[k] on
         for k, start in enumerate(starts):
@@ -305,7 +335,7 @@ class Talk:
         try:
             for _ in range(self.max_new_tokens):
                 token = self._next_token()
-                if token == END["assistant"]:
+                if token == self.tokens.end["assistant"]:
                     break
                 self.ids.append(token)
                 piece = text.push(token)
@@ -325,7 +355,7 @@ class Talk:
     def last_reply(self):
         """The ids of the last reply (without its <|assistant_end|>)."""
         start = self.turns[-1]
-        opened = self.ids.index(START["assistant"], start) + 1
+        opened = self.ids.index(self.tokens.start["assistant"], start) + 1
         return self.ids[opened: len(self.ids) - (0 if self.open else 1)]
 
     def _next_token(self):
@@ -340,7 +370,7 @@ class Talk:
 
     def _close(self):
         if self.open:
-            self.ids.append(END["assistant"])
+            self.ids.append(self.tokens.end["assistant"])
             self.open = False
 
 
@@ -478,9 +508,10 @@ def _resolve_sources(sources):
     return "files", files
 
 
-def _recorded_args(kind, what, val_fraction, hf_split, revision):
+def _recorded_args(kind, what, val_fraction, hf_split, revision, tok=None):
     """What determines a prep's arrays (manifest.json's "args"): a prep with other args is refused
-    rather than mixed or silently replaced."""
+    rather than mixed or silently replaced. tok: the tokenizer.Tokenizer rendering them (None:
+    GPT-2's BPE, "gpt2"; another by its fingerprint)."""
     try:
         val_fraction = float(val_fraction)
     except (TypeError, ValueError):
@@ -489,6 +520,11 @@ def _recorded_args(kind, what, val_fraction, hf_split, revision):
         raise ChatDataError(f"val_fraction must be between 0 and 1 (exclusive), got "
                             f"{val_fraction}")
     args = {"tokenizer": "gpt2"}
+    if tok is not None and not tok.gpt2:
+        if tok.n_vocab > 1 << 16:
+            raise ChatDataError(f"conversations are prepared as uint16 ids: {tok.describe()} has "
+                                f"more than 65,536")
+        args["tokenizer"] = tok.fingerprint
     if kind == "files":
         args["files"] = [{"path": os.path.realpath(p), "bytes": os.path.getsize(p),
                           "mtime": int(os.path.getmtime(p))} for p in what]
@@ -613,6 +649,7 @@ def _val_key(ids):
 def _render_batch(batch, enc):
     """render() of each conversation in batch, their contents encoded in one call that tiktoken
     spreads over threads; render() itself puts them together, so the ids and masks are its own."""
+    tokens = tokens_of(enc)
     texts = [m["content"] for messages in batch for m in messages]
     encoded = iter(enc.encode_ordinary_batch(texts))
 
@@ -621,7 +658,7 @@ def _render_batch(batch, enc):
         def encode_ordinary(text):
             return next(encoded)
 
-    return [render(messages, Encoded) for messages in batch]
+    return [render(messages, Encoded, tokens) for messages in batch]
 
 
 class _SplitWriter:
@@ -823,15 +860,12 @@ def _batches(items):
         yield batch
 
 
-def _write_conversations(folder, kind, what, args, print0, progress):
-    """Render every usable conversation into the split writers in folder (the staging folder);
-    returns what the manifest records besides its files."""
+def _write_conversations(folder, kind, what, args, print0, progress, enc):
+    """Render every usable conversation with enc into the split writers in folder (the staging
+    folder); returns what the manifest records besides its files."""
     import numpy as np
     from tqdm import tqdm
 
-    import fineweb
-
-    enc = fineweb.get_encoding()
     writers = {split: _SplitWriter(folder, split) for split in DATA_SPLITS}
     cut = round(args["val_fraction"] * 2**64)
     bar = tqdm(unit=" conversations", disable=not progress, desc="rendering")
@@ -908,7 +942,7 @@ def _leftovers(folder, clear=True):
             os.remove(path)
 
 
-def _prepare_locked(folder, kind, what, args, print0, progress):
+def _prepare_locked(folder, kind, what, args, print0, progress, enc):
     """Write the arrays into a staging folder inside folder, move them into place and write the
     manifest last: until it is there, the folder holds no prep; a failure removes what moved."""
     import contextlib
@@ -919,7 +953,7 @@ def _prepare_locked(folder, kind, what, args, print0, progress):
     staging = tempfile.mkdtemp(prefix=DATA_STAGING, suffix=".tmp", dir=folder)
     moved = []
     try:
-        record = _write_conversations(staging, kind, what, args, print0, progress)
+        record = _write_conversations(staging, kind, what, args, print0, progress, enc)
         files = {name: {"sha256": sha256_file(os.path.join(staging, name)),
                         "bytes": os.path.getsize(os.path.join(staging, name))}
                  for name in DATA_FILES}
@@ -941,7 +975,7 @@ def _prepare_locked(folder, kind, what, args, print0, progress):
 
 
 def prepare(sources, out_dir, *, val_fraction=VAL_FRACTION, hf_split=HF_SPLITS,
-            revision=None, print0=print, progress=True):
+            revision=None, print0=print, progress=True, tok=None):
     """Prepare conversations once into out_dir's token and mask arrays (docs/chat.md, "The
     prepared data"); returns out_dir's absolute path.
 
@@ -955,14 +989,15 @@ def prepare(sources, out_dir, *, val_fraction=VAL_FRACTION, hf_split=HF_SPLITS,
     it is; one of other sources, or another process's prep in progress, is refused in one line.
     Arrays are written in a staging folder inside out_dir and the manifest last: an interrupted
     prep (an error, Ctrl-C, SIGTERM) leaves nothing, no folder it made, and runs again from the
-    start."""
+    start. tok: the tokenizer.Tokenizer the conversations are rendered with (None: GPT-2's BPE),
+    recorded: a prep of another is refused."""
     import contextlib
 
     from common import dir_lock, stops_raise
 
     folder = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
     kind, what = _resolve_sources(sources)
-    args = _recorded_args(kind, what, val_fraction, hf_split, revision)
+    args = _recorded_args(kind, what, val_fraction, hf_split, revision, tok)
 
     def done(manifest):  # a finished prep: the same one, checked, or a refusal
         if manifest["args"] != args:
@@ -993,7 +1028,11 @@ def prepare(sources, out_dir, *, val_fraction=VAL_FRACTION, hf_split=HF_SPLITS,
                     manifest = _read_data_manifest(folder, missing_ok=True)
                     if manifest is not None:  # another process finished it meanwhile
                         return done(manifest)
-                    manifest = _prepare_locked(folder, kind, what, args, print0, progress)
+                    if tok is None:
+                        import fineweb
+                        tok = fineweb.gpt2_tokenizer()
+                    manifest = _prepare_locked(folder, kind, what, args, print0, progress,
+                                               tok.encoding())
                 except BaseException:
                     if (made or empty) and \
                             set(os.listdir(folder)) <= {DATA_LOCK, DATA_LOCK + ".holder"}:

@@ -536,20 +536,22 @@ def write_examples(path, res):
     atomic_write(path, lambda f: f.write(data.encode()))
 
 
-def run(args, labels, model, device, precision, proc):
+def run(args, labels, model, device, precision, proc, enc=None):
     """`eval --tasks chat...` once the model is loaded: a base model refused, the data had on
-    every rank, the tasks scored, rank 0 reporting and writing --results and --examples."""
-    if not chat.is_chat_model(getattr(model, "config", None)):
+    every rank, the tasks scored, rank 0 reporting and writing --results and --examples. enc: the
+    model's tokenizer's Encoding (None: GPT-2's)."""
+    enc = enc or fineweb.get_encoding()
+    if not chat.is_chat_model(getattr(model, "config", None), chat.tokens_of(enc)):
         name = args.checkpoint or args.init_from
         raise UsageError(f"{name} is a base model, not a chat model (its vocabulary has no "
                          f"special tokens): the chat tasks ask a model in its chat format; "
                          f"fine-tune it on conversations first (python train_gpt2.py sft "
                          f"--init_from ...)")
     folder = ready_on_every_rank(proc, labels, args.chat_eval_dir)
-    tasks = load_tasks(folder, labels, args.max_per_task)
+    tasks = load_tasks(folder, labels, args.max_per_task, enc)
     t0 = time.perf_counter()
     res = evaluate(model, device, tasks, batch_tokens=args.batch_tokens, proc=proc,
-                   autocast_dtype=precision.dtype, progress=True)
+                   autocast_dtype=precision.dtype, progress=True, enc=enc)
     if proc is None or proc.master:
         print(report(tasks, res, time.perf_counter() - t0, scorer.max_positions(model)),
               flush=True)

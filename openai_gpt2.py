@@ -122,11 +122,12 @@ def export_hf(model, out_dir, tok=None):
     eos token, where generate() stops. tok: the model's tokenizer.Tokenizer (None: GPT-2's BPE)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = model.config
-    talks = chat.is_chat_model(c)
+    tokens = chat.GPT2_TOKENS if tok is None else chat.tokens_of(tok.encoding())
+    talks = chat.is_chat_model(c, tokens)
     bos = EOT if tok is None else tok.eot
     eos = bos
     if talks:
-        eos = chat.END["assistant"]
+        eos = tokens.end["assistant"]
     if c.gpt2_differences():  # no class of transformers' has these parts
         export_custom(model, out_dir, bos, eos)
         export_tokenizer(out_dir, talks, tok)
@@ -166,6 +167,8 @@ def export_tokenizer(out_dir, talks=False, tok=None):
         eot = tokenizer.EOT_NAME
         fast = PreTrainedTokenizerFast(tokenizer_object=hf_bpe(tok), bos_token=eot,
                                        eos_token=eot, unk_token=eot)
+        if talks:  # its chat tokens are among its special tokens already
+            fast.chat_template = chat.CHAT_TEMPLATE
         save_tokenizer(fast, out_dir)
         return fast
 

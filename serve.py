@@ -324,6 +324,7 @@ class Job:
         self.ids = list(request.prompt)
         self.cache = self.generator = None  # made at the job's first step, in the worker
         self.text, self.stops = chat.TextStream(enc), StopText(request.stops)
+        self.end = chat.tokens_of(enc).end["assistant"]
         self.tokens = 0  # sampled so far, <|assistant_end|> included
         self.finish = None
         self.cancelled = False  # set by the request's side when its client leaves
@@ -334,7 +335,7 @@ class Job:
     def add(self, token):
         """The sampled token: its text given out, and the end when it is one."""
         self.tokens += 1
-        if token == chat.END["assistant"]:
+        if token == self.end:
             return self._end("stop")
         self.ids.append(token)
         if self._give(self.text.push(token)):

@@ -48,7 +48,7 @@ import tokenizer
 from common import (Precision, Proc, UsageError, atomic_write, check_new_dir, check_outputs,
                     exit_process, new_dir, one_line, print0, resolve_device, run_cli,
                     tune_for_device)
-from fineweb import EOT, GPT2_VOCAB_SIZE
+from fineweb import EOT, GPT2_VOCAB_SIZE  # noqa: F401 (EOT: tests read train_gpt2.EOT)
 from metrics import Metrics, Profiler
 
 # ===== Model config =====
@@ -144,8 +144,9 @@ def model_config(args, ckpt=None, tok=None):
         else:
             config = openai_gpt2.pretrained_config(args.init_from)
         config = GPTConfig(**{**config, "dropout": args.dropout})
-        if args.sft:
-            config = replace(config, real_vocab_size=chat.CHAT_VOCAB_SIZE)
+        if args.sft:  # tok's chat tokens, in the padding rows (GPT-2's) or after <|endoftext|>
+            tokens = chat.GPT2_TOKENS if tok is None else chat.tokens_of(tok.encoding())
+            config = replace(config, real_vocab_size=tokens.vocab)
         return config
     shape = {**settings.MODEL_PRESETS[args.preset], **settings.ARCHITECTURES[args.arch],
              "dropout": args.dropout}
@@ -828,10 +829,10 @@ class DataLoaderLite:
         tokens, so their sum over micro_steps is the step's mean (ChatLoader's differ)."""
         return micro_steps
 
-def chat_spans(ids, mask, starts, capacity):
+def chat_spans(ids, mask, starts, capacity, assistant_end=chat.END["assistant"]):
     """(start, length, supervised tokens) of each conversation that fits capacity tokens once cut
-    after its last whole assistant turn that fits (chat.crop's rule), and a line saying how many
-    were cut or dropped and the supervised tokens that costs."""
+    after its last whole assistant turn (its assistant_end id) that fits (chat.crop's rule), and a
+    line saying how many were cut or dropped and the supervised tokens that costs."""
     starts = np.asarray(starts, dtype=np.int64)
     lengths = np.diff(starts)
     begin = starts[:-1]
@@ -841,7 +842,7 @@ def chat_spans(ids, mask, starts, capacity):
     keep = np.ones(len(begin), dtype=bool)
     long = np.flatnonzero(lengths > capacity)
     if len(long):
-        ends = np.flatnonzero(np.asarray(ids) == chat.END["assistant"])  # each reply's last token
+        ends = np.flatnonzero(np.asarray(ids) == assistant_end)  # each reply's last token
         for i in long:
             j = int(np.searchsorted(ends, begin[i] + capacity)) - 1  # the last end that fits
             if j < 0 or ends[j] < begin[i]:
@@ -896,14 +897,17 @@ class ChatLoader:
     1 does. Train conversations come in a seeded order each epoch, val ones in file order.
 
     divisor() makes each micro-step's mean loss its share of the step's mean over all the step's
-    supervised tokens, of every micro-step and rank: a micro-step with few weighs little."""
+    supervised tokens, of every micro-step and rank: a micro-step with few weighs little.
+    tokens: the conversations' tokenizer's chat.ChatTokens (GPT-2's by default)."""
 
     def __init__(self, B, T, data, process_rank=0, num_processes=1, split="train", seed=1337,
-                 window=100):
+                 window=100, tokens=chat.GPT2_TOKENS):
         self.B, self.T, self.split, self.seed, self.window = B, T, split, seed, window
         self.process_rank, self.num_processes = process_rank, num_processes
         self.ids, self.mask, starts = data  # chat's prepared arrays: uint16, uint8, int64
-        self.spans, self.note = chat_spans(self.ids, self.mask, starts, T + 1)
+        self.eot = tokens.eot
+        self.spans, self.note = chat_spans(self.ids, self.mask, starts, T + 1,
+                                           tokens.end["assistant"])
         if len(self.spans) == 0:
             raise UsageError(f"not one {split} conversation's first reply fits -T {T} + 1 "
                              f"tokens: a larger -T")
@@ -962,7 +966,7 @@ class ChatLoader:
         rows = self.queue.pop(0) if self.queue else self._draw()
         mine = rows[self.process_rank * self.B: (self.process_rank + 1) * self.B]
         self.mine_supervised = self._supervised(mine)
-        buf = np.full((self.B, self.T + 1), EOT, dtype=np.int64)  # padding: never a target
+        buf = np.full((self.B, self.T + 1), self.eot, dtype=np.int64)  # padding: never a target
         trained = np.zeros((self.B, self.T + 1), dtype=bool)
         for b, row in enumerate(mine):
             at = 0
@@ -1063,9 +1067,11 @@ CHAT_DIR = os.path.join(fineweb.REPO_DIR, "chat_data")  # or --chat_dir
 def chat_loader(run, proc, split):
     """A ChatLoader of the run's conversations (--chat_data, prepared into --chat_dir on first
     use by rank 0), saying what cutting them to the context costs."""
-    folder = chat.ready(run.chat_data, run.chat_dir or CHAT_DIR, proc=proc, print0=print0)
+    folder = chat.ready(run.chat_data, run.chat_dir or CHAT_DIR, proc=proc, print0=print0,
+                        tok=run.tok)
     loader = ChatLoader(run.micro_batch_size, run.sequence_length, chat.open_split(folder, split),
-                        proc.rank, proc.world_size, split, run.seed)
+                        proc.rank, proc.world_size, split, run.seed,
+                        tokens=chat.tokens_of(run.tok.encoding()))
     if loader.note:
         print0(f"{split} conversations: {loader.note}")
     return loader
@@ -1314,7 +1320,8 @@ def chat_eval_tasks(run, proc):
         return None
     try:
         folder = chat_eval.ready_on_every_rank(proc, list(chat_eval.TASKS))
-        return chat_eval.load_tasks(folder, list(chat_eval.TASKS), run.chat_max_per_task)
+        return chat_eval.load_tasks(folder, list(chat_eval.TASKS), run.chat_max_per_task,
+                                    enc=run.tok.encoding())
     except chat_eval.ChatEvalError as e:
         print0(f"warning: the chat evaluation turned off: {e}")
         return None
@@ -1322,7 +1329,7 @@ def chat_eval_tasks(run, proc):
 def chat_score(raw_model, tasks, run, proc):
     """(log kind, value) of the chat tasks' centred mean and each task's centred accuracy."""
     res = chat_eval.evaluate(raw_model, run.device, tasks, proc=proc, device_type=run.device_type,
-                             autocast_dtype=run.precision.dtype)
+                             autocast_dtype=run.precision.dtype, enc=run.tok.encoding())
     print0(f"chat tasks: centred mean {res['centered_mean']:.4f} (se "
            f"{res['centered_mean_se']:.4f}, {len(tasks)} tasks)")
     return [("chat", res["centered_mean"])] + [(f"chat/{label}", task["centered"])
@@ -1650,9 +1657,6 @@ def settle(argv, planning=False):
     which allocates nothing and reports it). Returns (run, proc, the checkpoint or None)."""
     args, given, ckpt = settings.read_flags(argv)
     tok = run_tokenizer(args, given, ckpt)
-    if args.sft and not tok.gpt2:
-        raise UsageError(f"sft renders conversations with GPT-2's BPE only (chat.py), and this "
-                         f"run's tokenizer is {tok.describe()}")
     asked_shape = lrs = None
     if ckpt is not None:  # what the flags ask of the model and the schedule, against what it has
         model_from_checkpoint(ckpt, args.resume, "meta")  # its config and weights agree
@@ -1671,7 +1675,7 @@ def settle(argv, planning=False):
 
     proc = setup_distributed(args.device, args.fsdp)
     if args.sft and "max_steps" not in given and ckpt is None:  # nanochat's SFT: one epoch
-        args.max_steps = sft_epoch_steps(args, proc, planning)
+        args.max_steps = sft_epoch_steps(args, proc, planning, tok)
     precision = Precision(args.dtype, proc.device)
     if args.fsdp and precision.scaler:
         raise UsageError("--fsdp does not train in fp16: use --dtype bf16 or fp32")
@@ -1690,9 +1694,10 @@ def settle(argv, planning=False):
         rundir.check_log_dir(run.log_dir, None if ckpt is None else ckpt["step"], run.overwrite)
     return replace(run, schedule=Schedule.of(run)), proc, ckpt
 
-def sft_epoch_steps(args, proc, planning):
+def sft_epoch_steps(args, proc, planning, tok):
     """The steps of one epoch of the train conversations packed at -T (the length of nanochat's
-    SFT), prepared first on first use; plan, which writes nothing, needs them prepared."""
+    SFT), prepared first on first use (rendered with tok, the run's tokenizer); plan, which writes
+    nothing, needs them prepared."""
     folder = args.chat_dir or CHAT_DIR
     if planning:
         try:
@@ -1701,9 +1706,10 @@ def sft_epoch_steps(args, proc, planning):
             raise UsageError(f"plan --sft: {e}; give --max_steps, or prepare them first") \
                 from None
     else:
-        data = chat.open_split(chat.ready(args.chat_data, folder, proc=proc, print0=print0),
-                               "train")
-    rows = len(ChatLoader(1, args.sequence_length, data, seed=args.seed).epoch_rows(0))
+        data = chat.open_split(chat.ready(args.chat_data, folder, proc=proc, print0=print0,
+                                          tok=tok), "train")
+    rows = len(ChatLoader(1, args.sequence_length, data, seed=args.seed,
+                          tokens=chat.tokens_of(tok.encoding())).epoch_rows(0))
     steps = max(1, math.ceil(rows * args.sequence_length / args.total_batch_size))
     print0(f"sft: one epoch of the train conversations is {rows:,} rows of -T "
            f"{args.sequence_length}: --max_steps {steps}")
@@ -1769,17 +1775,13 @@ def plan_main(argv):
                                 rate))
     return 0
 
-def model_for_command(args):
-    """(GPT in eval mode, device, autocast, dtype name) of --checkpoint or --init_from."""
-    return model_and_tokenizer(args)[:3]
-
 def checkpoint_tokenizer(ckpt):
     """The tokenizer a checkpoint records (GPT-2's BPE for one that records none)."""
     return tokenizer.from_record(ckpt.get("tokenizer"), fineweb.gpt2_tokenizer())
 
 def model_and_tokenizer(args):
-    """model_for_command's, and the model's tokenizer (the checkpoint's; GPT-2's BPE for
-    OpenAI's GPT-2)."""
+    """(GPT in eval mode, device, precision, its tokenizer) of --checkpoint or --init_from: the
+    tokenizer the checkpoint records; GPT-2's BPE for OpenAI's GPT-2."""
     if (args.checkpoint is None) == (args.init_from is None):
         raise UsageError("give one of --checkpoint (a model_*.pt) or --init_from (OpenAI's GPT-2)")
     device = resolve_device(args.device)
@@ -1890,7 +1892,7 @@ def eval_main(args):
     # a bad checkpoint: before a download
     model, device, precision, tok = model_and_tokenizer(args)
     if chat_labels is not None:
-        return chat_eval.run(args, chat_labels, model, device, precision, proc)
+        return chat_eval.run(args, chat_labels, model, device, precision, proc, tok.encoding())
     if not core:
         hellaswag.download("val", args.hellaswag_dir)
         t0 = time.perf_counter()
@@ -1916,9 +1918,9 @@ def eval_main(args):
     return 0
 
 def chat_model_for_command(args, command, quiet=False):
-    """model_for_command's (model, device, precision) of a chat model's --checkpoint: a base model
-    (or --init_from, OpenAI's GPT-2) refused in one line that says to fine-tune it first. quiet:
-    no line on what wrote the model."""
+    """model_and_tokenizer's (model, device, precision, tokenizer) of a chat model's --checkpoint:
+    a base model (or --init_from, OpenAI's GPT-2) refused in one line that says to fine-tune it
+    first. quiet: no line on what wrote the model."""
     if args.init_from is not None:  # refused before any download
         raise UsageError(f"--init_from {args.init_from}: OpenAI's GPT-2 is a base model, not a "
                          f"chat model: fine-tune it first (train_gpt2.py sft --init_from "
@@ -1927,25 +1929,25 @@ def chat_model_for_command(args, command, quiet=False):
         raise UsageError("give --checkpoint: a model_*.pt of an sft run")
     # print() to a None sys.stdout writes nothing
     with contextlib.redirect_stdout(None) if quiet else contextlib.nullcontext():
-        model, device, precision = model_for_command(args)
-    if not chat.is_chat_model(model.config):
+        model, device, precision, tok = model_and_tokenizer(args)
+    if not chat.is_chat_model(model.config, chat.tokens_of(tok.encoding())):
         raise UsageError(f"{args.checkpoint} is a base model, not a chat model: fine-tune it "
                          f"first (train_gpt2.py sft --init_from {args.checkpoint}), then "
                          f"{command} --checkpoint of that run")
-    return model, device, precision
+    return model, device, precision, tok
 
 def chat_main(args):
     """A terminal chat with a chat model, or its answer to --prompt (chat.Talk: the conversation's
     KV cache kept across turns)."""
     # --prompt: its stdout is the answer alone
-    model, device, precision = chat_model_for_command(args, "chat with",
-                                                      quiet=args.prompt is not None)
+    model, device, precision, tok = chat_model_for_command(args, "chat with",
+                                                           quiet=args.prompt is not None)
     generator = torch.Generator(device=device).manual_seed(args.seed)
 
     def sample(logits):
         return sample_next(logits, args.temperature, args.top_k, generator)
 
-    talk = chat.Talk(model, fineweb.get_encoding(), sample, system=args.system,
+    talk = chat.Talk(model, tok.encoding(), sample, system=args.system,
                      max_new_tokens=args.max_new_tokens, device=device,
                      dtype=precision.dtype or model.lm_head.weight.dtype,
                      autocast=precision.autocast)
@@ -1959,8 +1961,8 @@ def serve_main(args):
     """OpenAI's chat API and a web page for a chat model (serve.py), until SIGTERM or Ctrl-C."""
     sock = serve.listen(args.host, args.port)  # a port in use: refused before the model loads
     try:
-        model, device, precision = chat_model_for_command(args, "serve")
-        engine = serve.Engine(model, fineweb.get_encoding(), device=device,
+        model, device, precision, tok = chat_model_for_command(args, "serve")
+        engine = serve.Engine(model, tok.encoding(), device=device,
                               dtype=precision.dtype or model.lm_head.weight.dtype,
                               autocast=precision.autocast, max_jobs=args.max_requests)
         name = args.model_name or os.path.splitext(os.path.basename(args.checkpoint))[0]

@@ -217,6 +217,74 @@ def test_a_run_with_its_own_tokenizer(own_run, trained, tmp_path):
     assert f"loss {got['val_loss']:.4f}, {got['val_bpb']:.4f} bits per byte" in r.stdout
 
 
+def test_sft_and_chat_with_its_own_tokenizer(own_run, trained, tmp_path):
+    """sft of the run's checkpoint renders the conversations with its tokenizer's chat tokens
+    (right after <|endoftext|>, built here from its special tokens); chat --prompt answers with
+    the greedy reply of a plain loop over the whole sequence; serve renders the same prompt; the
+    exported folder's chat template too, its eos <|assistant_end|>."""
+    import torch
+
+    import chat
+    import serve
+    import train_gpt2 as tg
+    from tests.helpers import write_jsonl
+
+    _, log, _ = own_run
+    ids = trained.special_tokens
+    talk = [{"messages": [{"role": "user", "content": f"Farbe {i}?"},
+                          {"role": "assistant", "content": f"Blau {i}."}]} for i in range(8)]
+    write_jsonl(tmp_path / "talk.jsonl", talk)
+    r = run_cli("sft", "--init_from", os.path.join(log, "model_00003.pt"), "--chat_data",
+                str(tmp_path / "talk.jsonl"), "--chat_dir", str(tmp_path / "chat"), "--log_dir",
+                str(tmp_path / "sft"), "--device", "cpu", "-B", "2", "-T", "32",
+                "--total_batch_size", "64", "--max_steps", "2", "--eval_every", "0",
+                "--save_every", "0")
+    assert r.returncode == 0, r.stderr
+    enc = trained.encoding()
+    split = chat.open_split(str(tmp_path / "chat"), "train")
+    manifest = chat.data_manifest(str(tmp_path / "chat"))
+    assert manifest["args"]["tokenizer"] == trained.fingerprint
+    conv_ids = [int(t) for t in split.conversation(0)[0]]
+    question = enc.decode(conv_ids[2:conv_ids.index(ids["<|user_end|>"])])
+    answer = {m["messages"][0]["content"]: m["messages"][1]["content"] for m in talk}[question]
+    assert conv_ids == [ids["<|endoftext|>"], ids["<|user_start|>"], *enc.encode_ordinary(question),
+                        ids["<|user_end|>"], ids["<|assistant_start|>"],
+                        *enc.encode_ordinary(answer), ids["<|assistant_end|>"]]
+    ckpt = os.path.join(tmp_path, "sft", "model_00001.pt")
+    model = tg.model_from_checkpoint(torch.load(ckpt, weights_only=True), ckpt).eval()
+    assert model.config.real_vocab_size == trained.n_vocab  # the chat tokens predicted
+
+    r = run_cli("chat", "--checkpoint", ckpt, "--prompt", "Farbe 3?", "--temperature", "0",
+                "--max_new_tokens", "6", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    prompt = [ids["<|endoftext|>"], ids["<|user_start|>"], *enc.encode_ordinary("Farbe 3?"),
+              ids["<|user_end|>"], ids["<|assistant_start|>"]]
+    seq, reply = list(prompt), []
+    for _ in range(6):  # greedy, the whole sequence each token
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([seq]))
+        token = int(logits[0, -1, :trained.n_vocab].argmax())
+        if token == ids["<|assistant_end|>"]:
+            break
+        seq.append(token)
+        reply.append(token)
+    assert r.stdout == enc.decode([t for t in reply if t < trained.eot]) + "\n"
+    request = serve.read_request({"messages": [{"role": "user", "content": "Farbe 3?"}]}, enc,
+                                 "m", model.config.block_size, serve.Defaults())
+    assert list(request.prompt) == prompt
+    assert serve.Job(request, enc, lambda event: None).end == ids["<|assistant_end|>"]
+    # export: its turn ends at <|assistant_end|>, its template renders the same ids
+    out = str(tmp_path / "hf")
+    assert run_cli("export", "--checkpoint", ckpt, "--out", out).returncode == 0
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "Farbe 3?"}]
+    assert hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False) == prompt
+    config = json.loads(open(os.path.join(out, "config.json")).read())
+    assert config["eos_token_id"] == ids["<|assistant_end|>"]
+
+
 def test_every_mismatch_is_refused_in_one_line(own_run, trained, corpus, tmp_path):
     data, log, _ = own_run
     other = str(tmp_path / "other")
