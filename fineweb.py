@@ -746,7 +746,8 @@ def _new_manifest(args, tok=None):
     return {"version": 1, "args": args, "prefix": prefix, "shards": [], "complete": False,
             "total_tokens": 0, "tokenizer": {"name": tok.name, "fingerprint": tok.fingerprint,
                                              "n_vocab": tok.n_vocab,
-                                             "dtype": np.dtype(tok.dtype).name}}
+                                             "dtype": np.dtype(tok.dtype).name,
+                                             "path": tok.path}}
 
 
 def _remove_stale_temps(local_dir):
@@ -845,8 +846,9 @@ class PrepStatus:
     resume_command: Optional[str]  # the same as a fineweb.py command line; None unless incomplete
 
 
-def _command_line(data_root, kwargs):
-    """The fineweb.py command line that calls prepare(data_root, **kwargs)."""
+def _command_line(data_root, kwargs, tokenizer_dir=None):
+    """The fineweb.py command line that calls prepare(data_root, **kwargs), with --tokenizer
+    tokenizer_dir where one is given."""
     flags = {"dataset": "--dataset", "name": "--fineweb_name", "shard_size": "--shard_size",
              "max_tokens": "--max_tokens", "val_tokens": "--val_shard_tokens",
              "text_column": "--text_column"}  # prepare()'s keyword -> the flag that sets it
@@ -857,6 +859,8 @@ def _command_line(data_root, kwargs):
     for key, flag in flags.items():
         if key in kwargs and kwargs[key] != parser.get_default(flag[2:]):
             words += [flag, str(kwargs[key])]
+    if tokenizer_dir is not None:
+        words += ["--tokenizer", tokenizer_dir]
     return shlex.join(words)
 
 
@@ -875,7 +879,11 @@ def prep_status(data_root):
     else:
         kwargs.update(dataset=args["dataset"], name=args["name"])
     complete = bool(manifest.get("complete"))
-    command = None if complete else _command_line(data_root, kwargs)
+    tokenizer_dir = None  # a trained tokenizer's folder, as the prep recorded it
+    if args.get("tokenizer", TOKENIZER) != TOKENIZER:
+        recorded = manifest.get("tokenizer") or {}
+        tokenizer_dir = recorded.get("path") or f"<the folder of bpe-{args['tokenizer'][:12]}>"
+    command = None if complete else _command_line(data_root, kwargs, tokenizer_dir)
     return PrepStatus(data_root, True, complete, dict(args), len(manifest["shards"]),
                       sum(s["tokens"] for s in manifest["shards"]), kwargs, command)
 

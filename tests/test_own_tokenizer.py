@@ -156,6 +156,28 @@ def test_uint32_shards_read_back_exactly(tmp_path, corpus):
     assert manifest["args"]["tokenizer"] == tok.fingerprint
 
 
+def test_an_unfinished_preps_command_names_its_tokenizer(tmp_path, corpus, trained):
+    """A prep with a trained tokenizer cut back to its first two shards, as a stop leaves it: its
+    resume command gives --tokenizer its folder, and run as it is, writes the shards again."""
+    import shlex
+    _, path, _ = corpus
+    out = tmp_path / "out"
+    paths = fineweb.prepare(out, inputs=[path], shard_size=1000, val_tokens=500, num_proc=1,
+                            progress=False, tok=trained)
+    want = {os.path.basename(p): open(p, "rb").read() for p in paths}
+    manifest = json.loads((out / "manifest.json").read_text())
+    for shard in manifest["shards"][2:]:
+        os.remove(out / shard["file"])
+    manifest["shards"], manifest["complete"] = manifest["shards"][:2], False
+    manifest["total_tokens"] = sum(shard["tokens"] for shard in manifest["shards"])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    words = shlex.split(fineweb.prep_status(out).resume_command)
+    assert words[:2] == ["python", "fineweb.py"] and len(want) > 2
+    assert words[words.index("--tokenizer") + 1] == trained.path
+    assert fineweb.main([*words[2:], "--num_proc", "1"]) == 0
+    assert {p.name: p.read_bytes() for p in out.glob("*.npy")} == want
+
+
 def test_exported_tokenizer_json_gives_tiktokens_ids(tmp_path, trained):
     import openai_gpt2
     openai_gpt2.export_tokenizer(str(tmp_path), tok=trained)
