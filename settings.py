@@ -571,9 +571,12 @@ def format_run_config(run_config, settings):
             lines += wrap_items(f"  {title}:", items)
     for key, value in run_config.items():
         if isinstance(value, dict):
-            title = "GPTConfig" if key == "model" else key
+            title = DICT_TITLES.get(key, key)
             lines += wrap_items(f"  {title}:", [f"{k}={v}" for k, v in value.items()])
     return "\n".join(lines)
+
+
+DICT_TITLES = {"model": "GPTConfig", "tok": "tokenizer"}  # the run config's dict-valued fields
 
 
 def wrap_items(head, items):

@@ -205,8 +205,9 @@ def test_the_tiny_run_end_to_end(data, reference_run, tmp_path):
         rundir.find_checkpoints(ref)
     ckpt = torch.load(os.path.join(ref, "model_00007.pt"), weights_only=False)
     assert set(ckpt) == {"model", "config", "optimizer", "step", "loader", "rng", "val_loss",
-                         "args", "tokens_seen", "provenance", "scaler"}
+                         "args", "tokens_seen", "provenance", "scaler", "tokenizer"}
     assert ckpt["step"] == 7 and ckpt["tokens_seen"] == 8 * 64
+    assert set(ckpt["tokenizer"]) == {"name", "fingerprint"}  # GPT-2's BPE: no files kept
     assert ckpt["val_loss"] == pytest.approx(logged["val"][1][2], abs=1e-4)  # step 6's
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     assert ckpt["config"]["n_layer"] == 1 and ckpt["args"]["max_steps"] == 8
@@ -261,7 +262,8 @@ def test_the_run_config_is_grouped_as_the_flag_table(reference_run):
             groups[title] = ""
         groups[title] += " " + line.strip()
     titles = [t.split(" (")[0] for t in settings.RUN_SETTINGS]
-    assert list(groups) == titles + ["this run", "GPTConfig", "provenance"]
+    assert list(groups) == titles + ["this run", "GPTConfig", "tokenizer", "provenance"]
+    assert groups["tokenizer"].startswith(" name=gpt2 fingerprint=")
     for title, entries in zip(titles, settings.RUN_SETTINGS.values()):
         names = {common.flag_dest(e[0]) for e in entries}
         keys = re.findall(r" (\w+)=", groups[title])
@@ -367,7 +369,7 @@ def test_compile_on_with_val_hellaswag_and_samples(data, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr
     assert " compile=True" in r.stdout and r.stdout.count("sample 0:") == 2
     a, b = series(eager), series(compiled)
-    assert set(a) == set(b) == {"train", "val", "hella", "lr", "norm", "dt", "tok_s"}
+    assert set(a) == set(b) == {"train", "val", "val_bpb", "hella", "lr", "norm", "dt", "tok_s"}
     for kind in ("train", "val", "hella", "lr"):
         assert a[kind][0] == b[kind][0] and a[kind][1] == pytest.approx(b[kind][1], abs=1e-4)
 
