@@ -137,15 +137,15 @@ def render_prompt(messages, enc):
     return ids + [tokens_of(enc).start["assistant"]]
 
 
-def crop(ids, mask, max_len):
+def crop(ids, mask, max_len, tokens=GPT2_TOKENS):
     """A rendered conversation cut to at most max_len tokens so that it still ends on a whole
-    assistant turn (its end token), as (ids, mask, supervised tokens lost); None when not even its
-    first assistant turn fits (the conversation is dropped)."""
+    assistant turn (its end token, of tokens: a ChatTokens), as (ids, mask, supervised tokens
+    lost); None when not even its first assistant turn fits (the conversation is dropped)."""
     if len(ids) <= max_len:
         return ids, mask, 0
     end = None
     for i in range(max_len - 1, -1, -1):
-        if ids[i] == END["assistant"]:
+        if ids[i] == tokens.end["assistant"]:
             end = i + 1
             break
     if end is None:
