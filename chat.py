@@ -519,12 +519,10 @@ def _recorded_args(kind, what, val_fraction, hf_split, revision, tok=None):
     if not 0 < val_fraction < 1:
         raise ChatDataError(f"val_fraction must be between 0 and 1 (exclusive), got "
                             f"{val_fraction}")
-    args = {"tokenizer": "gpt2"}
-    if tok is not None and not tok.gpt2:
-        if tok.n_vocab > 1 << 16:
-            raise ChatDataError(f"conversations are prepared as uint16 ids: {tok.describe()} has "
-                                f"more than 65,536")
-        args["tokenizer"] = tok.fingerprint
+    if tok is not None and tok.n_vocab > 1 << 16:
+        raise ChatDataError(f"conversations are prepared as uint16 ids: {tok.describe()} has "
+                            f"more than 65,536")
+    args = {"tokenizer": _tokenizer_key(tok)}
     if kind == "files":
         args["files"] = [{"path": os.path.realpath(p), "bytes": os.path.getsize(p),
                           "mtime": int(os.path.getmtime(p))} for p in what]
@@ -537,6 +535,14 @@ def _recorded_args(kind, what, val_fraction, hf_split, revision, tok=None):
     args["dataset"] = os.path.realpath(what) if os.path.isdir(what) else what
     args.update(revision=revision, hf_split=hf_split, val_fraction=val_fraction)
     return args
+
+
+def _tokenizer_key(tok):
+    """How a prep's manifest names the tokenizer that rendered it: "gpt2" for GPT-2's BPE (or
+    None), a trained one by its fingerprint."""
+    if tok is None or tok.gpt2:
+        return "gpt2"
+    return tok.fingerprint
 
 
 def _args_diff(old, new):
@@ -606,11 +612,12 @@ def _check_data_file(folder, name, record, hash_it=True):
     _DATA_VERIFIED[path] = (st.st_size, st.st_mtime_ns, got)
 
 
-def open_split(folder, split):
+def open_split(folder, split, tok=None):
     """The prepared conversations of split ("train" or "val") in folder as a ChatSplit, its files
     checked against the manifest first: their sizes every time, their SHA-256 once per process
     (again when a file's size or mtime changes). A missing or changed file is a ChatDataError in
-    one line naming it."""
+    one line naming it; so are conversations rendered by another tokenizer than tok (a
+    tokenizer.Tokenizer; None: not checked)."""
     import numpy as np
 
     if split not in DATA_SPLITS:
@@ -618,6 +625,12 @@ def open_split(folder, split):
                             f"{' or '.join(DATA_SPLITS)}")
     folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
     manifest = _read_data_manifest(folder)
+    if tok is not None:
+        made_by = manifest["args"].get("tokenizer", "gpt2")
+        if made_by != _tokenizer_key(tok):
+            raise ChatDataError(f"{folder} holds conversations rendered by another tokenizer "
+                                f"({made_by}) than the run's ({tok.describe()}): give another "
+                                f"--chat_dir")
     arrays = {}
     for name, dtype in DATA_ARRAYS.items():
         file = data_file(split, name)

@@ -1701,7 +1701,7 @@ def sft_epoch_steps(args, proc, planning, tok):
     folder = args.chat_dir or CHAT_DIR
     if planning:
         try:
-            data = chat.open_split(folder, "train")
+            data = chat.open_split(folder, "train", tok=tok)
         except UsageError as e:
             raise UsageError(f"plan --sft: {e}; give --max_steps, or prepare them first") \
                 from None

@@ -266,6 +266,9 @@ def test_sft_and_chat_with_its_own_tokenizer(own_run, trained, tmp_path):
     split = chat.open_split(str(tmp_path / "chat"), "train")
     manifest = chat.data_manifest(str(tmp_path / "chat"))
     assert manifest["args"]["tokenizer"] == trained.fingerprint
+    chat.open_split(str(tmp_path / "chat"), "train", tok=trained)  # plan --sft's check
+    with pytest.raises(chat.ChatDataError, match="rendered by another tokenizer"):
+        chat.open_split(str(tmp_path / "chat"), "train", tok=fineweb.gpt2_tokenizer())
     conv_ids = [int(t) for t in split.conversation(0)[0]]
     question = enc.decode(conv_ids[2:conv_ids.index(ids["<|user_end|>"])])
     answer = {m["messages"][0]["content"]: m["messages"][1]["content"] for m in talk}[question]
