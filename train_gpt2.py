@@ -1217,8 +1217,9 @@ def shard_model(raw_model, precision):
 def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1, token_bytes=None):
     """Mean loss over the first n_tokens targets of the split (at most all it holds), all ranks
     together: the same tokens for any B and process count. token_bytes (each id's length in
-    bytes, a tensor on device): (that loss, bits per byte: the targets' summed loss in bits over
-    their bytes, <|endoftext|> costing bits and no bytes), which compares across tokenizers."""
+    bytes, a tensor on device, or None): (that loss, bits per byte: the targets' summed loss in
+    bits over their bytes, <|endoftext|> costing bits and no bytes, which compares across
+    tokenizers; None without token_bytes)."""
     n_tokens = min(n_tokens, loader.epoch_tokens - 1)
     was_training = model.training
     model.eval()
@@ -1248,8 +1249,15 @@ def evaluate_loss(model, loader, n_tokens, device, autocast_ctx, world_size=1, t
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     loss = (total[0] / total[1]).item()
     if token_bytes is None:
-        return loss
+        return loss, None
     return loss, (total[0] / (math.log(2) * total[2])).item()
+
+def val_token_bytes(run):
+    """Each id's length in bytes (vocab,) on the run's device, for the val loss in bits per byte;
+    None when fine-tuning (its val loss is of the supervised tokens, not of a text's bytes)."""
+    if run.sft:
+        return None
+    return torch.from_numpy(run.tok.token_bytes()).to(run.device)
 
 def encode_prompt(enc, text):
     """Token ids of a prompt; an empty prompt starts from <|endoftext|>, as a new document."""
@@ -1534,7 +1542,7 @@ def train(run, proc, ckpt=None):
         core = core_tasks(run, proc)  # None: CORE off
         chat_tasks = chat_eval_tasks(run, proc)  # None: off
         enc = run.tok.encoding()
-        token_bytes = torch.from_numpy(run.tok.token_bytes()).to(run.device)
+        token_bytes = val_token_bytes(run)  # None: fine-tuning
 
         # ============================== training ==============================
         for step in range(state.step + 1, run.max_steps + 1):
@@ -1545,17 +1553,13 @@ def train(run, proc, ckpt=None):
 
             # once in a while: the val loss of the model after `step` updates
             if due(run.eval_every, step, last_step):
-                if run.sft:  # the loss of the supervised tokens alone: no text's bytes
-                    state.val_loss = evaluate_loss(model, val_loader, run.val_tokens, run.device,
-                                                   run.precision.autocast, proc.world_size)
-                    print0(f"validation loss: {state.val_loss:.4f}")
-                else:
-                    state.val_loss, bpb = evaluate_loss(
-                        model, val_loader, run.val_tokens, run.device, run.precision.autocast,
-                        proc.world_size, token_bytes)
-                    print0(f"validation loss: {state.val_loss:.4f} ({bpb:.4f} bits per byte)")
+                state.val_loss, bpb = evaluate_loss(model, val_loader, run.val_tokens, run.device,
+                                                    run.precision.autocast, proc.world_size,
+                                                    token_bytes)
+                print0(f"validation loss: {state.val_loss:.4f}")
                 meter.log(step, "val", state.val_loss)
-                if not run.sft:
+                if bpb is not None:  # bits per byte: val losses of two tokenizers compare
+                    print0(f"validation bits per byte: {bpb:.4f}")
                     meter.log(step, "val_bpb", bpb)
 
             # once in a while: HellaSwag, on the raw model, split over the ranks
