@@ -33,8 +33,8 @@ import chat
 import core_eval
 import fineweb
 import scorer
-from common import (OneLineParser, UsageError, atomic_write, dir_lock, hub_unreachable, make_dirs,
-                    one_line, run_cli)
+from common import (OneLineParser, UsageError, atomic_write, did_you_mean, dir_lock,
+                    hub_unreachable, make_dirs, one_line, run_cli)
 
 
 class Spec(NamedTuple):
@@ -93,8 +93,6 @@ def wanted(spec):
 def select(spec):
     """The labels --tasks names: chat (all, in nanochat's order) or a comma list of chat:LABEL.
     A UsageError for anything else in it, with the nearest label to a typo."""
-    import difflib
-
     items = _items(spec)
     if items == [GROUP]:
         return list(TASKS)
@@ -109,8 +107,7 @@ def select(spec):
                              f"{', chat:'.join(TASKS)})")
         label = item[len(PREFIX):]
         if label not in TASKS:
-            near = difflib.get_close_matches(label, list(TASKS), n=1, cutoff=0.5)
-            hint = f" (did you mean chat:{near[0]}?)" if near else ""
+            hint = did_you_mean(label, TASKS, prefix=PREFIX)
             raise UsageError(f"--tasks: {item!r} is not a chat task{hint}; the chat tasks: chat "
                              f"(all), chat:{', chat:'.join(TASKS)}")
         if label in chosen:

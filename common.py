@@ -413,11 +413,19 @@ class OneLineParser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments: "):
             unknown = message.split(": ", 1)[1].split()[0].split("=")[0]
             known = set(re.findall(r"--[A-Za-z][\w-]*", self.format_help()))
-            nearest = difflib.get_close_matches(unknown, sorted(known), n=1, cutoff=0.5)
-            if unknown.startswith("-") and nearest:
-                message += f" (did you mean {nearest[0]}?)"
+            if unknown.startswith("-"):
+                message += did_you_mean(unknown, sorted(known))
         report_error(f"error: {one_line(message, 10_000)} (see --help)", said_elsewhere=rank() > 0)
         sys.exit(1)
+
+
+def did_you_mean(word, choices, prefix=""):
+    """" (did you mean X?)" with the choice nearest to word (prefix before it), for a message
+    that names a flag or a label it does not know; "" when none is near."""
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    if not near:
+        return ""
+    return f" (did you mean {prefix}{near[0]}?)"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -34,8 +34,8 @@ import zlib
 
 import fineweb
 import scorer
-from common import (UsageError, atomic_write, dir_lock, make_dirs, one_line, sha256_file,
-                    stops_raise)
+from common import (UsageError, atomic_write, did_you_mean, dir_lock, make_dirs, one_line,
+                    sha256_file, stops_raise)
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DEFAULT_DIR = os.path.join(fineweb.REPO_DIR, "eval_bundle")  # or $EVAL_BUNDLE_DIR, --eval_dir
@@ -763,8 +763,6 @@ def select(spec, labels):
     """The labels a --tasks of comma-separated bundle labels names, or 'core' (them all). A label
     may be written core:LABEL (the bundle's hellaswag alone: core:hellaswag). An unknown one is a
     UsageError with the nearest label."""
-    import difflib
-
     if spec == "core":
         return list(labels)
     chosen = []
@@ -776,8 +774,7 @@ def select(spec, labels):
         if label.startswith("core:"):
             label = label[len("core:"):]
         if label not in labels:
-            near = difflib.get_close_matches(label, list(labels), n=1, cutoff=0.5)
-            hint = f" (did you mean {near[0]}?)" if near else ""
+            hint = did_you_mean(label, labels)
             raise UsageError(f"--tasks: {label!r} is not a task of core.yaml{hint}; the tasks: "
                              f"core (all), {', '.join(labels)}")
         if label in chosen:
