@@ -102,6 +102,17 @@ class Metrics:
             extra = {f"{kind}/{k}": v for k, v in extra.items()}
             self.wandb_run.log({kind: value, **extra}, step=step)
 
+    def report_val(self, step, loss, bpb=None):
+        """The val loss's line and log entry; with bpb (bits per byte: val losses of two
+        tokenizers compare) its line and entry too."""
+        if self.master:
+            print(f"validation loss: {loss:.4f}", flush=True)
+        self.log(step, "val", loss)
+        if bpb is not None:
+            if self.master:
+                print(f"validation bits per byte: {bpb:.4f}", flush=True)
+            self.log(step, "val_bpb", bpb)
+
     def report_step(self, step, loss, lr, norm, dt, batch_size, skipped=False):
         """The step line and the step's numbers (dt in seconds, batch_size in tokens). skipped: the
         fp16 scaler found inf/nan gradients (norm) and did not apply this update."""

@@ -1541,7 +1541,6 @@ def train(run, proc, ckpt=None):
         hellaswag_on = run.hellaswag_every > 0 and hellaswag.ready_on_every_rank(proc)
         core = core_tasks(run, proc)  # None: CORE off
         chat_tasks = chat_eval_tasks(run, proc)  # None: off
-        enc = run.tok.encoding()
         token_bytes = val_token_bytes(run)  # None: fine-tuning
 
         # ============================== training ==============================
@@ -1556,11 +1555,7 @@ def train(run, proc, ckpt=None):
                 state.val_loss, bpb = evaluate_loss(model, val_loader, run.val_tokens, run.device,
                                                     run.precision.autocast, proc.world_size,
                                                     token_bytes)
-                print0(f"validation loss: {state.val_loss:.4f}")
-                meter.log(step, "val", state.val_loss)
-                if bpb is not None:  # bits per byte: val losses of two tokenizers compare
-                    print0(f"validation bits per byte: {bpb:.4f}")
-                    meter.log(step, "val_bpb", bpb)
+                meter.report_val(step, state.val_loss, bpb)  # and its bits per byte, if any
 
             # once in a while: HellaSwag, on the raw model, split over the ranks
             if hellaswag_on and due(run.hellaswag_every, step, last_step):
@@ -1580,9 +1575,9 @@ def train(run, proc, ckpt=None):
 
             # once in a while: samples, each rank with its own seed
             if step > 0 and due(run.sample_every, step, last_step):
-                texts = sample_texts(raw_model, enc, run.sample_prompt, run.num_samples,
-                                     run.sample_tokens, run.device, run.precision.autocast,
-                                     run.seed + proc.rank, top_k=50)
+                texts = sample_texts(raw_model, run.tok.encoding(), run.sample_prompt,
+                                     run.num_samples, run.sample_tokens, run.device,
+                                     run.precision.autocast, run.seed + proc.rank, top_k=50)
                 for i, text in enumerate(texts):
                     print(f"rank {proc.rank} sample {i}: {' '.join(text.split())}", flush=True)
             if last_step:
