@@ -945,7 +945,7 @@ def chat_conversation(model, enc, texts, reply_tokens, t, dtype, turn_order):
         def recompute():
             t0 = time.perf_counter()
             x = torch.tensor([ids], dtype=torch.long, device=t.device)
-            with torch.no_grad(), t.autocast:
+            with torch.inference_mode(), t.autocast:
                 logits, _ = model(x, logits_to_keep=1)
             token = int(logits[0, -1, :chat.EOT].argmax())  # .item(): synchronized
             return time.perf_counter() - t0, token
@@ -990,7 +990,7 @@ def bench_chat_ttft(args, t):
     # what every first token pays however short its forward: the final norm and the vocabulary's
     # projection of one position (the whole lm_head read)
     h = torch.zeros(1, 1, config.n_embd, device=t.device)
-    with torch.no_grad(), t.autocast:
+    with torch.inference_mode(), t.autocast:
         head_ms = timed(lambda: model.head(model.transformer.ln_f(h)), t.device_type, 3, 20) * 1000
     return {"turns": args.chat_turns, "user_tokens": user, "reply_tokens": reply,
             "new_tokens": user + 5,  # a later turn's, cached: the last reply's end, the message

@@ -364,7 +364,7 @@ class Talk:
         import torch
 
         new = torch.tensor([self.ids[self.cache.pos:]], dtype=torch.long, device=self.device)
-        with torch.no_grad(), self.autocast:
+        with torch.inference_mode(), self.autocast:
             logits, _ = self.model(new, kv_cache=self.cache, logits_to_keep=1)
         return int(self.sample(logits[:, -1, : self.n_vocab]).item())
 

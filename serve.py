@@ -417,7 +417,7 @@ class Engine:
                                                  self.dtype)
             job.generator = torch.Generator(device=self.device).manual_seed(r.seed)
         new = torch.tensor([job.ids[job.cache.pos:]], dtype=torch.long, device=self.device)
-        with torch.no_grad(), self.autocast:
+        with torch.inference_mode(), self.autocast:
             logits, _ = self.model(new, kv_cache=job.cache, logits_to_keep=1)
         token = sample(logits[:, -1, : self.n_vocab], r.temperature, r.top_k, r.top_p,
                        job.generator)
