@@ -24,11 +24,13 @@ def test_bench_json_has_every_row(tmp_path):
     """Every row, long ones too, at the fewest steps and tokens that still give each its figures:
     one timed step, one round, one arch seed of one step of 2 x 64 tokens between two val passes
     of one batch, a fineweb row on the repository's docs, one example of each CORE task (the long
-    row's on the tiny preset's shape). Run from a temporary dir: the save row writes where log/
-    would be, in the working directory."""
+    row's on the tiny preset's shape). Rows of -T 128, one each (-B 1): at 64 about one
+    SmolTalk-like conversation in 100,000 fits a row, and the sft row would build 150,000 of them
+    to fill two. Run from a temporary dir: the save row writes where log/ would be, in the
+    working directory."""
     docs = [os.path.join(REPO, doc) for doc in ("README.md", "docs/performance.md",
                                                 "docs/operations.md")]
-    r = bench("--preset", "tiny", "--device", "cpu", "-B", "2", "-T", "64", "--steps", "1",
+    r = bench("--preset", "tiny", "--device", "cpu", "-B", "1", "-T", "128", "--steps", "1",
               "--warmup", "0", "--gen_tokens", "4", "--hellaswag_examples", "4", "--long",
               "--rounds", "1", "--startup_shards", "2,3", "--startup_shard_tokens", "1000",
               "--arch_seeds", "1", "--arch_max_steps", "1", "--arch_eval_every", "1",
@@ -41,7 +43,7 @@ def test_bench_json_has_every_row(tmp_path):
               "--serve_tokens", "8", "--json", cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 64
+    assert out["setting"]["device"] == "cpu" and out["setting"]["T"] == 128
     assert out["train"]["tokens_per_sec"] > 0 and out["train"]["tokens_per_step"] == 128
     # both architectures' step, alternated: their medians and ratio
     a = out["train_arch"]
@@ -88,7 +90,7 @@ def test_bench_json_has_every_row(tmp_path):
     # GPT-2's BPE and a 300-token BPE of the same text, each its own held-out text's tokens
     bpb = out["tokenizer_bpb"]
     assert bpb["vocab_size"] == 300 and bpb["runs"]["gpt2"]["steps"] == 1
-    assert bpb["tokens_per_step"] == 128  # -B 2 -T 64
+    assert bpb["tokens_per_step"] == 128  # -B 1 -T 128
     assert bpb["runs"]["own"]["train_tokens"] > bpb["runs"]["gpt2"]["train_tokens"]
     assert bpb["runs"]["own"]["val_tokens"] > bpb["runs"]["gpt2"]["val_tokens"]
     assert bpb["bpb_ratio"] == bpb["runs"]["own"]["val_bpb"] / bpb["runs"]["gpt2"]["val_bpb"]
