@@ -28,6 +28,10 @@ OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
 PAD_VOCAB_TO = 64  # 50257 -> 50304: matmuls over a multiple of 64 are faster
+# config.json's key for the flags of the run that trained an exported model (settings.base_flags):
+# `sft --init_from DIR` takes its run defaults from them, as from a model_*.pt's args. transformers
+# keeps a config key it does not know, also when it saves the folder again.
+RUN_KEY = "train_gpt2_run"
 
 
 def hub_name(name):
@@ -114,14 +118,16 @@ def pretrained_state_dict(name):
     return config, sd
 
 
-def export_hf(model, out_dir, tok=None):
+def export_hf(model, out_dir, tok=None, run=None):
     """Write a GPT (train_gpt2.py's) as a transformers model directory with its tokenizer
     (export_tokenizer): what `train_gpt2.py export` makes of a checkpoint. GPT-2's architecture
     as a GPT2LMHeadModel, the vocab unpadded; any other (--arch modern, a part flag) as a folder
     with its own modeling code (export_custom). A chat model's turn ends at <|assistant_end|>: its
-    eos token, where generate() stops. tok: the model's tokenizer.Tokenizer (None: GPT-2's BPE)."""
+    eos token, where generate() stops. tok: the model's tokenizer.Tokenizer (None: GPT-2's BPE).
+    run: flags of the run that trained it, kept in config.json under RUN_KEY (None: no record)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     c = model.config
+    record = {RUN_KEY: dict(run)} if run else {}
     tokens = chat.GPT2_TOKENS if tok is None else chat.tokens_of(tok.encoding())
     talks = chat.is_chat_model(c, tokens)
     bos = EOT if tok is None else tok.eot
@@ -129,14 +135,15 @@ def export_hf(model, out_dir, tok=None):
     if talks:
         eos = tokens.end["assistant"]
     if c.gpt2_differences():  # no class of transformers' has these parts
-        export_custom(model, out_dir, bos, eos)
+        export_custom(model, out_dir, bos, eos, record)
         export_tokenizer(out_dir, talks, tok)
         return None
     hf = GPT2LMHeadModel(GPT2Config(
         vocab_size=c.real_vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
         layer_norm_epsilon=1e-5, resid_pdrop=c.dropout, embd_pdrop=c.dropout,
-        attn_pdrop=c.dropout, bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=True))
+        attn_pdrop=c.dropout, bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=True,
+        **record))
     hf.generation_config.eos_token_id = eos
     sd = {}
     for k, v in model.state_dict().items():
@@ -256,7 +263,7 @@ CUSTOM_CLASSES = {"AutoConfig": "FineWebGPTConfig", "AutoModelForCausalLM": "Fin
 CUSTOM_PREFIX = "model."  # the wrapper's GPT: its weights' names in the folder
 # what config.json holds besides GPTConfig's fields (transformers adds its own on a save)
 CUSTOM_KEYS = ("architectures", "auto_map", "model_type", "tie_word_embeddings", "bos_token_id",
-               "eos_token_id", "use_cache", "transformers_version")
+               "eos_token_id", "use_cache", "transformers_version", RUN_KEY)
 
 
 def _first_line(node):
@@ -351,11 +358,12 @@ def modeling_source(module):
     return template[: line.start()] + code.lstrip("\n") + template[line.end():]
 
 
-def export_custom(model, out_dir, bos, eos):
+def export_custom(model, out_dir, bos, eos, record=None):
     """A model folder that transformers loads with the model's own code: modeling_source in
-    CUSTOM_FILE, config.json (GPTConfig's fields, with the classes to load: auto_map), the
-    weights as they are (fp32, the vocab still padded: a checkpoint's, bit for bit; the padding
-    ids are never predicted, and the logits leave them out) and generation_config.json."""
+    CUSTOM_FILE, config.json (GPTConfig's fields, with the classes to load: auto_map, and
+    record's keys: the run's flags under RUN_KEY), the weights as they are (fp32, the vocab still
+    padded: a checkpoint's, bit for bit; the padding ids are never predicted, and the logits leave
+    them out) and generation_config.json."""
     import dataclasses
 
     import transformers
@@ -369,7 +377,8 @@ def export_custom(model, out_dir, bos, eos):
               "auto_map": {auto: f"{module}.{cls}" for auto, cls in CUSTOM_CLASSES.items()},
               "model_type": CUSTOM_TYPE, **dataclasses.asdict(c),
               "tie_word_embeddings": c.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
-              "use_cache": False, "transformers_version": transformers.__version__}
+              "use_cache": False, "transformers_version": transformers.__version__,
+              **(record or {})}
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
@@ -382,16 +391,29 @@ def export_custom(model, out_dir, bos, eos):
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
-def custom_config(path):
-    """The config.json of a folder that export_custom wrote, or None for anything else."""
+def folder_config(path):
+    """The config.json of a model folder as a dict, or None where there is none to read."""
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict) or config.get("model_type") != CUSTOM_TYPE:
+    return config if isinstance(config, dict) else None
+
+
+def custom_config(path):
+    """The config.json of a folder that export_custom wrote, or None for anything else."""
+    config = folder_config(path)
+    if config is None or config.get("model_type") != CUSTOM_TYPE:
         return None
     return config
+
+
+def run_record(path):
+    """The flags of the run that trained the model of a folder that export wrote (RUN_KEY); {}
+    for a folder without them (OpenAI's GPT-2, an export from before the record)."""
+    record = (folder_config(path) or {}).get(RUN_KEY)
+    return record if isinstance(record, dict) else {}
 
 
 def custom_state_dict(path, weights=True):

@@ -20,6 +20,7 @@ import torch
 
 import core_eval
 import fineweb
+import openai_gpt2
 import rundir
 from common import (DTYPES, LEARNING_RATE, LEARNING_RATE_OR_OFF, NONNEG, POSITIVE, SEED,
                     OneLineParser, UsageError, add_flags, auto_or, bounded, count, device_type_of,
@@ -401,6 +402,27 @@ def resume_checkpoint(resume, log_dir):
     raise UsageError(f"--resume latest: no model_*.pt checkpoint in {log_dir}")
 
 
+def base_flags(ran):
+    """The flags of a run (a checkpoint's args) that an sft run from its model takes as its own
+    defaults: what export records in the folder too."""
+    return {k: ran[k] for k in ("preset", "arch", "optimizer") if k in ran}
+
+
+def base_run(init_from):
+    """base_flags of the run that trained --init_from, checked against the flag table: of a
+    model_*.pt's args, or the record in a folder that export wrote (openai_gpt2.run_record); {}
+    for OpenAI's GPT-2 and a folder without the record."""
+    if os.path.isfile(init_from):
+        ran = rundir.read_checkpoint(init_from, check_weights=False).get("args", {})
+    elif os.path.isdir(init_from):
+        ran = openai_gpt2.run_record(init_from)
+    else:
+        return {}
+    base = base_flags(ran)
+    check_saved_flags(base, init_from)
+    return base
+
+
 def read_flags(argv=None):
     """(the flags as a Namespace, the names of those given on the command line, the checkpoint
     resumed or None). A flag's value is the first of: the command line, the checkpoint (but not
@@ -423,12 +445,12 @@ def read_flags(argv=None):
     given = {k: v for k, v in given.items() if v is not None}
 
     preset, arch = given.get("preset", "gpt2"), given.get("arch", "gpt2")
-    base = {}  # fine-tuning a model_*.pt: its preset's run settings and its arch's, as trained
-    if given.get("sft") and os.path.isfile(given.get("init_from") or "") and "resume" not in given:
-        base = rundir.read_checkpoint(given["init_from"], check_weights=False).get("args", {})
+    base = {}  # fine-tuning a model of ours: its preset's run settings and its arch's, as trained
+    if given.get("sft") and given.get("init_from") and "resume" not in given:
+        base = base_run(given["init_from"])
         preset, arch = given.get("preset", base.get("preset", preset)), base.get("arch", arch)
     settings = preset_defaults(preset, arch, given.get("sft", False))
-    settings.update({k: base[k] for k in ("preset", "arch", "optimizer") if k in base})
+    settings.update(base)
     if "input" in given:  # local text is not FineWeb-Edu: it gets a folder of its own
         settings["data_root"] = fineweb.LOCAL_DATA_ROOT
     check_pairs(given)

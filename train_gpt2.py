@@ -1810,8 +1810,9 @@ def export_main(args):
     ckpt = rundir.open_checkpoint(args.checkpoint)
     model = model_from_checkpoint(ckpt, args.checkpoint)
     tok = checkpoint_tokenizer(ckpt)
+    run = settings.base_flags(ckpt.get("args") or {})  # for `sft --init_from` the folder
     with new_dir(args.out, "--out") as tmp:
-        openai_gpt2.export_hf(model, tmp, tok)
+        openai_gpt2.export_hf(model, tmp, tok, run)
     loads = f"GPT2LMHeadModel.from_pretrained({args.out!r})"
     if model.config.gpt2_differences():  # the folder has its own modeling code
         loads = f"AutoModelForCausalLM.from_pretrained({args.out!r}, trust_remote_code=True)"

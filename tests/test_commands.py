@@ -114,7 +114,7 @@ def test_a_failed_export_leaves_nothing_and_a_retry_works(reference, tmp_path, m
     out = tmp_path / "hf"
     real_export = openai_gpt2.export_hf
 
-    def export_hf(model, out_dir, tok=None):
+    def export_hf(model, out_dir, tok=None, run=None):
         open(os.path.join(out_dir, "config.json"), "w").write("{")
         path = os.path.join(out_dir, "model.safetensors")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)

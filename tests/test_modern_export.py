@@ -1,8 +1,9 @@
 """`export` of a model that is not GPT-2's architecture (--arch modern, a part flag): a folder with
 its own modeling code, written from train_gpt2.py's model code, that transformers loads offline
 with trust_remote_code=True and nothing of this repository; its logits against ours, its greedy
-generate() against `sample --top_k 1`, a chat model's tokenizer, and `--init_from DIR` reading
-the folder back (either architecture) into the checkpoint's weights and run."""
+generate() against `sample --top_k 1`, a chat model's tokenizer, `--init_from DIR` reading
+the folder back (either architecture) into the checkpoint's weights and run, and `sft --init_from
+DIR` taking the run defaults that the checkpoint's run would give."""
 import inspect
 import json
 import os
@@ -50,19 +51,29 @@ def scrambled(model, seed=1):
     return model.eval()
 
 
-def save_checkpoint(path, model):
-    torch.save({"model": model.state_dict(), "config": asdict(model.config)}, path)
+def ran(*argv):
+    """A tiny run's flags, as its checkpoint records them (its args)."""
+    return vars(settings.read_flags(["--preset", "tiny", *argv])[0])
+
+
+def save_checkpoint(path, model, args=None):
+    """A checkpoint of the model; with args, the flags of the run that trained it."""
+    torch.save({"model": model.state_dict(), "config": asdict(model.config),
+                **({"args": args} if args else {})}, path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """{name: (our model, its checkpoint, the folder `export` wrote of it)} for CONFIGS."""
+    """{name: (our model, its checkpoint, the folder `export` wrote of it)} for CONFIGS; the
+    modern one's checkpoint records its run's flags (so its folder does), the others' none (as
+    the folders of exports from before the record)."""
     root = tmp_path_factory.mktemp("modern_export")
     made = {}
     for i, (name, kw) in enumerate(CONFIGS.items()):
         model = scrambled(tiny_model(i, **{**SHAPE, **kw}), seed=i)
-        ckpt = save_checkpoint(root / f"{name}.pt", model)
+        args = ran("--arch", "modern", "--optimizer", "muon") if name == "modern" else None
+        ckpt = save_checkpoint(root / f"{name}.pt", model, args)
         out = str(root / name)
         r = run_cli("export", "--checkpoint", ckpt, "--out", out)
         assert r.returncode == 0, r.stderr
@@ -222,3 +233,33 @@ def test_a_folder_is_read_back_without_running_its_code(exported, tmp_path):
     os.remove(folder / "model.safetensors")
     assert_one_line_error(run_cli("sample", "--init_from", str(folder), *flags),
                           "could not read the weights", str(folder))
+
+
+def test_sft_from_the_folder_takes_the_run_defaults_of_the_checkpoint(exported, tmp_path):
+    """sft --init_from DIR settles the run that sft --init_from the model_*.pt it was exported
+    from does: the folder (either kind, and saved again by transformers) records the run's
+    preset, arch and optimizer, whose LRs and run settings follow. A folder without the record
+    (OpenAI's GPT-2, an older export) takes GPT-2's, as OpenAI's weights do."""
+    from transformers import GPT2LMHeadModel
+
+    def settled(source):
+        return vars(settings.read_flags(["--sft", "--init_from", source])[0])
+
+    _, ckpt, out = exported["modern"]
+    want = settled(ckpt)
+    assert (want["preset"], want["arch"], want["optimizer"]) == ("tiny", "modern", "muon")
+    assert settled(out) == {**want, "init_from": out}
+    load(out).save_pretrained(tmp_path / "again")
+    assert settled(str(tmp_path / "again")) == {**want, "init_from": str(tmp_path / "again")}
+
+    model = tiny_model(6, **SHAPE, **GPT2)  # GPT-2's architecture: a GPT2LMHeadModel folder
+    ckpt = save_checkpoint(tmp_path / "gpt2.pt", model, ran("--optimizer", "muon"))
+    out = str(tmp_path / "gpt2")
+    assert run_cli("export", "--checkpoint", ckpt, "--out", out).returncode == 0
+    record = dict(preset="tiny", arch="gpt2", optimizer="muon")
+    assert GPT2LMHeadModel.from_pretrained(out).config.train_gpt2_run == record
+    assert settled(out) == {**settled(ckpt), "init_from": out}
+
+    out = exported["mixed"][2]
+    assert settled(out) == {**settled("gpt2"), "init_from": out}
+    assert (settled(out)["preset"], settled(out)["arch"]) == ("gpt2", "gpt2")
