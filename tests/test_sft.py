@@ -310,3 +310,30 @@ def test_a_modern_model_with_muon_fine_tunes_and_plan_answers(tmp_path, enc):
     assert r.returncode == 0, r.stderr
     assert "sft: one epoch of the train conversations is" in r.stdout
     assert sorted(os.listdir(tmp_path)) == listed
+
+
+@pytest.mark.slow
+def test_an_sft_run_stops_when_it_diverges_and_takes_b_auto(base_ckpt, tmp_path):
+    """The safety of pretraining's loop holds for fine-tuning: a huge LR stops the run before the
+    update that diverged, in one line, with the last finite step saved; -B auto settles a
+    micro-batch that fits (whatever this machine's memory makes it) and the run trains."""
+    import rundir
+    from helpers import run_cli
+
+    r = run_cli(*sft_args(base_ckpt, tmp_path / "diverged", "--max_lr", "1e4",
+                          "--max_steps", "20"))
+    # stderr: the data's rendering progress, then the error's one line
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: step ") and "the run diverged and stopped before this " \
+        "update" in line and line.endswith("continue with --resume latest"), line
+    step = int(line.split("error: step ", 1)[1].split()[0])
+    assert rundir.find_checkpoints(str(tmp_path / "diverged" / "log")) == [
+        rundir.checkpoint_path(str(tmp_path / "diverged" / "log"), step - 1)]
+    args = sft_args(base_ckpt, tmp_path / "auto", "--max_steps", "1")
+    args[args.index("-B") + 1] = "auto"
+    # a step of 64 rows of 32 tokens: -B auto picks a divisor of 64, all of it where it fits
+    args[args.index("--total_batch_size") + 1] = str(64 * 32)
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert "-B auto: " in r.stdout and "sft=True" in r.stdout
