@@ -127,6 +127,9 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     for step in range(0, 300, 100):  # CORE and its tasks' lines (core/LABEL)
         rundir.append_log(str(log_path), step, "core", 0.02 + 0.01 * step / 100)
         rundir.append_log(str(log_path), step, "core/copa", 0.1 + 0.02 * step / 100)
+    for step in (100, 200, 299):  # an sft run's --chat_every: chat and its tasks' (chat/LABEL)
+        rundir.append_log(str(log_path), step, "chat", 0.05 - 0.01 * step / 100)
+        rundir.append_log(str(log_path), step, "chat/arc_easy", 0.1 - 0.01 * step / 100)
     rundir.append_log(str(log_path), 120, "skipped", 1)
     rundir.append_log(str(log_path), 210, "skipped", 2)
     # what a run that diverged at the end logs: the best val loss must be the lowest finite one,
@@ -143,6 +146,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     k = int(np.argmin(bpb_values))
     core_steps, core_values = series["core"]
     assert series["core/copa"][0] == core_steps == [0, 100, 200]
+    chat_steps, chat_values = series["chat"]
+    assert series["chat/arc_easy"][0] == chat_steps == [100, 200, 299]
     assert math.isnan(val_values[-2]) and val_values[-1] == -math.inf
     assert math.isnan(hella_values[-1])
     i, j = int(np.argmin(val_values[:-2])), int(np.argmax(hella_values[:-1]))
@@ -174,6 +179,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
         f"1 non-finite left out",
         f"  CORE: {core_values[-1]:.4f} at step 200, best {core_values[-1]:.4f} at step 200 "
         f"(OpenAI GPT-2 124M: {gpt2_core:.4f})",
+        f"  chat evaluation (centred mean): {chat_values[-1]:.4f} at step 299, best "
+        f"{chat_values[0]:.4f} at step 100",
         f"  throughput: median {sum(throughput) / 2:,.0f} tok/s over 300 steps",
         "  skipped steps (fp16 overflow): 2",
         f"  plot: {png}",
@@ -185,8 +192,8 @@ def test_headless_run_prints_the_summary(jupyter_path, tmp_path):
     assert summary in terminal
     assert printed.count(summary) == 1  # the notebook's cells: the same lines, once
     for text in (terminal, printed):
-        assert ("panels: loss, val bits per byte, HellaSwag acc_norm, CORE, throughput, "
-                "learning rate\n") in text
+        assert ("panels: loss, val bits per byte, HellaSwag acc_norm, CORE, chat evaluation, "
+                "throughput, learning rate\n") in text
         assert "baselines of size (auto): 124M\n" in text  # 7M parameters: 124M's baselines
         assert f"title: {title}\n" in text
         assert "missing" not in text
